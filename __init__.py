@@ -1,0 +1,38 @@
+"""stagewise: compile one PyTorch model into a pipeline that trains across several devices.
+
+    import stagewise as sw
+    pipe = sw.compile(model, devices=4, example_inputs=(x,), loss_fn=F.cross_entropy, example_target=y)
+    loss = pipe.step(x, target=y)
+"""
+
+from stagewise.compiler.checkpoint import load
+from stagewise.compiler.devices import Device
+from stagewise.compiler.driver import compile  # noqa: A004 - the public name of the API
+from stagewise.compiler.errors import (
+    BatchSizeError,
+    DeviceError,
+    ExampleInputsError,
+    LossError,
+    PartitionError,
+    PlanError,
+    StagewiseError,
+    TraceError,
+)
+from stagewise.compiler.ir import Plan
+from stagewise.compiler.pipeline import Pipeline
+
+__all__ = [
+    "BatchSizeError",
+    "Device",
+    "DeviceError",
+    "ExampleInputsError",
+    "LossError",
+    "PartitionError",
+    "Pipeline",
+    "Plan",
+    "PlanError",
+    "StagewiseError",
+    "TraceError",
+    "compile",
+    "load",
+]

@@ -1,0 +1,63 @@
+"""Human-readable views of a plan: the stage table and the shared tensors."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+from rich.table import Table
+
+
+def render_plan(plan) -> str:
+    stages = Table(title=f"stagewise plan: {plan.model} ({plan.tracer} trace, {plan.schedule}, "
+                   f"{plan.microbatches} microbatches of {plan.microbatch_size})")
+    for column in ("stage", "device", "layers", "params", "fwd GFLOP/mb", "receives", "sends"):
+        stages.add_column(column)
+    for stage in plan.stages:
+        layers = [plan.layers[i] for i in stage.layers]
+        names = layers[0].name if len(layers) == 1 else f"{layers[0].name} .. {layers[-1].name} ({len(layers)})"
+        params = sum(layer.param_bytes for layer in layers)
+        flops = sum(layer.flops for layer in layers) / 1e9
+        receives = [t for t in plan.transfers if t.dst == stage.index]
+        sends = [t for t in plan.transfers if t.src == stage.index]
+        stages.add_row(
+            str(stage.index),
+            f"{stage.device}: {plan.devices[stage.device].name}",
+            names,
+            _bytes(params),
+            f"{flops:.4f}",
+            _transfers(receives, plan.microbatch_size, "src"),
+            _transfers(sends, plan.microbatch_size, "dst"),
+        )
+    parts = [_render(stages)]
+    if plan.shared:
+        shared = Table(title="shared tensors (replicated; gradients summed before each update)")
+        for column in ("tensor", "also named", "stages", "kind"):
+            shared.add_column(column)
+        for tensor in plan.shared:
+            shared.add_row(tensor.fqn, ", ".join(tensor.names[1:]) or "-", ",".join(map(str, tensor.stages)), tensor.kind)
+        parts.append(_render(shared))
+    return "\n".join(parts)
+
+
+def _transfers(transfers, microbatch_size: int, side: str) -> str:
+    if not transfers:
+        return "-"
+    return "\n".join(
+        f"{t.value} {'<-' if side == 'src' else '->'} {getattr(t, side)} ({_bytes(t.bytes_per_sample * microbatch_size)})"
+        for t in transfers
+    )
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _render(table: Table) -> str:
+    console = Console(file=io.StringIO(), width=140, force_terminal=False, color_system=None)
+    console.print(table)
+    return console.file.getvalue().rstrip()

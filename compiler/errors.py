@@ -1,0 +1,33 @@
+"""Errors a user can cause. Each message names the problem and what to do about it."""
+
+
+class StagewiseError(Exception):
+    """Base class of every error stagewise raises for bad input or an impossible request."""
+
+
+class DeviceError(StagewiseError):
+    """No devices, an unknown device string, or a device list of the wrong type."""
+
+
+class ExampleInputsError(StagewiseError):
+    """`example_inputs` (or the inputs given to `step`) are not of the supported form."""
+
+
+class TraceError(StagewiseError):
+    """Neither torch.fx nor torch.export could capture the model."""
+
+
+class BatchSizeError(StagewiseError):
+    """The batch cannot be split into the requested number of equal microbatches."""
+
+
+class PartitionError(StagewiseError):
+    """The model cannot be cut into the requested stages (too few legal cuts, bad split_points)."""
+
+
+class LossError(StagewiseError):
+    """The model's output is not a scalar loss and no `loss_fn` was given."""
+
+
+class PlanError(StagewiseError):
+    """A saved plan or program is inconsistent or cannot be executed."""

@@ -1,0 +1,231 @@
+"""The intermediate representation shared by passes, codegen, the simulator and the runtime.
+
+Small frozen dataclasses with no torch objects inside, so a Plan round-trips through JSON
+(`Plan.to_json` / `Plan.from_json`) and a saved pipeline can be read without the model class.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+
+STREAMS = ("compute", "swap_in", "swap_out", "p2p_in", "p2p_out")
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A contiguous run of graph nodes that belong to one module (the unit the partitioner moves)."""
+
+    index: int
+    name: str
+    nodes: tuple[str, ...]
+    params: tuple[str, ...]
+    buffers: tuple[str, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    param_bytes: int = 0
+    flops: int = 0
+
+
+@dataclass(frozen=True)
+class CrossingValue:
+    """A value produced on the left of a cut and used on its right."""
+
+    name: str
+    bytes_per_sample: float
+    is_tensor: bool
+    requires_grad: bool
+
+
+@dataclass(frozen=True)
+class Cut:
+    """The position between layer `after` and layer `after + 1` (Varuna §5.1 cut-points)."""
+
+    after: int
+    values: tuple[CrossingValue, ...]
+    legal: bool
+    reason: str = ""
+
+    @property
+    def bytes_per_sample(self) -> float:
+        return sum(v.bytes_per_sample for v in self.values)
+
+
+@dataclass(frozen=True)
+class SharedTensor:
+    """A parameter or buffer held by several stages (Varuna §5.2 cross-partition state).
+
+    `names` are every FQN the tensor has in the original model (a tied embedding has two);
+    `stages` the stages holding a replica; `owner` the stage whose copy counts once in
+    global reductions such as the gradient norm.
+    """
+
+    fqn: str
+    names: tuple[str, ...]
+    stages: tuple[int, ...]
+    kind: str  # "tied-parameter" | "parameter" | "buffer"
+
+    @property
+    def owner(self) -> int:
+        return self.stages[0]
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """A value sent from the stage that makes it to a stage that uses it.
+
+    `route` is "direct": a skip connection from stage 0 to stage 3 is sent straight to 3.
+    """
+
+    value: str
+    src: int
+    dst: int
+    bytes_per_sample: float
+    requires_grad: bool
+    route: str = "direct"
+
+
+@dataclass(frozen=True)
+class Stage:
+    """The layers bound to one device, and the values it takes in and gives out."""
+
+    index: int
+    device: int
+    layers: tuple[int, ...]
+    inputs: tuple[str, ...]  # stage-module argument order: graph inputs then received values
+    outputs: tuple[str, ...]  # stage-module return order; the last stage returns the loss first
+    params: tuple[str, ...]
+    buffers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Task:
+    """One unit of schedule: forward (F) or backward (B) of a stage on a microbatch, or its update (U)."""
+
+    kind: str
+    stage: int
+    microbatch: int | None = None
+
+
+@dataclass(frozen=True)
+class Instruction:
+    """One step of a device program, run on one of the device's five streams.
+
+    kind: "compute" (phase F, B or U), "send", "recv" (what: "act" or "grad"),
+    "allreduce" (what: "shared-grad" or "grad-norm"), "swap_in", "swap_out", "free".
+    """
+
+    kind: str
+    stream: str
+    stage: int | None = None
+    phase: str | None = None
+    microbatch: int | None = None
+    what: str | None = None
+    peer: int | None = None
+    values: tuple[str, ...] = ()
+    group: tuple[int, ...] = ()
+
+    def __str__(self) -> str:
+        parts = [f"{self.stream:<8}", self.kind]
+        if self.phase:
+            parts.append(self.phase)
+        if self.what:
+            parts.append(self.what)
+        if self.stage is not None:
+            parts.append(f"stage={self.stage}")
+        if self.microbatch is not None:
+            parts.append(f"mb={self.microbatch}")
+        if self.peer is not None:
+            parts.append(("-> " if self.kind == "send" else "<- ") + f"dev{self.peer}")
+        if self.group:
+            parts.append("group=" + ",".join(f"dev{d}" for d in self.group))
+        if self.values:
+            parts.append("[" + ", ".join(self.values) + "]")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class Program:
+    """The ordered instructions one device executes in one training iteration."""
+
+    device: int
+    instructions: tuple[Instruction, ...]
+
+    def __str__(self) -> str:
+        lines = [f"program dev{self.device} ({len(self.instructions)} instructions)"]
+        lines += [f"  {i:3d}  {ins}" for i, ins in enumerate(self.instructions)]
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """A serialisable description of one device of the plan."""
+
+    name: str
+    kind: str
+    memory: int | None = None
+    speed: float = 1.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything compile decided: layers, cuts, shared tensors, stages, transfers, programs."""
+
+    model: str
+    tracer: str
+    devices: tuple[DeviceSpec, ...]
+    input_names: tuple[str, ...]
+    input_kind: str  # "positional" | "keyword"
+    target_name: str | None
+    graph_inputs: tuple[str, ...]  # graph node names of input_names (+ the target), in that order
+    microbatches: int
+    microbatch_size: int
+    schedule: str
+    layers: tuple[Layer, ...]
+    cuts: tuple[Cut, ...]
+    shared: tuple[SharedTensor, ...]
+    stages: tuple[Stage, ...]
+    transfers: tuple[Transfer, ...]
+    programs: tuple[Program, ...] = field(default=())
+    state_names: tuple[str, ...] = ()  # every key of the original model's state_dict
+    aliases: tuple[tuple[str, ...], ...] = ()  # groups of FQNs naming one tensor (tied weights)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        return _build(cls, json.loads(text))
+
+    def __str__(self) -> str:
+        from stagewise.codegen.report import render_plan
+
+        return render_plan(self)
+
+
+def _build(cls, data):
+    """Rebuild nested frozen dataclasses (and tuples) from `asdict` output."""
+    hints = {f.name: f.type for f in fields(cls)}
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _convert(hints[name], value)
+    return cls(**kwargs)
+
+
+_NESTED = {}
+
+
+def _convert(hint: str, value):
+    if isinstance(value, list):
+        inner = hint[hint.find("[") + 1 : hint.find(",")] if hint.startswith("tuple[") else ""
+        nested = _NESTED.get(inner.strip())
+        return tuple(_build(nested, v) if nested else _convert(inner, v) for v in value)
+    return value
+
+
+_NESTED.update(
+    {
+        cls.__name__: cls
+        for cls in (Layer, CrossingValue, Cut, SharedTensor, Transfer, Stage, Instruction, Program, DeviceSpec)
+    }
+)

@@ -1,0 +1,155 @@
+"""The compiled pipeline: what `stagewise.compile` returns and `stagewise.load` restores."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.fx as fx
+from stagewise.compiler.errors import BatchSizeError, ExampleInputsError
+from stagewise.compiler.ir import Plan, Program, SharedTensor
+from stagewise.runtime.executor import InProcessExecutor
+from stagewise.runtime.transport import LocalTransport
+from stagewise.runtime.worker import StageWorker
+
+
+class Pipeline:
+    """Stage modules, their device programs, and the runtime that executes them."""
+
+    def __init__(self, plan: Plan, modules: list[fx.GraphModule], optimizer: Callable, clip_grad_norm: float | None):
+        self.plan = plan
+        self.optimizer_factory = optimizer
+        self.clip_grad_norm = clip_grad_norm
+        devices = [torch.device(d.name) for d in plan.devices]
+        self.transport = LocalTransport(devices)
+        received_with_grad = {(t.dst, t.value) for t in plan.transfers if t.requires_grad}
+        last = max(s.index for s in plan.stages if plan.layers[-1].index in s.layers)
+        self.workers = [
+            StageWorker(
+                stage,
+                module,
+                devices[stage.device],
+                optimizer,
+                owned=self._owned_names(stage.index, module),
+                grad_inputs={v for (dst, v) in received_with_grad if dst == stage.index},
+                is_last=stage.index == last,
+                shared_names=self._shared_names(stage.index, module),
+            )
+            for stage, module in zip(plan.stages, modules, strict=True)
+        ]
+        self.executor = InProcessExecutor(plan.programs, self.workers, self.transport, clip_grad_norm)
+
+    # ---- the public surface -------------------------------------------------------------
+    @property
+    def stages(self) -> list[fx.GraphModule]:
+        return [w.module for w in self.workers]
+
+    @property
+    def programs(self) -> tuple[Program, ...]:
+        return self.plan.programs
+
+    @property
+    def shared(self) -> tuple[SharedTensor, ...]:
+        return self.plan.shared
+
+    @property
+    def stats(self) -> list[dict[str, int]]:
+        """Per device, after a step: bytes sent point-to-point (more counters come with the memory pool)."""
+        return [{"device": d, "p2p_bytes": b} for d, b in enumerate(self.transport.p2p_bytes)]
+
+    def step(self, *args, target=None, **kwargs) -> torch.Tensor:
+        """One synchronous training iteration on a minibatch; returns its mean loss."""
+        from stagewise.compiler.driver import split_batch
+
+        inputs = self._inputs(args, kwargs)
+        m = self.plan.microbatches
+        batch = next(iter(inputs.values())).shape[0]
+        if batch != m * self.plan.microbatch_size:
+            raise BatchSizeError(
+                f"step got a batch of {batch} but the pipeline was compiled for {m} microbatches of "
+                f"{self.plan.microbatch_size} ({m * self.plan.microbatch_size}); recompile for the new size"
+            )
+        if self.plan.target_name is not None:
+            if target is None:
+                raise ExampleInputsError("this pipeline was compiled with loss_fn: call step(..., target=targets)")
+            inputs[self.plan.target_name] = target
+        node_names = dict(zip(self.plan.input_names + (self.plan.target_name,), self.plan.graph_inputs, strict=False))
+        pieces = [{node_names[k]: v for k, v in piece.items()} for piece in split_batch(inputs, m)]
+        for worker in self.workers:
+            for mb, piece in enumerate(pieces):
+                for name in worker.stage.inputs:
+                    if name in piece:
+                        worker.provide(mb, name, piece[name])
+        return self.executor.run(m)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The trained state under the original model's names (tied names share one tensor)."""
+        found = {}
+        for worker in self.workers:
+            for name, tensor in worker.module.state_dict(keep_vars=False).items():
+                found.setdefault(name, tensor)
+        result = {}
+        for name in self.plan.state_names:
+            holder = next((n for n in self._aliases(name) if n in found), None)
+            if holder is not None:
+                result[name] = found[holder]
+        return result
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        missing = [n for n in self.plan.state_names if not any(a in state_dict for a in self._aliases(n))]
+        if missing:
+            raise ExampleInputsError(f"state_dict lacks {len(missing)} entries, e.g. {missing[:3]}")
+        with torch.no_grad():
+            for worker in self.workers:
+                for name, tensor in worker.module.state_dict(keep_vars=True).items():
+                    source = next((state_dict[a] for a in self._aliases(name) if a in state_dict), None)
+                    if source is not None:
+                        tensor.copy_(source)
+
+    def simulate(self):
+        raise NotImplementedError("the simulator arrives with the planner (issue 3)")
+
+    def save(self, directory) -> None:
+        from stagewise.compiler.checkpoint import save
+
+        save(self, directory)
+
+    # ---- helpers --------------------------------------------------------------------------
+    def _inputs(self, args, kwargs) -> dict:
+        names = self.plan.input_names
+        if self.plan.input_kind == "positional":
+            if kwargs or len(args) != len(names):
+                raise ExampleInputsError(
+                    f"step takes {len(names)} positional inputs ({', '.join(names)}) as in example_inputs, "
+                    f"got {len(args)} positional and {sorted(kwargs)} keyword"
+                )
+            inputs = dict(zip(names, args, strict=True))
+        else:
+            if args or set(kwargs) != set(names):
+                raise ExampleInputsError(
+                    f"step takes keyword inputs {sorted(names)} as in example_inputs, got {len(args)} positional "
+                    f"and {sorted(kwargs)} keyword"
+                )
+            inputs = {n: kwargs[n] for n in names}
+        if not all(isinstance(v, torch.Tensor) for v in inputs.values()):
+            raise ExampleInputsError("every input to step must be a tensor, as in example_inputs")
+        return inputs
+
+    def _aliases(self, name: str) -> tuple[str, ...]:
+        for group in self.plan.aliases:
+            if name in group:
+                return (name,) + tuple(a for a in group if a != name)
+        return (name,)
+
+    def _shared_names(self, stage: int, module: torch.nn.Module) -> dict[str, str]:
+        local = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+        result = {}
+        for tensor in self.plan.shared:
+            if stage in tensor.stages:
+                result[tensor.fqn] = next(n for n in tensor.names if n in local)
+        return result
+
+    def _owned_names(self, stage: int, module: torch.nn.Module) -> set[str]:
+        """Parameters whose gradient this stage counts once in the global norm."""
+        not_owned = {n for t in self.plan.shared if stage in t.stages and t.owner != stage for n in t.names}
+        return {n for n, _ in module.named_parameters() if n not in not_owned}
