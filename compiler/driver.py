@@ -49,7 +49,7 @@ def compile(  # noqa: A001 - the public name of the API
     traced = trace(model, split_batch(example_inputs, microbatches)[0], _first(example_target, microbatches), loss_fn)
     gm = traced.graph_module
 
-    layers = build_layers(gm)
+    layers = build_layers(gm, model)
     cuts = find_cuts(gm, layers, size)
     if split_points is not None:
         starts = starts_from_split_points(layers, cuts, list(split_points))

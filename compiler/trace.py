@@ -174,10 +174,10 @@ def _normalise(traced: Traced) -> None:
     output.args = (flat[0],)
     for node in graph.nodes:
         node.meta["module_path"] = module_path(node)
-        if node.op in ("call_function", "call_method") and traced.tracer == "export":
+        if node.op in ("call_function", "call_method"):
             base = re.sub(r"_\d+$", "", node.name)
             prefix = node.meta["module_path"].replace(".", "_")
-            node._rename(f"{prefix}_{base}" if prefix else base)
+            node._rename(f"{prefix}_{base}" if prefix and not base.startswith(prefix) else base)
     graph.eliminate_dead_code()
     graph.lint()
     gm.recompile()

@@ -31,8 +31,9 @@ def atomic_module(path: str, modules: dict[str, torch.nn.Module]) -> str | None:
     return None
 
 
-def build_layers(gm: fx.GraphModule) -> tuple[Layer, ...]:
-    modules = dict(gm.named_modules())
+def build_layers(gm: fx.GraphModule, model: torch.nn.Module) -> tuple[Layer, ...]:
+    """Layers of the traced graph; `model` (the user's module tree) tells containers from blocks."""
+    modules = dict(model.named_modules())
     compute = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]
     keys = [atomic_module(n.meta.get("module_path", ""), modules) for n in compute]
     next_key = None

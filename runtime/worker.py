@@ -27,7 +27,9 @@ class StageWorker:
         self.is_last = is_last
         self.module = module.to(device)
         self.device = device
-        self.optimizer = optimizer_factory(self.module.parameters()) if list(self.module.parameters()) else None
+        # Sorted by name so a saved optimizer state (indexed by position) fits the reloaded stage.
+        params = [p for _, p in sorted(self.module.named_parameters())]
+        self.optimizer = optimizer_factory(params) if params else None
         self.owned = owned  # parameter names whose gradient counts in global reductions
         self.inputs: dict[int, dict[str, torch.Tensor]] = {}
         self.outputs: dict[int, tuple] = {}

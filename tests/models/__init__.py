@@ -1,0 +1,1 @@
+"""The test model zoo: small models that exercise one structural feature each."""

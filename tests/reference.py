@@ -1,0 +1,82 @@
+"""Eager single-device training, the reference every pipeline must equal."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import stagewise as sw
+import torch
+
+SGD = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
+# eps=1e-6 rather than 1e-8: attention key biases have an exactly-zero true gradient, and with a
+# tiny eps AdamW turns their rounding noise (1e-10) into full-size, meaningless steps. Real
+# gradient errors still move every other parameter far beyond the tolerance.
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1, eps=1e-6)
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def model_loss(model, inputs, target, loss_fn):
+    out = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+    if loss_fn is not None:
+        return loss_fn(out, target)
+    return out if isinstance(out, torch.Tensor) else out.loss
+
+
+def chunks(inputs, target, microbatches: int):
+    if isinstance(inputs, dict):
+        parts = [{k: v.chunk(microbatches)[i] for k, v in inputs.items()} for i in range(microbatches)]
+    else:
+        parts = [tuple(v.chunk(microbatches)[i] for v in inputs) for i in range(microbatches)]
+    targets = target.chunk(microbatches) if target is not None else [None] * microbatches
+    return list(zip(parts, targets, strict=True))
+
+
+def eager_train(model, batches, *, loss_fn=None, optimizer=SGD, microbatches=1, clip_grad_norm=None):
+    """Losses per step of eager training with gradient accumulation over `microbatches` slices."""
+    opt = optimizer(model.parameters())
+    losses = []
+    for inputs, target in batches:
+        opt.zero_grad()
+        total = 0.0
+        for mb_inputs, mb_target in chunks(inputs, target, microbatches):
+            loss = model_loss(model, mb_inputs, mb_target, loss_fn) / microbatches
+            loss.backward()
+            total += loss.detach()
+        if clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+        opt.step()
+        losses.append(total)
+    return losses
+
+
+def pipeline_train(pipe, batches):
+    losses = []
+    for inputs, target in batches:
+        kwargs = {"target": target} if pipe.plan.target_name else {}
+        losses.append(pipe.step(**inputs, **kwargs) if isinstance(inputs, dict) else pipe.step(*inputs, **kwargs))
+    return losses
+
+
+def check_equal_training(
+    model, batches, devices, *, loss_fn=None, optimizer=SGD, microbatches=1, clip_grad_norm=None, **compile_kwargs
+):
+    """Train a pipeline and an eager copy side by side; assert equal losses and parameters."""
+    reference = copy.deepcopy(model)
+    inputs, target = batches[0]
+    pipe = sw.compile(
+        model, devices, inputs, loss_fn=loss_fn, example_target=target, optimizer=optimizer,
+        microbatches=microbatches, clip_grad_norm=clip_grad_norm, **compile_kwargs,
+    )
+    got = pipeline_train(pipe, batches)
+    want = eager_train(reference, batches, loss_fn=loss_fn, optimizer=optimizer, microbatches=microbatches,
+                       clip_grad_norm=clip_grad_norm)
+    torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=RTOL, atol=ATOL)
+    assert_state_equal(pipe.state_dict(), reference.state_dict())
+    return pipe
+
+
+def assert_state_equal(got: dict, want: dict) -> None:
+    assert set(got) == set(want), f"state keys differ: {set(got) ^ set(want)}"
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
