@@ -223,6 +223,6 @@ def _check_loss(gm: fx.GraphModule) -> None:
     if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.is_floating_point():
         shape = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
         raise LossError(
-            f"the model's output is {shape}, not a scalar loss: pass loss_fn=(output, target) -> loss "
+            f"the model's output has shape {shape} (for one microbatch), not a scalar loss: pass loss_fn=(output, target) -> loss "
             "and example_target=, or make the model return its loss"
         )

@@ -61,10 +61,8 @@ class InProcessExecutor:
             return True
         if ins.kind == "send":
             for value in ins.values:
-                tensor = worker.output(ins.microbatch, value) if ins.what == "act" else worker.input_grad(ins.microbatch, value)
+                tensor = worker.output(ins.microbatch, value) if ins.what == "act" else worker.take_input_grad(ins.microbatch, value)
                 self.transport.send(ins.what, value, ins.microbatch, device, ins.peer, tensor)
-            if ins.what == "grad":
-                worker.release(ins.microbatch)
             return True
         if ins.kind == "recv":
             keys = [(ins.what, v, ins.microbatch, ins.peer, device) for v in ins.values]

@@ -34,6 +34,7 @@ class StageWorker:
         self.inputs: dict[int, dict[str, torch.Tensor]] = {}
         self.outputs: dict[int, tuple] = {}
         self.output_grads: dict[int, dict[str, torch.Tensor]] = {}
+        self.input_grads: dict[int, dict[str, torch.Tensor]] = {}
         self.losses: dict[int, torch.Tensor] = {}
 
     def provide(self, microbatch: int, name: str, value) -> None:
@@ -71,13 +72,20 @@ class StageWorker:
         pairs = [(t, g) for t, g in zip(tensors, grads, strict=True) if t.requires_grad]
         if pairs:
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        inputs = self.inputs.pop(microbatch)
+        self.input_grads[microbatch] = {
+            name: inputs[name].grad if inputs[name].grad is not None else torch.zeros_like(inputs[name])
+            for name in self.grad_inputs
+            if name in inputs
+        }
 
-    def input_grad(self, microbatch: int, name: str) -> torch.Tensor:
-        value = self.inputs[microbatch][name]
-        return value.grad if value.grad is not None else torch.zeros_like(value)
-
-    def release(self, microbatch: int) -> None:
-        self.inputs.pop(microbatch, None)
+    def take_input_grad(self, microbatch: int, name: str) -> torch.Tensor:
+        """The gradient of a received value, handed over once to the send that returns it."""
+        grads = self.input_grads[microbatch]
+        grad = grads.pop(name)
+        if not grads:
+            del self.input_grads[microbatch]
+        return grad
 
     def named_grads(self, names) -> list[torch.Tensor]:
         params = dict(self.module.named_parameters(remove_duplicate=False))

@@ -9,10 +9,12 @@ import stagewise as sw
 import torch
 
 SGD = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
-# eps=1e-6 rather than 1e-8: attention key biases have an exactly-zero true gradient, and with a
-# tiny eps AdamW turns their rounding noise (1e-10) into full-size, meaningless steps. Real
-# gradient errors still move every other parameter far beyond the tolerance.
-ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1, eps=1e-6)
+# AdamW divides each gradient element by its own running magnitude, so float32 rounding in an
+# element whose gradient is near zero (measured: 2e-9 absolute on gradients up to 3e-2 between
+# the exported graph and eager Hugging Face code) becomes an update difference of lr * 2e-9 / eps.
+# eps=1e-4 keeps that below the tolerance; a real gradient error still moves parameters by ~lr.
+# SGD tests compare with no such allowance.
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1, eps=1e-4)
 RTOL, ATOL = 1e-5, 1e-6
 
 

@@ -20,7 +20,7 @@ class ResidualBlock(nn.Module):
 class ResNet(nn.Module):
     def __init__(self, channels: int = 8, blocks: int = 4, classes: int = 10):
         super().__init__()
-        self.stem = nn.Conv2d(3, channels, 3, padding=1)
+        self.stem = nn.Conv2d(3, channels, 3, padding=1, bias=False)  # BatchNorm follows: a bias would be dead
         self.stem_bn = nn.BatchNorm2d(channels)
         self.blocks = nn.Sequential(*[ResidualBlock(channels) for _ in range(blocks)])
         self.pool = nn.AdaptiveAvgPool2d(1)

@@ -18,7 +18,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, dim: int):
         super().__init__()
         self.norm = nn.LayerNorm(dim)
-        self.cross = nn.Linear(dim, dim)
+        self.cross = nn.Linear(dim, dim, bias=False)  # a bias here shifts softmax logits per row: dead
         self.ff = nn.Linear(dim, dim)
 
     def forward(self, y: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:

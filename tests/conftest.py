@@ -1,0 +1,12 @@
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `tests.models`, `tests.reference`
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
