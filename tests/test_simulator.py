@@ -1,0 +1,238 @@
+"""The event-driven simulator (passes/simulate.py) and the 1F1B schedule (passes/schedule.py).
+
+The programs are lowered from hand-made stages, so no model is traced; the last test compiles
+a small model with schedule="1f1b" and checks that it trains exactly like eager training.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import struct
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from stagewise.compiler.errors import PlanError
+from stagewise.compiler.ir import Instruction, Program, SharedTensor, Stage, Transfer
+from stagewise.passes.lower import lower
+from stagewise.passes.schedule import one_f_one_b, schedule_tasks
+from stagewise.passes.simulate import SimCost, simulate
+
+ACT = 1000.0  # bytes one stage stashes per microbatch
+STATE = 50.0  # bytes of parameters, gradients and optimizer state per stage
+
+
+def chain(p: int) -> tuple[tuple[Stage, ...], tuple[Transfer, ...]]:
+    """p stages in a line: stage s gets h{s-1} from s - 1 and sends h{s} to s + 1; the last returns the loss."""
+    stages = tuple(
+        Stage(
+            index=s,
+            device=s,
+            layers=(s,),
+            inputs=("x",) if s == 0 else (f"h{s - 1}",),
+            outputs=("loss",) if s == p - 1 else (f"h{s}",),
+            params=(f"w{s}",),
+            buffers=(),
+        )
+        for s in range(p)
+    )
+    transfers = tuple(Transfer(f"h{s}", s, s + 1, 4.0, True) for s in range(p - 1))
+    return stages, transfers
+
+
+def programs(schedule: str, p: int, m: int, shared: tuple[SharedTensor, ...] = ()) -> tuple[Program, ...]:
+    stages, transfers = chain(p)
+    _, tasks = schedule_tasks(schedule, p, m)
+    return lower(stages, transfers, shared, tasks, clip_grad_norm=False)
+
+
+def uniform(p: int, tf: float = 1.0, tb: float = 2.0, **kwargs) -> SimCost:
+    return SimCost.uniform(p, tf, tb, stash_bytes=(ACT,) * p, state_bytes=(STATE,) * p, **kwargs)
+
+
+# ---- the schedule ------------------------------------------------------------------------------
+def test_1f1b_task_order() -> None:
+    """Warm-up of p - s - 1 forwards, then alternate F and B, then the remaining backwards."""
+    tasks = one_f_one_b(3, 4)
+    order = [[f"{t.kind}{'' if t.microbatch is None else t.microbatch}" for t in stage] for stage in tasks]
+    assert order[0] == ["F0", "F1", "F2", "B0", "F3", "B1", "B2", "B3", "U"]
+    assert order[1] == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3", "U"]
+    assert order[2] == ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3", "U"]
+    few = [f"{t.kind}{'' if t.microbatch is None else t.microbatch}" for t in one_f_one_b(4, 2)[0]]
+    assert few == ["F0", "F1", "B0", "B1", "U"]  # m < p: the warm-up is cut to m
+    assert schedule_tasks("1f1b", 2, 2)[0] == "1f1b"
+    with pytest.raises(PlanError, match="not implemented"):
+        schedule_tasks("interleaved", 2, 2)
+
+
+# ---- the bubble --------------------------------------------------------------------------------
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p, m", [(2, 1), (2, 4), (3, 7), (4, 4), (4, 8), (4, 16), (8, 32)])
+@pytest.mark.parametrize("tf, tb", [(1.0, 2.0), (1.0, 1.0)])
+def test_bubble_fraction_is_p_minus_1_over_m(schedule: str, p: int, m: int, tf: float, tb: float) -> None:
+    """Free communication, equal stages: t_pb / t_id = (p - 1)(tf + tb) / m(tf + tb) = (p - 1)/m (§4.2.2)."""
+    result = simulate(programs(schedule, p, m), uniform(p, tf, tb))
+    assert result.iteration_time == pytest.approx((m + p - 1) * (tf + tb))
+    assert result.bubble_fraction == pytest.approx((p - 1) / m)
+    for d in range(p):
+        assert result.busy[d] == pytest.approx(m * (tf + tb))
+        assert result.idle_fraction(d) == pytest.approx((p - 1) / m)
+
+
+# ---- memory ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("p, m", [(4, 8), (3, 6), (4, 2)])
+def test_peak_stash_gpipe_m_and_1f1b_p(p: int, m: int) -> None:
+    """GPipe stashes every microbatch before its first backward; 1F1B at most p - s on stage s (§4.2.2)."""
+    gpipe = simulate(programs("gpipe", p, m), uniform(p))
+    flush = simulate(programs("1f1b", p, m), uniform(p))
+    for s in range(p):
+        assert gpipe.peak_bytes[s] == STATE + m * ACT
+        assert flush.peak_bytes[s] == STATE + min(p - s, m) * ACT
+    assert flush.memory[0][-1][1] == STATE  # every stash is released by the end of the iteration
+
+
+# ---- communication -----------------------------------------------------------------------------
+def test_transfer_time_and_p2p_bytes() -> None:
+    """Two stages, one microbatch: F, act over the link, F, B, grad back, B."""
+    cost = uniform(2, value_bytes={"h0": 400.0}, bandwidth=100.0, latency_s=0.5)
+    result = simulate(programs("gpipe", 2, 1), cost)
+    hop = 400.0 / 100.0 + 0.5
+    assert result.iteration_time == pytest.approx(1 + hop + 1 + 2 + hop + 2)
+    assert result.p2p_bytes == {0: 400.0, 1: 400.0}
+    assert result.swap_in_bytes == result.swap_out_bytes == {0: 0.0, 1: 0.0}
+
+
+def exchange(a_bytes: float, b_bytes: float, duplex: bool) -> float:
+    """dev0 sends `a` to dev1 while dev1 sends `b` to dev0, both at time 0."""
+    dev0 = Program(
+        0,
+        (
+            Instruction("send", "p2p_out", 0, None, 0, "act", 1, ("a",)),
+            Instruction("recv", "p2p_in", 0, None, 0, "grad", 1, ("b",)),
+        ),
+    )
+    dev1 = Program(
+        1,
+        (
+            Instruction("send", "p2p_out", 1, None, 0, "grad", 0, ("b",)),
+            Instruction("recv", "p2p_in", 1, None, 0, "act", 0, ("a",)),
+        ),
+    )
+    cost = SimCost(
+        (0.0, 0.0), (0.0, 0.0), value_bytes={"a": a_bytes, "b": b_bytes}, bandwidth=100.0, duplex=duplex
+    )
+    return simulate((dev0, dev1), cost).iteration_time
+
+
+def test_link_sharing_slows_concurrent_transfers() -> None:
+    """Transfers in flight on one link split its bandwidth; finish times follow every change (Srifty §4.3)."""
+    assert exchange(100.0, 100.0, duplex=True) == pytest.approx(1.0)  # one direction each: no sharing
+    assert exchange(100.0, 100.0, duplex=False) == pytest.approx(2.0)  # both at 50 B/s
+    # 50 B/s each until b is done at t = 1; then a moves its last 50 bytes alone at 100 B/s.
+    assert exchange(100.0, 50.0, duplex=False) == pytest.approx(1.5)
+
+
+def test_shared_link_slows_a_1f1b_pipeline() -> None:
+    """In 1F1B's steady state activations and gradients cross the link at once."""
+    bytes_ = {"h0": 500.0, "h1": 500.0}
+    duplex = simulate(programs("1f1b", 3, 6), uniform(3, value_bytes=bytes_, bandwidth=100.0))
+    shared = simulate(programs("1f1b", 3, 6), uniform(3, value_bytes=bytes_, bandwidth=100.0, duplex=False))
+    assert shared.iteration_time > duplex.iteration_time
+
+
+def test_allreduce_waits_for_the_group_and_costs_a_ring() -> None:
+    """A tied weight on stages 0 and 2 is all-reduced before the update: 2 (n - 1)/n bytes/bandwidth."""
+    tied = (SharedTensor("w", ("w0", "w2"), (0, 2), "tied-parameter"),)
+    cost = uniform(3, tensor_bytes={"w": 300.0}, bandwidth=100.0)
+    result = simulate(programs("gpipe", 3, 2, tied), cost)
+    spans = [s for s in result.timeline if s.instruction.kind == "allreduce"]
+    assert {s.device for s in spans} == {0, 2}
+    assert spans[0].start == spans[1].start
+    assert all(s.end - s.start == pytest.approx(2 * (2 - 1) / 2 * 300.0 / 100.0) for s in spans)
+    assert result.iteration_time == pytest.approx((2 + 3 - 1) * 3 + 3.0)
+
+
+def test_deadlock_is_reported() -> None:
+    never = Program(0, (Instruction("recv", "p2p_in", 0, None, 0, "act", 1, ("x",)),))
+    with pytest.raises(PlanError, match="deadlock"):
+        simulate((never, Program(1, ())), SimCost((1.0,), (1.0,)))
+
+
+# ---- exports -----------------------------------------------------------------------------------
+def test_chrome_trace_has_one_event_per_instruction(tmp_path) -> None:
+    progs = programs("1f1b", 3, 4)
+    result = simulate(progs, uniform(3, value_bytes={"h0": 100.0, "h1": 100.0}, bandwidth=1000.0))
+    path = tmp_path / "trace.json"
+    result.to_chrome_trace(path)
+    events = json.loads(path.read_text())["traceEvents"]
+    complete = [e for e in events if e["ph"] == "X"]
+    assert len(complete) == sum(len(p.instructions) for p in progs)
+    assert {(e["pid"], e["args"]["index"]) for e in complete} == {
+        (p.device, i) for p in progs for i in range(len(p.instructions))
+    }
+    for e in complete:
+        assert e["tid"] in range(5) and e["dur"] >= 0
+        assert e["ts"] + e["dur"] <= result.iteration_time * 1e6 * (1 + 1e-9)
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert names[(0, 0)] == "compute" and names[(2, 4)] == "p2p_out"
+
+
+def read_png(path) -> tuple[int, int, bytes]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", data[16:24])
+    chunks, at = {}, 8
+    while at < len(data):
+        (length,) = struct.unpack(">I", data[at : at + 4])
+        tag, body = data[at + 4 : at + 8], data[at + 8 : at + 8 + length]
+        assert struct.unpack(">I", data[at + 8 + length : at + 12 + length])[0] == zlib.crc32(tag + body)
+        chunks[tag] = body
+        at += 12 + length
+    return width, height, zlib.decompress(chunks[b"IDAT"])
+
+
+def test_png_gantt_chart(tmp_path) -> None:
+    result = simulate(programs("gpipe", 2, 2), uniform(2))
+    path = tmp_path / "gantt.png"
+    result.to_png(path, width=300, row_height=10)
+    width, height, raw = read_png(path)
+    assert (width, height) == (300, 2 * 5 * 10)
+    assert len(raw) == height * (1 + 3 * width)
+    # F0 on dev0 runs over [0, 1) of an iteration of (2 + 2 - 1) * 3 = 9: blue in row 0 at x = 10.
+    row = raw[5 * (1 + 3 * width) + 1 :]
+    assert tuple(row[3 * 10 : 3 * 10 + 3]) == (66, 133, 244)
+    assert math.isclose(result.iteration_time, 9.0)
+
+
+# ---- end to end --------------------------------------------------------------------------------
+def test_1f1b_trains_like_eager() -> None:
+    """Any consistent task order is executable; 1F1B's losses and weights equal eager SGD's."""
+    import stagewise as sw
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)
+    )
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    pipe = sw.compile(
+        model, 3, (x,), loss_fn=F.cross_entropy, example_target=y, microbatches=4, schedule="1f1b"
+    )
+    assert pipe.plan.schedule == "1f1b"
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.01)
+    for _ in range(3):
+        loss = pipe.step(x, target=y)
+        optimizer.zero_grad()
+        expected = F.cross_entropy(reference(x), y)
+        expected.backward()
+        optimizer.step()
+        assert float(loss) == pytest.approx(float(expected), rel=1e-5)
+    state = pipe.state_dict()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6)
+    # the simulator reads the compiled programs as they are
+    result = simulate(pipe.programs, SimCost.uniform(3, 1.0, 2.0))
+    assert result.bubble_fraction == pytest.approx((3 - 1) / 4)
