@@ -106,8 +106,13 @@ class Pipeline:
                     if source is not None:
                         tensor.copy_(source)
 
-    def simulate(self):
-        raise NotImplementedError("the simulator arrives with the planner (issue 3)")
+    def simulate(self, peak_flops: float | None = None, bandwidth: float | None = None):
+        """The predicted timeline of one iteration of these programs (analytic FLOP-based costs)."""
+        from stagewise.passes.costs import CPU_PEAK_FLOPS, LOCAL_BANDWIDTH, analytic_cost
+        from stagewise.passes.simulate import simulate
+
+        cost = analytic_cost(self.plan, peak_flops or CPU_PEAK_FLOPS, bandwidth or LOCAL_BANDWIDTH)
+        return simulate(self.plan.programs, cost)
 
     def save(self, directory) -> None:
         from stagewise.compiler.checkpoint import save

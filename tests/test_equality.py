@@ -33,10 +33,11 @@ def test_mlp(devices, microbatches):
     ("devices", "microbatches", "optimizer", "clip"),
     [(1, 1, SGD, None), (2, 2, ADAMW, 0.5), (3, 4, SGD, 0.1), (4, 4, ADAMW, None), (4, 2, SGD, 0.5)],
 )
-def test_tied_gpt(devices, microbatches, optimizer, clip):
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_tied_gpt(devices, microbatches, optimizer, clip, schedule):
     pipe = check_equal_training(
         TinyGPT(), token_batches(), devices, loss_fn=lm_loss, optimizer=optimizer,
-        microbatches=microbatches, clip_grad_norm=clip,
+        microbatches=microbatches, clip_grad_norm=clip, schedule=schedule,
     )
     if devices > 1:
         (tied,) = pipe.shared

@@ -6,9 +6,13 @@ from tests.hf import bert, gpt2, lm_batches
 from tests.reference import ADAMW, SGD, check_equal_training
 
 
-@pytest.mark.parametrize(("devices", "microbatches", "optimizer", "clip"), [(2, 2, SGD, None), (4, 4, ADAMW, 1.0)])
-def test_gpt2_lm_head(devices, microbatches, optimizer, clip):
-    pipe = check_equal_training(gpt2(), lm_batches(), devices, optimizer=optimizer, microbatches=microbatches, clip_grad_norm=clip)
+@pytest.mark.parametrize(
+    ("devices", "microbatches", "optimizer", "clip", "schedule"),
+    [(2, 2, SGD, None, "gpipe"), (4, 4, ADAMW, 1.0, "gpipe"), (3, 4, ADAMW, 1.0, "1f1b")],
+)
+def test_gpt2_lm_head(devices, microbatches, optimizer, clip, schedule):
+    pipe = check_equal_training(gpt2(), lm_batches(), devices, optimizer=optimizer, microbatches=microbatches,
+                                clip_grad_norm=clip, schedule=schedule)
     assert pipe.plan.tracer == "export"
     (tied,) = pipe.shared
     assert set(tied.names) == {"transformer.wte.weight", "lm_head.weight"}

@@ -80,3 +80,18 @@ def test_no_top_level_modules_named_like_subpackages():
     import stagewise
 
     assert Path(stagewise.compiler.__file__).parent.name == "compiler"
+
+
+def test_simulate_predicts_the_compiled_programs(tmp_path):
+    ids = torch.randint(0, 64, (8, 8))
+    pipe = sw.compile(TinyGPT(), 4, (ids,), loss_fn=lm_loss, example_target=ids, microbatches=4)
+    result = pipe.simulate(peak_flops=1e9)
+    stage_flops = [sum(pipe.plan.layers[i].flops for i in s.layers) for s in pipe.plan.stages]
+    # GPipe, negligible transfers: the bottleneck stage k runs m microbatches, every other stage
+    # once on the fill/drain path: m * T_k + sum of the other T_s, with T = F + B = 3 F.
+    per_stage = [3 * f / 1e9 for f in stage_flops]
+    bound = 4 * max(per_stage) + sum(per_stage) - max(per_stage)
+    assert bound <= result.iteration_time <= bound * 1.01
+    assert len(result.timeline) == sum(len(p.instructions) for p in pipe.programs)
+    result.to_chrome_trace(tmp_path / "trace.json")
+    assert json.loads((tmp_path / "trace.json").read_text())
