@@ -1,0 +1,350 @@
+"""PipeDream's partitioning dynamic program (Narayanan, PhD dissertation, §2.4.1).
+
+PipeDream's optimizer "partitions DNN layers into stages such that each stage completes at
+roughly the same rate" and lets a stage be replicated (data parallelism inside the stage). The
+problem is to minimise the time of the slowest stage, and it has the optimal sub-problem
+property: "a pipeline that maximizes throughput given a worker count is composed of
+sub-pipelines that maximize throughput for smaller worker counts". So a dynamic program over
+contiguous layer ranges and worker counts finds the optimum.
+
+The machine is hierarchical (Fig. 2.6): level k is made of m_k components of level k-1 joined
+by links of bandwidth B_k; m_0 = 1 is one device. The DPs are solved from the lowest level to
+the highest: the best pipeline of a layer range inside one server becomes the compute time of
+a stage replicated across servers.
+
+Two cases the printed recurrence A^k(i->j, m) misses are candidates here (see the digest of
+the dissertation, §1.2): the whole range as a single stage replicated on all m workers (pure
+data parallelism, which the optimizer picks for ResNet-50), and a pipeline that uses fewer
+workers than are available (PipeDream's released optimizer does this with
+`use_fewer_machines`). Both fall out of solving for an *exact* worker count and taking the
+minimum over counts.
+
+Memory is checked for device-level (level-1) stages: weights once plus one stash per
+in-flight input, counted with NOAM (§2.4.2) over the level-1 pipeline that holds the stage.
+With several levels that count is local to one server, as in PipeDream's optimizer, which
+checks each level against its own worker count; it undercounts inputs that are in flight on
+other servers.
+
+The inputs are plain lists (the per-layer profile of §2.4.1 "Profiler": T_l, a_l, |w_l|, plus
+the bytes a layer stashes per in-flight input), so the DP can be checked against brute force.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache
+from itertools import accumulate
+
+from stagewise.compiler.errors import PartitionError
+
+INF = math.inf
+
+
+class NoFeasiblePlan(PartitionError):
+    """No partition fits: every candidate stage exceeds a device's memory (or nothing is allowed)."""
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """The per-layer profile PipeDream's partitioner reads (§2.4.1, "Profiler").
+
+    compute: T_l, forward + backward seconds of layer l for one input (microbatch).
+    activation_bytes: a_l, bytes of layer l's output; a cut after l sends a_l forward and a
+        gradient of the same size backward.
+    param_bytes: |w_l|, the weight bytes all-reduced when a stage is replicated.
+    stash_bytes: bytes layer l keeps per in-flight input (stashed activations); default 0.
+    resident_bytes: bytes layer l keeps once per worker (weights, gradients, optimizer state);
+        default param_bytes.
+    cut_allowed: cut_allowed[l] says a stage may end after layer l (len N-1); default all.
+    """
+
+    compute: Sequence[float]
+    activation_bytes: Sequence[float]
+    param_bytes: Sequence[float]
+    stash_bytes: Sequence[float] | None = None
+    resident_bytes: Sequence[float] | None = None
+    cut_allowed: Sequence[bool] | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.compute)
+        lists = [self.activation_bytes, self.param_bytes, self.stash_bytes, self.resident_bytes]
+        if n == 0 or any(x is not None and len(x) != n for x in lists):
+            raise ValueError("LayerCosts: every per-layer list must have one entry per layer (N >= 1)")
+        if self.cut_allowed is not None and len(self.cut_allowed) != n - 1:
+            raise ValueError("LayerCosts: cut_allowed needs N-1 entries (one per gap between layers)")
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.compute)
+
+    def can_cut_after(self, layer: int) -> bool:
+        return self.cut_allowed is None or bool(self.cut_allowed[layer])
+
+
+@dataclass(frozen=True)
+class Level:
+    """Level k of the topology: `workers` (m_k) components of level k-1 joined by `bandwidth` (B_k)."""
+
+    workers: int
+    bandwidth: float
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Hierarchical machine of Fig. 2.6, innermost level first (levels[0] is level 1: devices).
+
+    memory: capacity of one device in bytes (None: unlimited).
+    allreduce_factor: bytes each replica moves per weight byte in one all-reduce, times
+        (r-1)/r. Ring all-reduce sends 2(r-1)/r |w| and receives as much, hence 4 (as in
+        PipeDream's released optimizer); the printed T^k(i->j, m) uses 2.
+    """
+
+    levels: tuple[Level, ...]
+    memory: float | None = None
+    allreduce_factor: float = 4.0
+
+    @classmethod
+    def flat(cls, workers: int, bandwidth: float, memory: float | None = None) -> Topology:
+        """One server: `workers` devices joined by one link bandwidth."""
+        return cls(levels=(Level(workers, bandwidth),), memory=memory)
+
+    @property
+    def devices(self) -> int:
+        return math.prod(level.workers for level in self.levels)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Layers first..last (inclusive) replicated on `replicas` workers of its level.
+
+    For a stage of level k >= 2 each replica is a whole level-(k-1) component, which runs the
+    pipeline `inner` over the same layers; a level-1 stage runs on devices and has no inner.
+    """
+
+    first: int
+    last: int
+    replicas: int
+    inner: tuple[Stage, ...] = ()
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """The partitioner's output (§2.4.1): stages, their replication, and the bottleneck time."""
+
+    stages: tuple[Stage, ...]
+    bottleneck: float
+
+    @property
+    def workers(self) -> int:
+        """Top-level workers used (possibly fewer than available)."""
+        return sum(stage.replicas for stage in self.stages)
+
+    @property
+    def in_flight(self) -> int:
+        """NOAM = ceil(workers / replicas of the input stage) (§2.4.2), in top-level workers."""
+        return math.ceil(self.workers / self.stages[0].replicas)
+
+    def device_stages(self) -> list[tuple[int, int, int]]:
+        """Flattened (first, last, devices running it) per device-level stage, in layer order."""
+        return _flatten(self.stages, 1)
+
+
+def _flatten(stages: Sequence[Stage], outer: int) -> list[tuple[int, int, int]]:
+    flat: list[tuple[int, int, int]] = []
+    for stage in stages:
+        if stage.inner:
+            flat.extend(_flatten(stage.inner, outer * stage.replicas))
+        else:
+            flat.append((stage.first, stage.last, outer * stage.replicas))
+    return flat
+
+
+class _Sums:
+    """Prefix sums so every range total is O(1)."""
+
+    def __init__(self, values: Sequence[float]) -> None:
+        self._prefix = [0.0, *accumulate(float(v) for v in values)]
+
+    def __call__(self, first: int, last: int) -> float:
+        return self._prefix[last + 1] - self._prefix[first]
+
+
+def allreduce_time(weight_bytes: float, replicas: int, bandwidth: float, factor: float = 4.0) -> float:
+    """Weight synchronisation of a stage on `replicas` workers (§2.4.1: (m-1)/m |w| each way)."""
+    if replicas <= 1:
+        return 0.0
+    return factor * (replicas - 1) * weight_bytes / (replicas * bandwidth)
+
+
+def replicated_stage_time(compute: float, weight_bytes: float, replicas: int, bandwidth: float,
+                          factor: float = 4.0) -> float:
+    """T^k(i->j, m): m inputs are processed at once while the all-reduce overlaps them, so the
+    effective time per input is max(compute / m, all-reduce time)."""
+    return max(compute / replicas, allreduce_time(weight_bytes, replicas, bandwidth, factor))
+
+
+def stage_memory(resident: float, stash: float, replicas: int, downstream_workers: int) -> float:
+    """Per-worker bytes of a stage: its weights once, plus one stash per in-flight input.
+
+    Under 1F1B-RR a stage whose replicas are followed by `downstream_workers` workers (itself
+    included) admits ceil(downstream_workers / replicas) inputs per replica, the NOAM rule of
+    §2.4.2 applied to the sub-pipeline that starts at this stage.
+    """
+    return resident + math.ceil(downstream_workers / replicas) * stash
+
+
+class _Solver:
+    """Tables of the DP, level by level; memoised so lower levels are solved once per range."""
+
+    def __init__(self, costs: LayerCosts, topology: Topology, straight: bool) -> None:
+        n = costs.n_layers
+        self.costs, self.topology, self.straight = costs, topology, straight
+        self.compute = _Sums(costs.compute)
+        self.weights = _Sums(costs.param_bytes)
+        self.stash = _Sums([0.0] * n if costs.stash_bytes is None else costs.stash_bytes)
+        self.resident = _Sums(costs.param_bytes if costs.resident_bytes is None else costs.resident_bytes)
+        self.cuts = [s for s in range(n - 1) if costs.can_cut_after(s)]
+
+    def stage_compute(self, k: int, first: int, last: int) -> tuple[float, tuple[Stage, ...]]:
+        """A^{k-1}(first->last, m_{k-1}): compute time of one replica of a level-k stage."""
+        if k == 1:
+            return self.compute(first, last), ()
+        return self.best(k - 1, first, last)
+
+    def stage_time(self, k: int, first: int, last: int, replicas: int, downstream: int) -> float:
+        """Time per input of a level-k stage, or INF when a level-1 stage overflows a device."""
+        level = self.topology.levels[k - 1]
+        if k == 1 and self.topology.memory is not None:
+            need = stage_memory(self.resident(first, last), self.stash(first, last), replicas, downstream)
+            if need > self.topology.memory:
+                return INF
+        compute, _ = self.stage_compute(k, first, last)
+        return replicated_stage_time(compute, self.weights(first, last), replicas, level.bandwidth,
+                                     self.topology.allreduce_factor)
+
+    def transfer_time(self, k: int, last: int) -> float:
+        """2 a_s / B_k: activations forward and their gradients backward across the cut."""
+        return 2.0 * self.costs.activation_bytes[last] / self.topology.levels[k - 1].bandwidth
+
+    def max_replicas(self, m: int) -> int:
+        return 1 if self.straight else m
+
+    @cache  # noqa: B019 - one solver per call to plan_pipeline, dropped afterwards
+    def exact(self, k: int, last: int) -> dict[tuple[int, int], tuple[float, tuple[Stage, ...]]]:
+        """E^k(i->last, m) for every start i and *exact* worker count m at level k.
+
+        The first stage of the range is [i, s] on r workers; the rest is an optimal
+        sub-pipeline on m - r workers (the optimal sub-problem property, read from the front
+        so that the first stage knows how many workers follow it, which fixes its stash).
+        m = r with s = last is the single replicated stage the printed recurrence omits.
+        """
+        workers = self.topology.levels[k - 1].workers
+        table: dict[tuple[int, int], tuple[float, tuple[Stage, ...]]] = {}
+        starts = [0] + [s + 1 for s in self.cuts]
+        for first in reversed([i for i in starts if i <= last]):
+            for m in range(1, workers + 1):
+                table[first, m] = self._best_split(k, first, last, m, table)
+        return table
+
+    def _best_split(self, k: int, first: int, last: int, m: int,
+                    table: dict[tuple[int, int], tuple[float, tuple[Stage, ...]]]
+                    ) -> tuple[float, tuple[Stage, ...]]:
+        best: tuple[float, tuple[Stage, ...]] = (INF, ())
+        if m <= self.max_replicas(m):
+            best = (self.stage_time(k, first, last, m, m), (self._stage(k, first, last, m),))
+        for s in (c for c in self.cuts if first <= c < last):
+            cut = self.transfer_time(k, s)
+            for r in range(1, min(m - 1, self.max_replicas(m)) + 1):
+                rest_time, rest = table[s + 1, m - r]
+                head = self.stage_time(k, first, s, r, m)
+                time = max(head, cut, rest_time)
+                if time < best[0]:
+                    best = (time, (self._stage(k, first, s, r), *rest))
+        return best
+
+    def _stage(self, k: int, first: int, last: int, replicas: int) -> Stage:
+        return Stage(first, last, replicas, self.stage_compute(k, first, last)[1])
+
+    @cache  # noqa: B019
+    def best(self, k: int, first: int, last: int) -> tuple[float, tuple[Stage, ...]]:
+        """A^k(first->last, m_k): the best pipeline using *at most* m_k workers (ties: fewer)."""
+        table = self.exact(k, last)
+        best: tuple[float, tuple[Stage, ...]] = (INF, ())
+        for m in range(1, self.topology.levels[k - 1].workers + 1):
+            candidate = table[first, m]
+            if candidate[0] < best[0]:
+                best = candidate
+        return best
+
+
+def plan_pipeline(costs: LayerCosts, topology: Topology, *, straight: bool = False) -> PipelinePlan:
+    """A^L(0->N, m_L) and its partition: stages, replication factors, bottleneck time.
+
+    `straight` forbids replication (one worker per stage), PipeDream's straight pipeline.
+    Raises NoFeasiblePlan when no partition fits the device memory.
+    """
+    solver = _Solver(costs, topology, straight)
+    time, stages = solver.best(len(topology.levels), 0, costs.n_layers - 1)
+    if time == INF:
+        raise NoFeasiblePlan(_infeasible_reason(costs, topology))
+    return PipelinePlan(stages=stages, bottleneck=time)
+
+
+def _infeasible_reason(costs: LayerCosts, topology: Topology) -> str:
+    resident = costs.param_bytes if costs.resident_bytes is None else costs.resident_bytes
+    stash = [0.0] * costs.n_layers if costs.stash_bytes is None else costs.stash_bytes
+    need = [r + s for r, s in zip(resident, stash, strict=True)]
+    worst = max(range(costs.n_layers), key=need.__getitem__)
+    where = f"{topology.devices} devices of {topology.memory} bytes"
+    if topology.memory is not None and need[worst] > topology.memory:
+        return (f"layer {worst} alone needs {need[worst]} bytes (weights and one stash), more than one of "
+                f"{where} holds. Use devices with more memory or a smaller microbatch.")
+    return (f"no split of the {costs.n_layers} layers into contiguous stages fits on {where}: together "
+            f"they need at least {sum(need)} bytes plus the stashes of in-flight inputs. Add devices or "
+            "memory, allow more cut-points, or reduce the microbatch size.")
+
+
+def bottleneck_time(plan: Sequence[Stage], costs: LayerCosts, topology: Topology) -> float:
+    """Time of the slowest stage or cut of a given plan under the DP's model (INF: does not fit).
+
+    Scores a plan the DP did not make, for example the user's split points.
+    """
+    _check_cover(plan, 0, costs.n_layers - 1, costs)
+    return _pipeline_time(plan, costs, topology, len(topology.levels))
+
+
+def _check_cover(stages: Sequence[Stage], first: int, last: int, costs: LayerCosts) -> None:
+    """A plan's stages must tile first..last in order, cut only where cuts are allowed."""
+    position = first
+    for stage in stages:
+        if stage.first != position or stage.last < stage.first or stage.replicas < 1:
+            raise ValueError(f"stages {stages} do not tile layers {first}..{last} in order")
+        if stage.last < last and not costs.can_cut_after(stage.last):
+            raise ValueError(f"stage {stage} ends after layer {stage.last}, where no cut is allowed")
+        if stage.inner:
+            _check_cover(stage.inner, stage.first, stage.last, costs)
+        position = stage.last + 1
+    if position != last + 1:
+        raise ValueError(f"stages {stages} do not tile layers {first}..{last}")
+
+
+def _pipeline_time(stages: Sequence[Stage], costs: LayerCosts, topology: Topology, k: int) -> float:
+    solver = _Solver(costs, topology, straight=False)
+    level = topology.levels[k - 1]
+    if sum(stage.replicas for stage in stages) > level.workers:
+        return INF
+    time, downstream = 0.0, sum(stage.replicas for stage in stages)
+    for index, stage in enumerate(stages):
+        if k == 1:
+            time = max(time, solver.stage_time(1, stage.first, stage.last, stage.replicas, downstream))
+        else:
+            inner = _pipeline_time(stage.inner, costs, topology, k - 1)
+            weights = solver.weights(stage.first, stage.last)
+            time = max(time, replicated_stage_time(inner, weights, stage.replicas, level.bandwidth,
+                                                   topology.allreduce_factor))
+        if index + 1 < len(stages):
+            time = max(time, solver.transfer_time(k, stage.last))
+        downstream -= stage.replicas
+    return time
