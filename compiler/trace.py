@@ -121,8 +121,8 @@ def trace(model: torch.nn.Module, example_inputs, example_target, loss_fn) -> Tr
     raise TraceError(
         "could not capture the model as a graph.\n  "
         + "\n  ".join(failures)
-        + "\nWhat to do: remove Python control flow that depends on tensor values (if x.sum() > 0:) "
-        "or move it into a module stagewise keeps whole, or pass split_points=[...] with traceable pieces."
+        + "\nWhat to do: replace Python control flow that depends on tensor values (if x.sum() > 0:) "
+        "with tensor operations (torch.where) or torch.cond, so that one graph describes every step."
     )
 
 
