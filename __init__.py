@@ -10,10 +10,12 @@ from stagewise.compiler.devices import Device
 from stagewise.compiler.driver import compile  # noqa: A004 - the public name of the API
 from stagewise.compiler.errors import (
     BatchSizeError,
+    CapacityError,
     DeviceError,
     ExampleInputsError,
     LossError,
     PartitionError,
+    PeerError,
     PlanError,
     StagewiseError,
     TraceError,
@@ -23,11 +25,13 @@ from stagewise.compiler.pipeline import Pipeline
 
 __all__ = [
     "BatchSizeError",
+    "CapacityError",
     "Device",
     "DeviceError",
     "ExampleInputsError",
     "LossError",
     "PartitionError",
+    "PeerError",
     "Pipeline",
     "Plan",
     "PlanError",

@@ -6,6 +6,7 @@ import io
 
 from rich.console import Console
 from rich.table import Table
+from stagewise.compiler.devices import format_bytes
 
 
 def render_plan(plan) -> str:
@@ -24,7 +25,7 @@ def render_plan(plan) -> str:
             str(stage.index),
             f"{stage.device}: {plan.devices[stage.device].name}",
             names,
-            _bytes(params),
+            format_bytes(params),
             f"{flops:.4f}",
             _transfers(receives, plan.microbatch_size, "src"),
             _transfers(sends, plan.microbatch_size, "dst"),
@@ -44,17 +45,9 @@ def _transfers(transfers, microbatch_size: int, side: str) -> str:
     if not transfers:
         return "-"
     return "\n".join(
-        f"{t.value} {'<-' if side == 'src' else '->'} {getattr(t, side)} ({_bytes(t.bytes_per_sample * microbatch_size)})"
+        f"{t.value} {'<-' if side == 'src' else '->'} {getattr(t, side)} ({format_bytes(t.bytes_per_sample * microbatch_size)})"
         for t in transfers
     )
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def _render(table: Table) -> str:

@@ -9,7 +9,8 @@ import torch
 from stagewise.compiler.errors import DeviceError
 from stagewise.compiler.ir import DeviceSpec
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 def parse_bytes(value: int | str | None) -> int | None:
@@ -22,20 +23,75 @@ def parse_bytes(value: int | str | None) -> int | None:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+_PREFIX = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "p": 10**15}
+
+
+def parse_flops(value: float | str | None) -> float | None:
+    """'100TFLOPS' -> 1e14. Accepts numbers and strings with k/M/G/T/P + FLOPS (or FLOP/s)."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        return _positive(float(value), value, "peak_flops", "312TFLOPS")
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*([kmgtp]?)\s*(?:flops|flop/s)?\s*", value.lower())
+    if not match:
+        raise DeviceError(f"cannot read peak_flops {value!r}; write it like 312TFLOPS, 50GFLOPS or 1e14")
+    return _positive(float(match.group(1)) * _PREFIX[match.group(2)], value, "peak_flops", "312TFLOPS")
+
+
+def parse_bandwidth(value: float | str | None, what: str = "bandwidth") -> float | None:
+    """'900GB/s' -> 9e11. Accepts numbers (bytes/s) and sizes as in `parse_bytes` followed by /s."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        return _positive(float(value), value, what, "900GB/s")
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*(?:/\s*s|ps)?\s*", value)
+    unit = match.group(2).lower() if match else ""
+    if unit.endswith("ps") and unit[:-2] in _UNITS:  # 'GBps'
+        unit = unit[:-2]
+    if not match or unit not in _UNITS:
+        raise DeviceError(f"cannot read {what} {value!r}; write it like 900GB/s, 16GiB/s or 1e10 (bytes/s)")
+    return _positive(float(match.group(1)) * _UNITS[unit], value, what, "900GB/s")
+
+
+def _positive(number: float, value, what: str, example: str) -> float:
+    if not number > 0:
+        raise DeviceError(f"{what}={value!r} must be positive, e.g. {what}={example!r}")
+    return number
+
+
+def format_bytes(n: float) -> str:
+    """536870912 -> '512.0 MiB' (the inverse of parse_bytes, for messages and tables)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
 @dataclass(frozen=True)
 class Device:
     """One device of the pipeline: where it is, how much memory the pool may use, how fast it is.
 
     Several `Device("cpu")` are distinct logical devices sharing the host CPU, which is how
     the tests and the demo run a 4-device pipeline on one machine.
+
+    `peak_flops`, `memory_bandwidth` and `host_bandwidth` (host <-> device link, for swaps)
+    describe hardware for analytic costs (passes/analytic.py), so one can plan for devices one
+    does not have: `Device("cuda", memory="80GiB", peak_flops="400TFLOPS", memory_bandwidth="2TB/s")`.
     """
 
     name: str = "cpu"
     memory: int | str | None = None
     speed: float = 1.0
+    peak_flops: float | str | None = None
+    memory_bandwidth: float | str | None = None
+    host_bandwidth: float | str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "memory", parse_bytes(self.memory))
+        object.__setattr__(self, "peak_flops", parse_flops(self.peak_flops))
+        object.__setattr__(self, "memory_bandwidth", parse_bandwidth(self.memory_bandwidth, "memory_bandwidth"))
+        object.__setattr__(self, "host_bandwidth", parse_bandwidth(self.host_bandwidth, "host_bandwidth"))
         torch_device(self.name)
 
     @property
@@ -43,7 +99,15 @@ class Device:
         return torch_device(self.name)
 
     def spec(self) -> DeviceSpec:
-        return DeviceSpec(name=self.name, kind=self.torch_device.type, memory=self.memory, speed=self.speed)
+        return DeviceSpec(
+            name=self.name,
+            kind=self.torch_device.type,
+            memory=self.memory,
+            speed=self.speed,
+            peak_flops=self.peak_flops,
+            memory_bandwidth=self.memory_bandwidth,
+            host_bandwidth=self.host_bandwidth,
+        )
 
 
 def torch_device(name: str | torch.device) -> torch.device:

@@ -31,3 +31,11 @@ class LossError(StagewiseError):
 
 class PlanError(StagewiseError):
     """A saved plan or program is inconsistent or cannot be executed."""
+
+
+class CapacityError(StagewiseError):
+    """A device's memory pool would exceed the capacity given with `sw.Device(..., memory=)`."""
+
+
+class PeerError(StagewiseError):
+    """Another device (thread or process) failed or stopped answering."""

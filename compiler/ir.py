@@ -124,6 +124,8 @@ class Instruction:
     peer: int | None = None
     values: tuple[str, ...] = ()
     group: tuple[int, ...] = ()
+    peer_stage: int | None = None
+    waits: tuple[int, ...] = ()  # events: indices of earlier instructions (other streams) it waits for
 
     def __str__(self) -> str:
         parts = [f"{self.stream:<8}", self.kind]
@@ -141,6 +143,8 @@ class Instruction:
             parts.append("group=" + ",".join(f"dev{d}" for d in self.group))
         if self.values:
             parts.append("[" + ", ".join(self.values) + "]")
+        if self.waits:
+            parts.append("after " + ",".join(f"#{i}" for i in self.waits))
         return " ".join(parts)
 
 
@@ -165,6 +169,9 @@ class DeviceSpec:
     kind: str
     memory: int | None = None
     speed: float = 1.0
+    peak_flops: float | None = None  # FLOP/s, for analytic costs of hardware one does not have
+    memory_bandwidth: float | None = None  # bytes/s of the device's own memory (roofline)
+    host_bandwidth: float | None = None  # bytes/s of the host <-> device link (swaps)
 
 
 @dataclass(frozen=True)
@@ -223,9 +230,39 @@ def _convert(hint: str, value):
     return value
 
 
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer's seconds and bytes at microbatch size `u` (Harmony §4.2 profiles, Srifty §3 fits).
+
+    Times are per microbatch: `fwd_s` the forward with autograd recording, `bwd_s` its backward,
+    `recompute_s` the forward re-run before a backward (Harmony's recompute). State bytes do not
+    depend on u: parameters, their gradients, and optimizer state (AdamW: two moments).
+    `act_bytes` is the layer's output (what a cut after it sends), `stash_bytes` what autograd
+    saves for the backward (parameters excluded), `workspace_bytes` transient memory above those.
+    """
+
+    layer: int
+    u: int
+    fwd_s: float
+    bwd_s: float
+    recompute_s: float
+    param_bytes: int
+    grad_bytes: int
+    optim_bytes: int
+    act_bytes: int
+    stash_bytes: int
+    workspace_bytes: int
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes held all the time: parameters, gradients and optimizer state."""
+        return self.param_bytes + self.grad_bytes + self.optim_bytes
+
+
 _NESTED.update(
     {
         cls.__name__: cls
-        for cls in (Layer, CrossingValue, Cut, SharedTensor, Transfer, Stage, Instruction, Program, DeviceSpec)
+        for cls in (Layer, CrossingValue, Cut, SharedTensor, Transfer, Stage, Instruction, Program, DeviceSpec,
+                    LayerCost)
     }
 )

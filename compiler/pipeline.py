@@ -8,7 +8,8 @@ import torch
 import torch.fx as fx
 from stagewise.compiler.errors import BatchSizeError, ExampleInputsError
 from stagewise.compiler.ir import Plan, Program, SharedTensor
-from stagewise.runtime.executor import InProcessExecutor
+from stagewise.runtime.executor import StreamExecutor
+from stagewise.runtime.pool import MemoryPool
 from stagewise.runtime.transport import LocalTransport
 from stagewise.runtime.worker import StageWorker
 
@@ -20,15 +21,15 @@ class Pipeline:
         self.plan = plan
         self.optimizer_factory = optimizer
         self.clip_grad_norm = clip_grad_norm
-        devices = [torch.device(d.name) for d in plan.devices]
-        self.transport = LocalTransport(devices)
+        self.pools = [MemoryPool(i, torch.device(d.name), d.memory) for i, d in enumerate(plan.devices)]
+        self.transport = LocalTransport(self.pools)
         received_with_grad = {(t.dst, t.value) for t in plan.transfers if t.requires_grad}
         last = max(s.index for s in plan.stages if plan.layers[-1].index in s.layers)
         self.workers = [
             StageWorker(
                 stage,
                 module,
-                devices[stage.device],
+                self.pools[stage.device],
                 optimizer,
                 owned=self._owned_names(stage.index, module),
                 grad_inputs={v for (dst, v) in received_with_grad if dst == stage.index},
@@ -37,7 +38,7 @@ class Pipeline:
             )
             for stage, module in zip(plan.stages, modules, strict=True)
         ]
-        self.executor = InProcessExecutor(plan.programs, self.workers, self.transport, clip_grad_norm)
+        self.executor = StreamExecutor(plan.programs, self.workers, self.transport, clip_grad_norm)
 
     # ---- the public surface -------------------------------------------------------------
     @property
@@ -54,8 +55,8 @@ class Pipeline:
 
     @property
     def stats(self) -> list[dict[str, int]]:
-        """Per device, after a step: bytes sent point-to-point (more counters come with the memory pool)."""
-        return [{"device": d, "p2p_bytes": b} for d, b in enumerate(self.transport.p2p_bytes)]
+        """Per device, from its memory pool: peak and current bytes (by kind), swap and p2p bytes."""
+        return [pool.stats() for pool in self.pools]
 
     def step(self, *args, target=None, **kwargs) -> torch.Tensor:
         """One synchronous training iteration on a minibatch; returns its mean loss."""

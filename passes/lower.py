@@ -10,6 +10,7 @@ gradient norm over every device so the norm is the whole model's, as eager clipp
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 from stagewise.compiler.ir import Instruction, Program, SharedTensor, Stage, Task, Transfer
 
@@ -31,20 +32,55 @@ def lower(
         for task in tasks[s]:
             if task.kind == "F":
                 for src, values in incoming[s].items():
-                    code.append(Instruction("recv", "p2p_in", s, None, task.microbatch, "act", device_of[src], values))
+                    code.append(Instruction("recv", "p2p_in", s, None, task.microbatch, "act", device_of[src], values, (), src))
                 code.append(Instruction("compute", "compute", s, "F", task.microbatch))
                 for dst, values in outgoing[s].items():
-                    code.append(Instruction("send", "p2p_out", s, None, task.microbatch, "act", device_of[dst], values))
+                    code.append(Instruction("send", "p2p_out", s, None, task.microbatch, "act", device_of[dst], values, (), dst))
             elif task.kind == "B":
                 for dst, values in _with_grad(outgoing[s], transfers, s, "src").items():
-                    code.append(Instruction("recv", "p2p_in", s, None, task.microbatch, "grad", device_of[dst], values))
+                    code.append(Instruction("recv", "p2p_in", s, None, task.microbatch, "grad", device_of[dst], values, (), dst))
                 code.append(Instruction("compute", "compute", s, "B", task.microbatch))
                 for src, values in _with_grad(incoming[s], transfers, s, "dst").items():
-                    code.append(Instruction("send", "p2p_out", s, None, task.microbatch, "grad", device_of[src], values))
+                    code.append(Instruction("send", "p2p_out", s, None, task.microbatch, "grad", device_of[src], values, (), src))
             elif task.kind == "U":
                 code += _update(stage, stages, shared, clip_grad_norm)
         programs.append(Program(stage.device, tuple(code)))
-    return tuple(programs)
+    return tuple(with_events(p) for p in programs)
+
+
+def with_events(program: Program) -> Program:
+    """State each instruction's intra-device dependencies as events (indices it waits for).
+
+    A forward waits for its activations' receives, a backward for its forward and its
+    gradients' receives, a send for the compute that made what it sends; all-reduces and the
+    update wait for everything before them. Only waits across streams are listed: a stream
+    runs its own instructions in order.
+    """
+    code = program.instructions
+    events = []
+    for i, ins in enumerate(code):
+        waits = tuple(j for j in range(i) if code[j].stream != ins.stream and _waits_for(ins, code[j]))
+        events.append(replace(ins, waits=_latest_per_stream(waits, code)))
+    return replace(program, instructions=tuple(events))
+
+
+def _waits_for(ins: Instruction, prev: Instruction) -> bool:
+    same = prev.stage == ins.stage and prev.microbatch == ins.microbatch
+    if ins.kind == "compute" and ins.phase in ("F", "B"):
+        received = {"F": "act", "B": "grad"}[ins.phase]
+        return same and prev.kind == "recv" and prev.what == received
+    if ins.kind == "send":
+        produced = {"act": "F", "grad": "B"}[ins.what]
+        return same and prev.kind == "compute" and prev.phase == produced
+    return ins.kind in ("allreduce", "compute")
+
+
+def _latest_per_stream(waits: tuple[int, ...], code) -> tuple[int, ...]:
+    """Waiting for the last awaited instruction of a stream implies the earlier ones (FIFO)."""
+    latest: dict[str, int] = {}
+    for j in waits:
+        latest[code[j].stream] = max(j, latest.get(code[j].stream, -1))
+    return tuple(sorted(latest.values()))
 
 
 def _update(stage: Stage, stages, shared, clip_grad_norm: bool) -> list[Instruction]:

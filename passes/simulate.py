@@ -398,25 +398,8 @@ def _span_order(span: Span) -> tuple:
 
 
 def _dependencies(program: Program) -> list[tuple[int, ...]]:
-    """For each instruction, the earlier instructions of the program (on other streams) it waits for."""
-    deps: list[tuple[int, ...]] = []
-    for i, ins in enumerate(program.instructions):
-        earlier = list(enumerate(program.instructions[:i]))
-        deps.append(tuple(j for j, prev in earlier if _waits_for(ins, prev)))
-    return deps
-
-
-def _waits_for(ins: Instruction, prev: Instruction) -> bool:
-    same = prev.stage == ins.stage and prev.microbatch == ins.microbatch
-    if ins.kind == "compute" and ins.phase in ("F", "B"):
-        received = {"F": "act", "B": "grad"}[ins.phase]
-        return same and (
-            (prev.kind == "recv" and prev.what == received) or (prev.kind == "compute" and prev.phase == "F")
-        )
-    if ins.kind == "send":
-        produced = {"act": "F", "grad": "B"}[ins.what]
-        return same and prev.kind == "compute" and prev.phase == produced
-    return ins.kind in ("allreduce", "compute")  # U and all-reduces wait for everything before them
+    """For each instruction, the events (earlier instructions on other streams) it waits for."""
+    return [ins.waits for ins in program.instructions]
 
 
 def _occupancy(deltas: list[tuple[float, float]], static: float) -> tuple[tuple[float, float], ...]:

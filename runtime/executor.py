@@ -1,102 +1,124 @@
-"""Run the devices' instruction programs for one training iteration, in one process.
+"""Run the devices' instruction programs for one iteration: five stream threads per device.
 
-Every device has a program counter. The executor runs each device's program until it
-reaches an instruction that cannot proceed yet (a receive whose message has not been sent,
-an all-reduce some member has not reached), then moves to the next device. If a whole round
-makes no progress the programs are inconsistent: that is reported, never waited on.
+Each stream (compute, swap_in, swap_out, p2p_in, p2p_out) is a thread that runs its
+instructions in program order (Harmony §4.4). An instruction first waits for the events it
+names (`Instruction.waits`: earlier instructions of other streams of its device), then runs;
+receives and all-reduces also wait for their partners. PyTorch releases the GIL inside ops,
+so one device's copies and sends overlap its compute and devices compute concurrently.
+The executor adds no barrier the programs do not state; `Sync` turns a deadlock, a failed
+thread or a silent peer into an error instead of a hang.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 from stagewise.compiler.errors import PlanError
-from stagewise.compiler.ir import Instruction, Program
+from stagewise.compiler.ir import STREAMS, Instruction, Program
+from stagewise.runtime.sync import Aborted, Sync
 from stagewise.runtime.transport import LocalTransport
 from stagewise.runtime.worker import StageWorker
 
+DEFAULT_TIMEOUT_S = 300.0
 
-class InProcessExecutor:
-    def __init__(self, programs: tuple[Program, ...], workers: list[StageWorker], transport: LocalTransport, clip_grad_norm: float | None):
+
+class StreamExecutor:
+    def __init__(
+        self,
+        programs: tuple[Program, ...],
+        workers: list[StageWorker],
+        transport: LocalTransport,
+        clip_grad_norm: float | None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ):
         self.programs = programs
-        self.workers = {w.stage.device: w for w in workers}
+        self.workers = {w.stage.index: w for w in workers}
         self.transport = transport
         self.clip_grad_norm = clip_grad_norm
+        self.timeout_s = timeout_s
         self.iteration = 0
 
     def run(self, microbatches: int) -> torch.Tensor:
         """One iteration; inputs must already be provided to the workers. Returns the mean loss."""
         self.microbatches = microbatches
-        counters = {p.device: 0 for p in self.programs}
-        pending = {p.device: p for p in self.programs}
-        while pending:
-            progressed = False
-            for device, program in list(pending.items()):
-                while counters[device] < len(program.instructions):
-                    if not self._execute(device, program.instructions[counters[device]]):
-                        break
-                    counters[device] += 1
-                    progressed = True
-                if counters[device] == len(program.instructions):
-                    del pending[device]
-            if pending and not progressed:
-                stuck = "; ".join(f"dev{d}: {p.instructions[counters[d]]}" for d, p in pending.items())
-                raise PlanError(f"the device programs wait on each other forever (deadlock): {stuck}")
+        streams = [(p, s) for p in self.programs for s in STREAMS if any(i.stream == s for i in p.instructions)]
+        self.sync = Sync(len(streams), self.timeout_s)
+        self.transport.sync = self.sync
+        self.done = {p.device: [False] * len(p.instructions) for p in self.programs}
+        threads = [
+            threading.Thread(target=self._stream, args=(program, stream), name=f"dev{program.device}-{stream}", daemon=True)
+            for program, stream in streams
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if self.sync.error is not None:
+            raise self.sync.error
         self.iteration += 1
         last = next(w for w in self.workers.values() if w.is_last)
         loss = sum(last.losses[mb].detach() for mb in range(microbatches)) / microbatches
         last.losses.clear()
         return loss
 
-    def _execute(self, device: int, ins: Instruction) -> bool:
-        worker = self.workers[device]
+    def _stream(self, program: Program, stream: str) -> None:
+        done = self.done[program.device]
+        try:
+            for index, ins in enumerate(program.instructions):
+                if ins.stream != stream:
+                    continue
+                label = f"dev{program.device} #{index} {ins}"
+                if ins.waits:
+                    self.sync.wait_until(lambda ins=ins: all(done[j] for j in ins.waits), label)
+                self._execute(program.device, ins, label)
+                with self.sync.locked():
+                    done[index] = True
+                    self.sync.changed()
+        except Aborted:
+            pass
+        except BaseException as error:  # noqa: BLE001 - handed to the caller of run()
+            self.sync.fail(error)
+        finally:
+            self.sync.thread_done()
+
+    def _execute(self, device: int, ins: Instruction, label: str) -> None:
+        worker = self.workers[ins.stage]
         if ins.kind == "compute":
             if ins.phase == "F":
-                worker.forward(ins.microbatch)
+                worker.forward(ins.microbatch, label)
             elif ins.phase == "B":
-                worker.backward(ins.microbatch, 1.0 / self.microbatches)
+                worker.backward(ins.microbatch, 1.0 / self.microbatches, label)
             else:
-                worker.update()
-            return True
-        if ins.kind == "send":
+                worker.update(label)
+        elif ins.kind == "send":
             for value in ins.values:
-                tensor = worker.output(ins.microbatch, value) if ins.what == "act" else worker.take_input_grad(ins.microbatch, value)
-                self.transport.send(ins.what, value, ins.microbatch, device, ins.peer, tensor)
-            return True
-        if ins.kind == "recv":
-            keys = [(ins.what, v, ins.microbatch, ins.peer, device) for v in ins.values]
-            if not all(k in self.transport.mailbox for k in keys):
-                return False
-            for value in ins.values:
-                tensor = self.transport.recv(ins.what, value, ins.microbatch, ins.peer, device)
                 if ins.what == "act":
-                    worker.provide(ins.microbatch, value, tensor)
+                    tensor = worker.output(ins.microbatch, value)
                 else:
-                    worker.add_output_grad(ins.microbatch, value, tensor)
-            return True
-        if ins.kind == "allreduce":
-            return self._all_reduce(device, worker, ins)
-        raise PlanError(f"the in-process runtime cannot execute {ins}")
+                    tensor = worker.take_input_grad(ins.microbatch, value)
+                key = (ins.what, value, ins.microbatch, ins.stage, ins.peer_stage)
+                self.transport.send(key, device, ins.peer, tensor, label)
+        elif ins.kind == "recv":
+            for value in ins.values:
+                key = (ins.what, value, ins.microbatch, ins.peer_stage, ins.stage)
+                tensor = self.transport.recv(key, label)
+                if ins.what == "act":
+                    worker.provide(ins.microbatch, value, tensor, ("buffer",) + key)
+                else:
+                    worker.add_output_grad(ins.microbatch, value, tensor, ("buffer",) + key)
+        elif ins.kind == "allreduce":
+            self._all_reduce(device, worker, ins, label)
+        else:
+            raise PlanError(f"the runtime cannot execute {ins}")
 
-    def _all_reduce(self, device: int, worker: StageWorker, ins: Instruction) -> bool:
+    def _all_reduce(self, device: int, worker: StageWorker, ins: Instruction, label: str) -> None:
         tag = (self.iteration, ins.what, ins.values)
         if ins.what == "shared-grad":
-            names = [worker_name(worker, fqn) for fqn in ins.values]
-            result = self.transport.all_reduce(tag, ins.group, device, worker.named_grads(names))
-            if result is None:
-                return False
-            worker.set_grads(names, result)
-            return True
-        result = self.transport.all_reduce(tag, ins.group, device, [worker.grad_square_sum()])
-        if result is None:
-            return False
-        total_norm = math.sqrt(float(result[0]))
-        coefficient = min(self.clip_grad_norm / (total_norm + 1e-6), 1.0)
-        worker.scale_grads(torch.tensor(coefficient))
-        return True
-
-
-def worker_name(worker: StageWorker, fqn: str) -> str:
-    """The name under which this stage holds the shared tensor known as `fqn`."""
-    return worker.shared_names.get(fqn, fqn)
+            names = [worker.shared_names.get(fqn, fqn) for fqn in ins.values]
+            worker.set_grads(names, self.transport.all_reduce(tag, ins.group, device, worker.named_grads(names), label))
+            return
+        (total,) = self.transport.all_reduce(tag, ins.group, device, [worker.grad_square_sum()], label)
+        total_norm = math.sqrt(float(total))
+        worker.scale_grads(min(self.clip_grad_norm / (total_norm + 1e-6), 1.0))

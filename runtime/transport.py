@@ -1,47 +1,55 @@
-"""Moving tensors between the devices of one process: point-to-point mailboxes and all-reduce.
+"""Moving tensors between the stages of one process: mailboxes and all-reduce.
 
-Sends never block (the mailbox holds the tensor until the receiver takes it); a receive or
-an all-reduce that cannot complete yet reports "not ready" so the executor can run another
-device's program instead of waiting, which is how N devices share one Python thread.
+A send copies the tensor into a transfer buffer taken from the receiver's memory pool
+(the device-to-device copy), and never blocks; a receive and an all-reduce wait, through the
+shared `Sync` monitor, until their partner has arrived. Messages are keyed by stage, so two
+stages on one device (interleaved schedules) exchange through the same mechanism.
 """
 
 from __future__ import annotations
 
 import torch
-
-Key = tuple  # (what, value, microbatch, src, dst)
+from stagewise.runtime.pool import MemoryPool
+from stagewise.runtime.sync import Sync
 
 
 class LocalTransport:
-    def __init__(self, devices: list[torch.device]):
-        self.devices = devices
-        self.mailbox: dict[Key, torch.Tensor] = {}
+    def __init__(self, pools: list[MemoryPool]):
+        self.pools = pools
+        self.sync: Sync | None = None
+        self.mailbox: dict[tuple, torch.Tensor] = {}
         self.reductions: dict[tuple, dict[int, list[torch.Tensor]]] = {}
         self.taken: dict[tuple, set[int]] = {}
-        self.p2p_bytes = [0] * len(devices)
 
-    def send(self, what: str, value: str, microbatch: int, src: int, dst: int, tensor: torch.Tensor) -> None:
-        moved = tensor.detach().to(self.devices[dst], non_blocking=True)
-        self.p2p_bytes[src] += tensor.numel() * tensor.element_size()
-        key = (what, value, microbatch, src, dst)
-        if key in self.mailbox and what == "act":
-            raise RuntimeError(f"duplicate send of {key}")
-        self.mailbox[key] = moved
+    def send(self, key: tuple, src_device: int, dst_device: int, tensor: torch.Tensor, instruction: str) -> None:
+        """key = (what, value, microbatch, src stage, dst stage)."""
+        pool = self.pools[dst_device]
+        buffer = pool.take_buffer(tensor, ("buffer",) + key, instruction)
+        with torch.no_grad():
+            buffer.copy_(tensor.detach(), non_blocking=True)
+        self.pools[src_device].p2p_bytes += tensor.numel() * tensor.element_size()
+        with self.sync.locked():
+            self.mailbox[key] = buffer
+            self.sync.changed()
 
-    def recv(self, what: str, value: str, microbatch: int, src: int, dst: int) -> torch.Tensor | None:
-        return self.mailbox.pop((what, value, microbatch, src, dst), None)
+    def recv(self, key: tuple, instruction: str) -> torch.Tensor:
+        self.sync.wait_until(lambda: key in self.mailbox, instruction)
+        with self.sync.locked():
+            return self.mailbox.pop(key)
 
-    def all_reduce(self, tag: tuple, group: tuple[int, ...], rank: int, tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
-        """Sum `tensors` elementwise over `group`; None until every member has contributed."""
+    def all_reduce(self, tag: tuple, group: tuple[int, ...], rank: int, tensors: list[torch.Tensor], instruction: str) -> list[torch.Tensor]:
+        """Sum `tensors` over the group members (in group order, so every member gets the same bits)."""
         key = (tag, group)
-        contributions = self.reductions.setdefault(key, {})
-        contributions.setdefault(rank, [t.detach() for t in tensors])
-        if len(contributions) < len(group):
-            return None
-        device = self.devices[rank]
-        result = [sum(c[i].to(device) for c in (contributions[r] for r in group)) for i in range(len(tensors))]
-        taken = self.taken.setdefault(key, set())
-        taken.add(rank)
-        if taken == set(group):
-            del self.reductions[key], self.taken[key]
+        with self.sync.locked():
+            self.reductions.setdefault(key, {}).setdefault(rank, [t.detach() for t in tensors])
+            self.sync.changed()
+        self.sync.wait_until(lambda: len(self.reductions.get(key, {})) == len(group), instruction)
+        with self.sync.locked():
+            contributions = self.reductions[key]
+            device = tensors[0].device if tensors else torch.device("cpu")
+            result = [sum(contributions[r][i].to(device) for r in group) for i in range(len(tensors))]
+            taken = self.taken.setdefault(key, set())
+            taken.add(rank)
+            if taken == set(group):
+                del self.reductions[key], self.taken[key]
         return result

@@ -1,0 +1,113 @@
+"""The runtime: stream threads, events, the memory pool, and errors instead of hangs."""
+
+import threading
+from dataclasses import replace
+
+import pytest
+import stagewise as sw
+import torch
+import torch.nn.functional as F
+from stagewise.compiler.ir import Program
+
+from tests.models.gpt import TinyGPT, lm_loss
+from tests.models.mlp import mlp
+
+X, Y = torch.randn(8, 8), torch.randint(0, 5, (8,))
+
+
+def compile_mlp(devices=3, **kwargs):
+    return sw.compile(mlp(), devices, (X,), loss_fn=F.cross_entropy, example_target=Y, microbatches=4, **kwargs)
+
+
+def test_every_instruction_names_its_events():
+    pipe = compile_mlp()
+    program = pipe.programs[1]
+    for index, ins in enumerate(program.instructions):
+        assert all(j < index and program.instructions[j].stream != ins.stream for j in ins.waits)
+        if ins.kind == "compute" and ins.phase == "F":
+            (recv,) = [program.instructions[j] for j in ins.waits]
+            assert recv.kind == "recv" and recv.microbatch == ins.microbatch
+
+
+def test_stats_count_peak_stash_and_p2p():
+    pipe = compile_mlp(schedule="gpipe")
+    pipe.step(X, target=Y)
+    stats = pipe.stats
+    assert [s["device"] for s in stats] == [0, 1, 2]
+    for s in stats:
+        assert s["peak_bytes"] >= s["weights_bytes"] + s["optimizer_bytes"] > 0
+        assert s["stash_bytes"] == 0 and s["buffer_bytes"] == 0  # everything released after the step
+    # every activation and gradient crossing a cut was counted once by its sender
+    crossing = sum(t.bytes_per_sample for t in pipe.plan.transfers) * 8
+    assert sum(s["p2p_bytes"] for s in stats) == pytest.approx(2 * crossing)
+    pipe.step(X, target=Y)
+    assert sum(s["reused_buffers"] for s in pipe.stats) > 0  # transfer buffers are recycled
+
+
+def test_one_f_one_b_stashes_less_than_gpipe():
+    ids = torch.randint(0, 64, (8, 8))
+    peaks = {}
+    for schedule in ("gpipe", "1f1b"):
+        pipe = sw.compile(TinyGPT(), 4, (ids,), loss_fn=lm_loss, example_target=ids, microbatches=8, schedule=schedule)
+        pipe.step(ids, target=ids)
+        peaks[schedule] = pipe.stats[0]["peak_bytes"]
+    assert peaks["1f1b"] < peaks["gpipe"]
+
+
+def test_capacity_is_enforced_with_a_clear_error():
+    ids = torch.randint(0, 64, (8, 8))
+    probe = sw.compile(TinyGPT(), 2, (ids,), loss_fn=lm_loss, example_target=ids, microbatches=4)
+    probe.step(ids, target=ids)
+    weights = probe.stats[1]["weights_bytes"]
+    devices = [sw.Device("cpu"), sw.Device("cpu", memory=weights + 1024)]
+    pipe = sw.compile(TinyGPT(), devices, (ids,), loss_fn=lm_loss, example_target=ids, microbatches=4)
+    with pytest.raises(sw.CapacityError, match=r"device 1 \(cpu\) needs [\d.]+ KiB more for (buffer|stash) at `dev\d #\d+ .*mb=0.*` but already holds"):
+        pipe.step(ids, target=ids)
+
+
+def test_inconsistent_programs_are_a_deadlock_error_not_a_hang():
+    pipe = compile_mlp()
+    program = pipe.plan.programs[2]
+    # drop device 2's first gradient send: device 1 then waits for a message that never comes
+    first_send = next(i for i, ins in enumerate(program.instructions) if ins.kind == "send")
+    broken = Program(2, program.instructions[:first_send] + program.instructions[first_send + 1 :])
+    pipe.executor.programs = pipe.plan.programs[:2] + (_renumber(broken, first_send),)
+    with pytest.raises(sw.PlanError, match="deadlock"):
+        pipe.step(X, target=Y)
+    assert threading.active_count() < 5  # no stream thread left behind
+
+
+def test_a_failing_stream_stops_every_device_and_reports_the_error():
+    pipe = compile_mlp()
+
+    def explode(*args):
+        raise RuntimeError("simulated device failure")
+
+    pipe.workers[1].forward = explode
+    with pytest.raises(RuntimeError, match="simulated device failure"):
+        pipe.step(X, target=Y)
+
+
+def test_silent_peer_times_out():
+    pipe = compile_mlp()
+    pipe.executor.timeout_s = 0.5
+    original = pipe.transport.send
+
+    def lose_messages_to_device_2(key, src, dst, tensor, instruction):
+        if dst != 2:
+            original(key, src, dst, tensor, instruction)
+
+    pipe.transport.send = lose_messages_to_device_2
+    # device 2 waits for its activation; devices 0 and 1 keep waiting for gradients: a deadlock
+    # among the threads of this process is detected at once, before the timeout.
+    with pytest.raises((sw.PeerError, sw.PlanError)):
+        pipe.step(X, target=Y)
+
+
+def _renumber(program: Program, removed: int) -> Program:
+    """Shift event indices after removing instruction `removed`."""
+    fixed = []
+    for ins in program.instructions:
+        waits = tuple(j - (j > removed) for j in ins.waits if j != removed)
+        fixed.append(replace(ins, waits=waits))
+    return Program(program.device, tuple(fixed))
