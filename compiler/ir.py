@@ -83,6 +83,8 @@ class Transfer:
     bytes_per_sample: float
     requires_grad: bool
     route: str = "direct"
+    shape: tuple[int, ...] = ()  # for one microbatch; a receiver allocates its buffer from it
+    dtype: str = "float32"
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,10 @@ def build_stages(
             continue
         src = stage_of[node.name]
         for dst in sorted({stage_of[u.name] for u in node.users if u.name in stage_of} - {src}):
-            v = info[node.name]
-            transfers.append(Transfer(node.name, src, dst, v.bytes_per_sample, v.requires_grad))
+            v, val = info[node.name], node.meta.get("val")
+            shape = tuple(int(d) for d in val.shape) if hasattr(val, "shape") else ()
+            dtype = str(val.dtype).removeprefix("torch.") if hasattr(val, "dtype") else "float32"
+            transfers.append(Transfer(node.name, src, dst, v.bytes_per_sample, v.requires_grad, "direct", shape, dtype))
 
     stages = []
     for s in range(len(starts)):
