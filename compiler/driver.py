@@ -20,6 +20,7 @@ from stagewise.passes.shared import alias_groups, find_shared
 from stagewise.passes.stages import build_stages
 
 DEFAULT_OPTIMIZER = functools.partial(torch.optim.SGD, lr=0.01)
+VIRTUAL_STAGES = 2  # model chunks per device under the interleaved schedule
 
 
 def compile(  # noqa: A001 - the public name of the API
@@ -51,18 +52,19 @@ def compile(  # noqa: A001 - the public name of the API
 
     layers = build_layers(gm, model)
     cuts = find_cuts(gm, layers, size)
+    n_stages = len(resolved) * (VIRTUAL_STAGES if schedule == "interleaved" else 1)
     if split_points is not None:
         starts = starts_from_split_points(layers, cuts, list(split_points))
-        if len(starts) != len(resolved):
+        if len(starts) != n_stages:
             raise PartitionError(
-                f"split_points gives {len(starts)} stages but there are {len(resolved)} devices; "
-                f"give {len(resolved) - 1} split points"
+                f"split_points gives {len(starts)} stages but {len(resolved)} devices with schedule "
+                f"{schedule!r} need {n_stages}; give {n_stages - 1} split points"
             )
     else:
-        starts = balanced_starts(layers, cuts, len(resolved))
-    stages, transfers = build_stages(gm, layers, starts, size)
+        starts = balanced_starts(layers, cuts, n_stages)
+    stages, transfers = build_stages(gm, layers, starts, size, len(resolved))
     shared = find_shared(gm, stages)
-    schedule_name, tasks = schedule_tasks(schedule, len(stages), microbatches)
+    schedule_name, tasks = schedule_tasks(schedule, len(stages), microbatches, len(resolved))
     programs = lower(stages, transfers, shared, tasks, clip_grad_norm is not None)
     plan = Plan(
         model=type(model).__name__,

@@ -102,19 +102,23 @@ class Stage:
 
 @dataclass(frozen=True)
 class Task:
-    """One unit of schedule: forward (F) or backward (B) of a stage on a microbatch, or its update (U)."""
+    """One unit of schedule: forward (F), recompute (R) or backward (B) of a stage on a
+    microbatch, or its update (U). A forward with `recompute` keeps only its inputs; an R
+    task re-runs it with autograd just before the backward (Varuna §3.2)."""
 
     kind: str
     stage: int
     microbatch: int | None = None
+    recompute: bool = False
 
 
 @dataclass(frozen=True)
 class Instruction:
     """One step of a device program, run on one of the device's five streams.
 
-    kind: "compute" (phase F, B or U), "send", "recv" (what: "act" or "grad"),
-    "allreduce" (what: "shared-grad" or "grad-norm"), "swap_in", "swap_out", "free".
+    kind: "compute" (phase F, R, B or U; an F with what="no-stash" keeps only its inputs for a
+    later R), "send", "recv" (what: "act" or "grad"), "allreduce" (what: "shared-grad" or
+    "grad-norm"; `group` lists the member stages), "swap_in", "swap_out", "free".
     """
 
     kind: str
@@ -142,7 +146,7 @@ class Instruction:
         if self.peer is not None:
             parts.append(("-> " if self.kind == "send" else "<- ") + f"dev{self.peer}")
         if self.group:
-            parts.append("group=" + ",".join(f"dev{d}" for d in self.group))
+            parts.append("stages=" + ",".join(map(str, self.group)))
         if self.values:
             parts.append("[" + ", ".join(self.values) + "]")
         if self.waits:

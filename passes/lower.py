@@ -1,4 +1,4 @@
-"""Lower per-stage task lists to per-device instruction programs.
+"""Lower per-device task lists to per-device instruction programs.
 
 Each forward task is preceded by the receives of its incoming activations (p2p_in stream)
 and followed by the sends of its outputs (p2p_out); each backward task mirrors that with
@@ -22,30 +22,39 @@ def lower(
     tasks: list[list[Task]],
     clip_grad_norm: bool,
 ) -> tuple[Program, ...]:
+    """`tasks[d]` is device d's task list; each task names its stage (several may share a device)."""
     device_of = {s.index: s.device for s in stages}
     incoming = _group(transfers, key="dst", peer="src")
     outgoing = _group(transfers, key="src", peer="dst")
     programs = []
-    for stage in stages:
-        s = stage.index
+    for device, device_tasks in enumerate(tasks):
         code: list[Instruction] = []
-        for task in tasks[s]:
+        for task in device_tasks:
+            s, mb = task.stage, task.microbatch
             if task.kind == "F":
                 for src, values in incoming[s].items():
-                    code.append(Instruction("recv", "p2p_in", s, None, task.microbatch, "act", device_of[src], values, (), src))
-                code.append(Instruction("compute", "compute", s, "F", task.microbatch))
+                    code.append(_p2p("recv", s, mb, "act", src, device_of[src], values))
+                code.append(Instruction("compute", "compute", s, "F", mb, "no-stash" if task.recompute else None))
                 for dst, values in outgoing[s].items():
-                    code.append(Instruction("send", "p2p_out", s, None, task.microbatch, "act", device_of[dst], values, (), dst))
+                    code.append(_p2p("send", s, mb, "act", dst, device_of[dst], values))
+            elif task.kind == "R":
+                code.append(Instruction("compute", "compute", s, "R", mb))
             elif task.kind == "B":
                 for dst, values in _with_grad(outgoing[s], transfers, s, "src").items():
-                    code.append(Instruction("recv", "p2p_in", s, None, task.microbatch, "grad", device_of[dst], values, (), dst))
-                code.append(Instruction("compute", "compute", s, "B", task.microbatch))
+                    code.append(_p2p("recv", s, mb, "grad", dst, device_of[dst], values))
+                code.append(Instruction("compute", "compute", s, "B", mb))
                 for src, values in _with_grad(incoming[s], transfers, s, "dst").items():
-                    code.append(Instruction("send", "p2p_out", s, None, task.microbatch, "grad", device_of[src], values, (), src))
-            elif task.kind == "U":
-                code += _update(stage, stages, shared, clip_grad_norm)
-        programs.append(Program(stage.device, tuple(code)))
+                    code.append(_p2p("send", s, mb, "grad", src, device_of[src], values))
+        updates = [stages[t.stage] for t in device_tasks if t.kind == "U"]
+        if updates:  # every schedule ends with its updates
+            code += _updates(updates, stages, shared, clip_grad_norm)
+        programs.append(Program(device, tuple(code)))
     return tuple(with_events(p) for p in programs)
+
+
+def _p2p(kind: str, stage: int, microbatch: int, what: str, peer_stage: int, peer: int, values) -> Instruction:
+    stream = "p2p_in" if kind == "recv" else "p2p_out"
+    return Instruction(kind, stream, stage, None, microbatch, what, peer, values, peer_stage=peer_stage)
 
 
 def with_events(program: Program) -> Program:
@@ -66,7 +75,7 @@ def with_events(program: Program) -> Program:
 
 def _waits_for(ins: Instruction, prev: Instruction) -> bool:
     same = prev.stage == ins.stage and prev.microbatch == ins.microbatch
-    if ins.kind == "compute" and ins.phase in ("F", "B"):
+    if ins.kind == "compute" and ins.phase in ("F", "B"):  # R re-runs F on inputs it already has
         received = {"F": "act", "B": "grad"}[ins.phase]
         return same and prev.kind == "recv" and prev.what == received
     if ins.kind == "send":
@@ -83,18 +92,26 @@ def _latest_per_stream(waits: tuple[int, ...], code) -> tuple[int, ...]:
     return tuple(sorted(latest.values()))
 
 
-def _update(stage: Stage, stages, shared, clip_grad_norm: bool) -> list[Instruction]:
+def _updates(local: list[Stage], stages, shared, clip_grad_norm: bool) -> list[Instruction]:
+    """The device's all-reduces, then each local stage's update.
+
+    One all-reduce per group of stages holding replicas of the same tensors, and one for the
+    gradient norm, issued once per device: the device contributes the sum over its member
+    stages, so two replicas on one device (interleaved chunks) never wait on each other.
+    """
     code = []
-    groups: dict[tuple[int, ...], list[str]] = defaultdict(list)
+    mine = {s.index for s in local}
+    groups: dict[tuple[int, ...], list[str]] = defaultdict(list)  # all-reduce groups list stages
     for tensor in shared:
-        if stage.index in tensor.stages and tensor.kind != "buffer":
-            groups[tuple(stages[i].device for i in tensor.stages)].append(tensor.fqn)
+        if mine & set(tensor.stages) and tensor.kind != "buffer":
+            groups[tensor.stages].append(tensor.fqn)
+    first = min(mine)
     for group, names in sorted(groups.items()):
-        code.append(Instruction("allreduce", "compute", stage.index, None, None, "shared-grad", None, tuple(names), group))
+        code.append(Instruction("allreduce", "compute", first, None, None, "shared-grad", None, tuple(names), group))
     if clip_grad_norm:
-        everyone = tuple(s.device for s in stages)
-        code.append(Instruction("allreduce", "compute", stage.index, None, None, "grad-norm", None, (), everyone))
-    code.append(Instruction("compute", "compute", stage.index, "U"))
+        everyone = tuple(s.index for s in stages)
+        code.append(Instruction("allreduce", "compute", first, None, None, "grad-norm", None, (), everyone))
+    code += [Instruction("compute", "compute", stage.index, "U") for stage in local]
     return code
 
 

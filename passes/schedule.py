@@ -1,12 +1,16 @@
-"""Schedules: the order in which each stage runs its forward, backward and update tasks.
+"""Schedules: the order in which each device runs its stages' forward, backward and update tasks.
 
-GPipe (Huang et al., as used by Harmony and Varuna as the baseline): every microbatch's
-forward, then every backward in reverse order, then one synchronous update. Gradients are
-accumulated over microbatches, so the step equals one step on the whole minibatch.
+Every schedule here flushes: all microbatches' gradients are accumulated before one
+synchronous update, so the step equals one step on the whole minibatch whatever the order.
+A schedule returns one task list per device; with virtual stages a device runs several.
 
-1F1B (PipeDream-Flush, Narayanan's dissertation §4.2.2, Fig. 4.4 top): the same flush and
-the same bubble, (p - 1)/m, but each stage alternates one forward with one backward after a
-short warm-up, so at most p microbatches have activations stashed instead of m.
+- GPipe (Huang et al.; the baseline of Harmony and Varuna): all forwards, then all backwards.
+- 1F1B (PipeDream-Flush, Narayanan §4.2.2, Fig. 4.4 top): same bubble (p - 1)/m, but after a
+  warm-up each stage alternates one forward and one backward: p stashes instead of m.
+- Interleaved 1F1B (Megatron, Narayanan §4.2.2, Fig. 4.4 bottom): v model chunks per device,
+  stage s on device s mod p; the bubble shrinks to (1/v)(p - 1)/m.
+- Varuna (Varuna §3.2, Fig. 4): recompute instead of stash on every stage but the last, with
+  the static order produced by rules 1-3.
 """
 
 from __future__ import annotations
@@ -44,12 +48,99 @@ def one_f_one_b(n_stages: int, microbatches: int) -> list[list[Task]]:
     return tasks
 
 
-def schedule_tasks(name: str, n_stages: int, microbatches: int) -> tuple[str, list[list[Task]]]:
-    """The resolved schedule name and each stage's task list."""
+def interleaved(n_devices: int, chunks: int, microbatches: int) -> list[list[Task]]:
+    """Megatron's interleaved 1F1B: device d runs stages d, d + p, ..., d + (v - 1) p.
+
+    Forwards go through the device's chunks in groups of p microbatches (chunk (k // p) % v
+    for the k-th forward of the device), backwards through the chunks in reverse; the warm-up
+    is 2(p - d - 1) + (v - 1) p forwards (Narayanan §4.2.2). Needs m divisible by p.
+    """
+    p, v, m = n_devices, chunks, microbatches
+    if m % p:
+        raise PlanError(f"the interleaved schedule needs microbatches divisible by the {p} devices, got {m}")
+    total = m * v
+
+    def forward(d: int, k: int) -> Task:
+        chunk = (k // p) % v
+        return Task("F", chunk * p + d, (k // (p * v)) * p + k % p)
+
+    def backward(d: int, k: int) -> Task:
+        chunk = v - 1 - (k // p) % v
+        return Task("B", chunk * p + d, (k // (p * v)) * p + k % p)
+
+    tasks = []
+    for d in range(p):
+        warmup = min(2 * (p - d - 1) + (v - 1) * p, total)
+        order = [forward(d, k) for k in range(warmup)]
+        for k in range(total - warmup):
+            order += [forward(d, warmup + k), backward(d, k)]
+        order += [backward(d, k) for k in range(total - warmup, total)]
+        tasks.append(order + [Task("U", chunk * p + d) for chunk in range(v)])
+    return tasks
+
+
+def varuna(n_stages: int, microbatches: int) -> list[list[Task]]:
+    """Varuna's static schedule (§3.2): list scheduling with uniform Tf = 1, Tb = 2, Tr = 1.
+
+    Rule 1: stage k recomputes microbatch j so that the recompute ends as stage k+1
+    finishes j's backward, not earlier. Rule 2: after a recompute, the stage waits for that
+    microbatch's backward. Rule 3: of tasks ready at once, backward (and its recompute) goes
+    first. The last stage keeps its activations: it runs each backward right after its
+    forward. The task that can start earliest on any stage is scheduled next.
+    """
+    p, m = n_stages, microbatches
+    end = {kind: [[None] * m for _ in range(p)] for kind in "FRB"}
+    duration = {"F": 1, "R": 1, "B": 2}
+    free = [0] * p
+    next_f, next_b = [0] * p, [0] * p
+    order: list[list[Task]] = [[] for _ in range(p)]
+    while any(b < m for b in next_b):
+        options = []
+        for k in range(p):
+            for ready, kind, j in _varuna_ready(k, p, m, next_f, next_b, end):
+                options.append((max(ready, free[k]), "BRF".index(kind), k, kind, j))
+        start, _, k, kind, j = min(options)
+        free[k] = start + duration[kind]
+        end[kind][k][j] = free[k]
+        next_f[k] += kind == "F"
+        next_b[k] += kind == "B"
+        order[k].append(Task(kind, k, j, recompute=kind == "F" and k < p - 1))
+    return [tasks + [Task("U", k)] for k, tasks in enumerate(order)]
+
+
+def _varuna_ready(k: int, p: int, m: int, next_f: list[int], next_b: list[int], end) -> list[tuple[float, str, int]]:
+    """(time ready, kind, microbatch) of the tasks stage k may run next; none if it must wait."""
+    j = next_b[k]
+    if j >= m:
+        return []
+    last = k == p - 1
+    if last:
+        if j < next_f[k]:
+            return [(end["F"][k][j], "B", j)]
+    else:
+        grad_at = end["B"][k + 1][j]
+        if end["R"][k][j] is not None:  # rule 2: nothing but this microbatch's backward
+            return [(max(grad_at, end["R"][k][j]), "B", j)] if grad_at is not None else []
+    options = []
+    if not last and j < next_f[k] and grad_at is not None:
+        options.append((grad_at - 1, "R", j))  # rule 1
+    i = next_f[k]
+    if i < m and (k == 0 or end["F"][k - 1][i] is not None):
+        options.append((0 if k == 0 else end["F"][k - 1][i], "F", i))
+    return options
+
+
+def schedule_tasks(name: str, n_stages: int, microbatches: int, n_devices: int | None = None) -> tuple[str, list[list[Task]]]:
+    """The resolved schedule name and each device's task list (stage s on device s mod n_devices)."""
+    n_devices = n_devices or n_stages
     if name not in SCHEDULES:
         raise PlanError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
     if name in ("auto", "gpipe"):
         return "gpipe", gpipe(n_stages, microbatches)
     if name == "1f1b":
         return "1f1b", one_f_one_b(n_stages, microbatches)
-    raise PlanError(f"schedule {name!r} is not implemented yet; use schedule='gpipe', '1f1b' or 'auto'")
+    if name == "interleaved":
+        return "interleaved", interleaved(n_devices, n_stages // n_devices, microbatches)
+    if name == "varuna":
+        return "varuna", varuna(n_stages, microbatches)
+    raise PlanError(f"schedule {name!r} is not implemented yet; use 'gpipe', '1f1b', 'interleaved' or 'varuna'")

@@ -78,7 +78,7 @@ class SimCost:
         return cls((forward_s,) * n_stages, (backward_s,) * n_stages, **kwargs)
 
     def compute_s(self, ins: Instruction) -> float:
-        table = {"F": self.forward_s, "B": self.backward_s, "U": self.update_s}[ins.phase]
+        table = {"F": self.forward_s, "R": self.forward_s, "B": self.backward_s, "U": self.update_s}[ins.phase]
         return _at(table, ins.stage)
 
     def link(self, src: int, dst: int) -> tuple[int, int]:
@@ -257,7 +257,8 @@ class _Simulation:
             raise PlanError(f"the simulator does not model {ins.kind!r} instructions yet: {ins}")
 
     def _start_compute(self, op: tuple[int, int], ins: Instruction) -> None:
-        if ins.phase == "F":
+        stashes = (ins.phase == "F" and ins.what != "no-stash") or ins.phase == "R"
+        if stashes:
             self.memory[op[0]].append((self.now, _at(self.cost.stash_bytes, ins.stage)))
         self._after(self.cost.compute_s(ins), op)
 
@@ -265,12 +266,12 @@ class _Simulation:
         src, dst = op[0], ins.peer
         nbytes = self.cost.bytes_of(ins)
         self.p2p[src] += nbytes
-        key = (ins.what, ins.values, ins.microbatch, src, dst)
+        key = _message_key(ins, sender=src, receiver=dst)
         bandwidth = self.cost.link_bandwidth(src, dst)
         self.flows.append(_Flow(key, self.cost.link(src, dst), bandwidth, nbytes, self.now, op))
 
     def _post_recv(self, op: tuple[int, int], ins: Instruction) -> None:
-        key = (ins.what, ins.values, ins.microbatch, ins.peer, op[0])
+        key = _message_key(ins, sender=ins.peer, receiver=op[0])
         if self.arrived[key]:
             self._complete_recv(op, self.arrived[key].popleft())
         else:
@@ -278,8 +279,9 @@ class _Simulation:
 
     def _join_allreduce(self, op: tuple[int, int], ins: Instruction) -> None:
         tag = (ins.what, ins.values, ins.group)
-        key = (*tag, self.seen[(op[0], tag)])
-        self.seen[(op[0], tag)] += 1
+        member = ins.stage if ins.stage is not None else op[0]  # groups list stages
+        key = (*tag, self.seen[(member, tag)])
+        self.seen[(member, tag)] += 1
         members = self.rendezvous[key]
         members.append(op)
         if len(members) == len(ins.group):
@@ -395,6 +397,13 @@ class _Simulation:
 
 def _span_order(span: Span) -> tuple:
     return (span.start, span.device, STREAMS.index(span.stream), span.index)
+
+
+def _message_key(ins: Instruction, sender: int, receiver: int) -> tuple:
+    """Messages match by stage (two stages of one device may talk); by device where no stage is named."""
+    if ins.peer_stage is not None and ins.stage is not None:
+        sender, receiver = (ins.stage, ins.peer_stage) if ins.kind == "send" else (ins.peer_stage, ins.stage)
+    return (ins.what, ins.values, ins.microbatch, sender, receiver)
 
 
 def _dependencies(program: Program) -> list[tuple[int, ...]]:

@@ -35,6 +35,7 @@ class StreamExecutor:
     ):
         self.programs = programs
         self.workers = {w.stage.index: w for w in workers}
+        self.device_of = {w.stage.index: w.stage.device for w in workers}
         self.transport = transport
         self.clip_grad_norm = clip_grad_norm
         self.timeout_s = timeout_s
@@ -86,8 +87,8 @@ class StreamExecutor:
     def _execute(self, device: int, ins: Instruction, label: str) -> None:
         worker = self.workers[ins.stage]
         if ins.kind == "compute":
-            if ins.phase == "F":
-                worker.forward(ins.microbatch, label)
+            if ins.phase in ("F", "R"):
+                worker.forward(ins.microbatch, label, stash=ins.what != "no-stash")
             elif ins.phase == "B":
                 worker.backward(ins.microbatch, 1.0 / self.microbatches, label)
             else:
@@ -114,11 +115,20 @@ class StreamExecutor:
             raise PlanError(f"the runtime cannot execute {ins}")
 
     def _all_reduce(self, device: int, worker: StageWorker, ins: Instruction, label: str) -> None:
-        tag = (self.iteration, ins.what, ins.values)
+        """Sum over the group's stages: this device contributes the sum over its member stages."""
+        local = [self.workers[s] for s in ins.group if self.device_of[s] == device]
+        devices = tuple(sorted({self.device_of[s] for s in ins.group}))
+        tag = (self.iteration, ins.what, ins.values, ins.group)
         if ins.what == "shared-grad":
-            names = [worker.shared_names.get(fqn, fqn) for fqn in ins.values]
-            worker.set_grads(names, self.transport.all_reduce(tag, ins.group, device, worker.named_grads(names), label))
+            names = [[w.shared_names.get(fqn, fqn) for fqn in ins.values] for w in local]
+            grads = [w.named_grads(n) for w, n in zip(local, names, strict=True)]
+            summed = [sum(parts) for parts in zip(*grads, strict=True)]
+            result = self.transport.all_reduce(tag, devices, device, summed, label)
+            for w, n in zip(local, names, strict=True):
+                w.set_grads(n, [r.clone() for r in result])
             return
-        (total,) = self.transport.all_reduce(tag, ins.group, device, [worker.grad_square_sum()], label)
-        total_norm = math.sqrt(float(total))
-        worker.scale_grads(min(self.clip_grad_norm / (total_norm + 1e-6), 1.0))
+        square_sum = sum(w.grad_square_sum() for w in local)
+        (total,) = self.transport.all_reduce(tag, devices, device, [square_sum], label)
+        coefficient = min(self.clip_grad_norm / (math.sqrt(float(total)) + 1e-6), 1.0)
+        for w in local:
+            w.scale_grads(coefficient)

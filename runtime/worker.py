@@ -60,10 +60,12 @@ class StageWorker:
                 value = value.detach().requires_grad_(True)
         self.inputs.setdefault(microbatch, {})[name] = value
 
-    def forward(self, microbatch: int, instruction: str) -> None:
+    def forward(self, microbatch: int, instruction: str, stash: bool = True) -> None:
+        """Run the stage on one microbatch. Without `stash` autograd records nothing and only the
+        inputs stay (a recompute, the same call with stash=True, rebuilds the graph before B)."""
         args = [self.inputs[microbatch][name] for name in self.stage.inputs]
         saved: list[torch.Tensor] = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        with torch.set_grad_enabled(stash), torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
             outputs = self.module(*args)
         self.outputs[microbatch] = outputs
         stashed = [t for t in saved + list(outputs) if isinstance(t, torch.Tensor)
@@ -71,7 +73,7 @@ class StageWorker:
         self.pool.allocate("stash", ("stash", self.stage.index, microbatch), nbytes(stashed), instruction)
         if self.is_last:
             self.losses[microbatch] = outputs[0]
-        if not any(isinstance(o, torch.Tensor) and o.requires_grad for o in outputs):
+        if stash and not any(isinstance(o, torch.Tensor) and o.requires_grad for o in outputs):
             self._release_inputs(microbatch)
 
     def output(self, microbatch: int, name: str) -> torch.Tensor:

@@ -80,7 +80,7 @@ def test_inconsistent_programs_are_a_deadlock_error_not_a_hang():
 def test_a_failing_stream_stops_every_device_and_reports_the_error():
     pipe = compile_mlp()
 
-    def explode(*args):
+    def explode(*args, **kwargs):
         raise RuntimeError("simulated device failure")
 
     pipe.workers[1].forward = explode

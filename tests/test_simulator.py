@@ -65,7 +65,7 @@ def test_1f1b_task_order() -> None:
     assert few == ["F0", "F1", "B0", "B1", "U"]  # m < p: the warm-up is cut to m
     assert schedule_tasks("1f1b", 2, 2)[0] == "1f1b"
     with pytest.raises(PlanError, match="not implemented"):
-        schedule_tasks("interleaved", 2, 2)
+        schedule_tasks("harmony-dp", 2, 2)
 
 
 # ---- the bubble --------------------------------------------------------------------------------

@@ -1,0 +1,94 @@
+"""Schedules: their task orders match the papers, their bubbles the formulas, their training eager's."""
+
+import pytest
+import torch
+from stagewise.compiler.ir import Stage, Transfer
+from stagewise.passes.lower import lower
+from stagewise.passes.schedule import interleaved, schedule_tasks, varuna
+from stagewise.passes.simulate import SimCost, simulate
+
+from tests.hf import gpt2, lm_batches
+from tests.models.gpt import TinyGPT, lm_loss
+from tests.reference import ADAMW, SGD, check_equal_training
+
+
+def orders(tasks):
+    return [" ".join(f"{t.kind}{t.microbatch + 1}" for t in device if t.kind != "U") for device in tasks]
+
+
+def test_varuna_reproduces_figure_4():
+    """Varuna Fig. 4(a): 4 stages, 5 microbatches, Tb = 2 Tf; S4 is the last stage."""
+    s1, s2, s3, s4 = orders(varuna(4, 5))
+    assert s4 == "F1 B1 F2 B2 F3 B3 F4 B4 F5 B5"
+    assert s3 == "F1 F2 F3 R1 B1 R2 B2 R3 B3 F4 F5 R4 B4 R5 B5"
+    assert s2 == "F1 F2 F3 F4 F5 R1 B1 R2 B2 R3 B3 R4 B4 R5 B5"
+    assert s1 == s2
+
+
+def test_varuna_recomputes_everywhere_but_the_last_stage():
+    tasks = varuna(3, 4)
+    assert all(t.recompute for t in tasks[0] + tasks[1] if t.kind == "F")
+    assert not any(t.recompute for t in tasks[2])
+    for device in tasks[:2]:  # rule 2: a recompute is followed by its microbatch's backward
+        for a, b in zip(device, device[1:], strict=False):
+            if a.kind == "R":
+                assert (b.kind, b.microbatch) == ("B", a.microbatch)
+
+
+def test_interleaved_places_chunks_round_robin_and_covers_every_task():
+    tasks = interleaved(n_devices=2, chunks=2, microbatches=4)
+    for d, device in enumerate(tasks):
+        assert {t.stage for t in device} == {d, d + 2}
+        work = [(t.kind, t.stage, t.microbatch) for t in device if t.kind != "U"]
+        assert sorted(work) == sorted((k, s, mb) for k in "FB" for s in (d, d + 2) for mb in range(4))
+
+
+def _chain(p: int) -> tuple[tuple[Stage, ...], tuple[Transfer, ...]]:
+    stages = tuple(Stage(s, s, (s,), (), (), (), ()) for s in range(p))
+    transfers = tuple(Transfer(f"v{s}", s, s + 1, 0.0, True) for s in range(p - 1))
+    return stages, transfers
+
+
+@pytest.mark.parametrize(("p", "v", "m"), [(2, 2, 4), (4, 2, 8), (4, 4, 8), (3, 2, 6)])
+def test_interleaved_bubble_is_one_over_v_of_1f1b(p, v, m):
+    """Narayanan §4.2.2: with v chunks per device the bubble is (1/v)(p - 1)/m."""
+    n = p * v
+    stages = tuple(Stage(s, s % p, (s,), (), (), (), ()) for s in range(n))
+    transfers = tuple(Transfer(f"v{s}", s, s + 1, 0.0, True) for s in range(n - 1))
+    _, tasks = schedule_tasks("interleaved", n, m, p)
+    programs = lower(stages, transfers, (), tasks, clip_grad_norm=False)
+    result = simulate(programs, SimCost.uniform(n, 1.0 / v, 2.0 / v))
+    ideal = m * 3.0  # each device: m microbatches x v chunks x (1/v + 2/v)
+    assert result.iteration_time == pytest.approx(ideal * (1 + (p - 1) / (v * m)))
+
+
+@pytest.mark.parametrize(("schedule", "devices", "microbatches", "optimizer", "clip"), [
+    ("interleaved", 2, 4, SGD, None), ("interleaved", 2, 2, ADAMW, 0.5),
+    ("varuna", 3, 4, SGD, 0.5), ("varuna", 4, 4, ADAMW, None),
+])
+def test_schedules_train_like_eager_on_tied_gpt(schedule, devices, microbatches, optimizer, clip):
+    ids = torch.randint(0, 64, (8, 9))
+    batches = [((ids[:, :-1],), ids[:, 1:]) for _ in range(3)]
+    pipe = check_equal_training(TinyGPT(layers=4), batches, devices, loss_fn=lm_loss, optimizer=optimizer,
+                                microbatches=microbatches, clip_grad_norm=clip, schedule=schedule)
+    assert pipe.plan.schedule == schedule
+    if schedule == "interleaved":
+        assert len(pipe.plan.stages) == 2 * devices and len(pipe.programs) == devices
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "varuna"])
+def test_schedules_train_like_eager_on_hf_gpt2(schedule):
+    check_equal_training(gpt2(layers=4), lm_batches(), 2, optimizer=ADAMW, microbatches=2, clip_grad_norm=1.0,
+                         schedule=schedule)
+
+
+def test_varuna_stashes_less_than_gpipe():
+    ids = torch.randint(0, 64, (8, 8))
+    import stagewise as sw
+
+    peaks = {}
+    for schedule in ("gpipe", "varuna"):
+        pipe = sw.compile(TinyGPT(), 3, (ids,), loss_fn=lm_loss, example_target=ids, microbatches=8, schedule=schedule)
+        pipe.step(ids, target=ids)
+        peaks[schedule] = pipe.stats[0]["peak_bytes"] - pipe.stats[0]["optimizer_bytes"]
+    assert peaks["varuna"] < peaks["gpipe"]
