@@ -98,6 +98,13 @@ class Stage:
     outputs: tuple[str, ...]  # stage-module return order; the last stage returns the loss first
     params: tuple[str, ...]
     buffers: tuple[str, ...]
+    logical: int = -1  # the pipeline position (pack) this stage instance runs; -1: same as index
+    replica: int = 0  # data-parallel replica of the logical stage
+    microbatches: tuple[int, ...] = ()  # the microbatches this instance processes; () = all
+
+    @property
+    def position(self) -> int:
+        return self.index if self.logical < 0 else self.logical
 
 
 @dataclass(frozen=True)
@@ -118,7 +125,9 @@ class Instruction:
 
     kind: "compute" (phase F, R, B or U; an F with what="no-stash" keeps only its inputs for a
     later R), "send", "recv" (what: "act" or "grad"), "allreduce" (what: "shared-grad" or
-    "grad-norm"; `group` lists the member stages), "swap_in", "swap_out", "free".
+    "grad-norm"; `group` lists the member stages), "swap_in" / "swap_out" (what: "weights",
+    "grads" or "optimizer", between the device pool and host memory) and "free" (drop a
+    device copy whose host copy is current: unchanged weights need no write-back).
     """
 
     kind: str
@@ -132,6 +141,7 @@ class Instruction:
     group: tuple[int, ...] = ()
     peer_stage: int | None = None
     waits: tuple[int, ...] = ()  # events: indices of earlier instructions (other streams) it waits for
+    nbytes: int = 0  # planned bytes a swap moves (the runtime counts what it really moves)
 
     def __str__(self) -> str:
         parts = [f"{self.stream:<8}", self.kind]

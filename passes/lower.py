@@ -13,6 +13,7 @@ from collections import defaultdict
 from dataclasses import replace
 
 from stagewise.compiler.ir import Instruction, Program, SharedTensor, Stage, Task, Transfer
+from stagewise.passes.swap import Residency, SwapPlan
 
 
 def lower(
@@ -21,35 +22,138 @@ def lower(
     shared: tuple[SharedTensor, ...],
     tasks: list[list[Task]],
     clip_grad_norm: bool,
+    swap: SwapPlan | None = None,
 ) -> tuple[Program, ...]:
     """`tasks[d]` is device d's task list; each task names its stage (several may share a device)."""
+    swap = swap or SwapPlan()
+    by_index = {s.index: s for s in stages}
     device_of = {s.index: s.device for s in stages}
     incoming = _group(transfers, key="dst", peer="src")
     outgoing = _group(transfers, key="src", peer="dst")
+    groups = _groups(shared)
     programs = []
     for device, device_tasks in enumerate(tasks):
         code: list[Instruction] = []
-        for task in device_tasks:
-            s, mb = task.stage, task.microbatch
-            if task.kind == "F":
-                for src, values in incoming[s].items():
-                    code.append(_p2p("recv", s, mb, "act", src, device_of[src], values))
-                code.append(Instruction("compute", "compute", s, "F", mb, "no-stash" if task.recompute else None))
-                for dst, values in outgoing[s].items():
-                    code.append(_p2p("send", s, mb, "act", dst, device_of[dst], values))
-            elif task.kind == "R":
-                code.append(Instruction("compute", "compute", s, "R", mb))
-            elif task.kind == "B":
-                for dst, values in _with_grad(outgoing[s], transfers, s, "src").items():
-                    code.append(_p2p("recv", s, mb, "grad", dst, device_of[dst], values))
-                code.append(Instruction("compute", "compute", s, "B", mb))
-                for src, values in _with_grad(incoming[s], transfers, s, "dst").items():
-                    code.append(_p2p("send", s, mb, "grad", src, device_of[src], values))
-        updates = [stages[t.stage] for t in device_tasks if t.kind == "U"]
-        if updates:  # every schedule ends with its updates
-            code += _updates(updates, stages, shared, clip_grad_norm)
+        residency = Residency(swap, code)
+        emitted: set[tuple[int, ...]] = set()
+        deferred: list[int] = []
+        runs = _runs(device_tasks)
+        for r, run in enumerate(runs):
+            for task in run:
+                s = task.stage
+                if task.kind == "U":
+                    if _jit(s, groups, by_index, clip_grad_norm):
+                        code += _all_reduces([s], groups, emitted, residency)
+                        _update(s, residency, code, write_back=swap.mode == "per-device")
+                    else:
+                        deferred.append(s)
+                    continue
+                residency.need(s, "weights")
+                if task.kind == "B":
+                    residency.need(s, "grads")
+                _emit_task(task, code, incoming, outgoing, transfers, device_of)
+                if swap.mode == "per-device":
+                    residency.evict(s, "weights", write=True)
+                    if task.kind == "B":
+                        residency.evict(s, "grads", write=True)
+            if swap.mode == "harmony" and (r + 1 == len(runs) or runs[r + 1][0].stage != run[0].stage):
+                _end_of_run(run, residency)
+        if deferred:
+            for s in deferred:
+                residency.need(s, "grads")
+            code += _all_reduces(deferred, groups, emitted, residency)
+            if clip_grad_norm:
+                everyone = tuple(st.index for st in stages)
+                code.append(Instruction("allreduce", "compute", deferred[0], None, None, "grad-norm", None, (), everyone))
+            for s in deferred:
+                _update(s, residency, code, write_back=True)
         programs.append(Program(device, tuple(code)))
     return tuple(with_events(p) for p in programs)
+
+
+def _emit_task(task: Task, code: list, incoming, outgoing, transfers, device_of) -> None:
+    """A forward, recompute or backward with its receives before and its sends after."""
+    s, mb = task.stage, task.microbatch
+    if task.kind == "F":
+        for src, values in incoming[s].items():
+            code.append(_p2p("recv", s, mb, "act", src, device_of[src], values))
+        code.append(Instruction("compute", "compute", s, "F", mb, "no-stash" if task.recompute else None))
+        for dst, values in outgoing[s].items():
+            code.append(_p2p("send", s, mb, "act", dst, device_of[dst], values))
+    elif task.kind == "R":
+        code.append(Instruction("compute", "compute", s, "R", mb))
+    elif task.kind == "B":
+        for dst, values in _with_grad(outgoing[s], transfers, s, "src").items():
+            code.append(_p2p("recv", s, mb, "grad", dst, device_of[dst], values))
+        code.append(Instruction("compute", "compute", s, "B", mb))
+        for src, values in _with_grad(incoming[s], transfers, s, "dst").items():
+            code.append(_p2p("send", s, mb, "grad", src, device_of[src], values))
+
+
+def _runs(tasks: list[Task]) -> list[list[Task]]:
+    """Maximal runs of consecutive tasks of one stage: the unit that keeps state resident."""
+    runs: list[list[Task]] = []
+    for task in tasks:
+        if runs and runs[-1][0].stage == task.stage:
+            runs[-1].append(task)
+        else:
+            runs.append([task])
+    return runs
+
+
+def _end_of_run(run: list[Task], residency: Residency) -> None:
+    """Harmony: after a pack's run, write back what changed and free what did not."""
+    s = run[0].stage
+    if any(t.kind == "B" for t in run) and not any(t.kind == "U" for t in run):
+        residency.evict(s, "grads", write=True)  # the update comes later (deferred)
+    residency.evict(s, "weights", write=any(t.kind == "U" for t in run))
+    residency.evict(s, "optimizer", write=True)
+
+
+def _update(stage: int, residency: Residency, code: list, write_back: bool) -> None:
+    residency.need(stage, "weights")
+    residency.need(stage, "grads")
+    residency.need(stage, "optimizer")
+    code.append(Instruction("compute", "compute", stage, "U"))
+    residency.consumed(stage, "grads")
+    if write_back:
+        residency.evict(stage, "weights", write=True)
+        residency.evict(stage, "optimizer", write=True)
+
+
+def _groups(shared: tuple[SharedTensor, ...]) -> dict[tuple[int, ...], list[str]]:
+    """All-reduce groups (tuples of stages) and the tensors each sums."""
+    groups: dict[tuple[int, ...], list[str]] = defaultdict(list)
+    for tensor in shared:
+        if tensor.kind != "buffer":
+            groups[tensor.stages].append(tensor.fqn)
+    return groups
+
+
+def _jit(stage: int, groups, by_index: dict[int, Stage], clip_grad_norm: bool) -> bool:
+    """Update right away unless a global reduction or a tie to another position must come first.
+
+    Replicas of one pack reach their all-reduce in the same order on every device, so that
+    all-reduce may follow the pack's last backward; a tie between two positions (embedding
+    and LM head) must wait until every device has finished the backward of both.
+    """
+    if clip_grad_norm:
+        return False
+    return all(len({by_index[m].position for m in group}) == 1 for group in groups if stage in group)
+
+
+def _all_reduces(local: list[int], groups, emitted: set, residency: Residency) -> list[Instruction]:
+    """One all-reduce per group touching `local` stages, once per device (summing its members)."""
+    code = []
+    for group, names in sorted(groups.items()):
+        if group in emitted or not set(local) & set(group):
+            continue
+        emitted.add(group)
+        for s in local:
+            residency.need(s, "grads")
+        code.append(Instruction("allreduce", "compute", min(set(local) & set(group)), None, None, "shared-grad", None,
+                                tuple(names), group))
+    return code
 
 
 def _p2p(kind: str, stage: int, microbatch: int, what: str, peer_stage: int, peer: int, values) -> Instruction:
@@ -68,13 +172,20 @@ def with_events(program: Program) -> Program:
     code = program.instructions
     events = []
     for i, ins in enumerate(code):
-        waits = tuple(j for j in range(i) if code[j].stream != ins.stream and _waits_for(ins, code[j]))
-        events.append(replace(ins, waits=_latest_per_stream(waits, code)))
+        derived = [j for j in range(i) if code[j].stream != ins.stream and _waits_for(ins, code[j])]
+        explicit = [j for j in ins.waits if code[j].stream != ins.stream]
+        events.append(replace(ins, waits=_latest_per_stream(tuple(derived + explicit), code)))
     return replace(program, instructions=tuple(events))
 
 
 def _waits_for(ins: Instruction, prev: Instruction) -> bool:
     same = prev.stage == ins.stage and prev.microbatch == ins.microbatch
+    if prev.kind == "swap_in" and ins.kind in ("compute", "allreduce"):
+        return prev.stage == ins.stage or ins.kind == "allreduce"  # state must be on the device
+    if ins.kind in ("swap_out", "free"):
+        return prev.stream == "compute"  # evict after the work that used or changed it
+    if ins.kind == "swap_in":
+        return False  # ordered by its explicit eviction event (the buffering depth)
     if ins.kind == "compute" and ins.phase in ("F", "B"):  # R re-runs F on inputs it already has
         received = {"F": "act", "B": "grad"}[ins.phase]
         return same and prev.kind == "recv" and prev.what == received
@@ -90,29 +201,6 @@ def _latest_per_stream(waits: tuple[int, ...], code) -> tuple[int, ...]:
     for j in waits:
         latest[code[j].stream] = max(j, latest.get(code[j].stream, -1))
     return tuple(sorted(latest.values()))
-
-
-def _updates(local: list[Stage], stages, shared, clip_grad_norm: bool) -> list[Instruction]:
-    """The device's all-reduces, then each local stage's update.
-
-    One all-reduce per group of stages holding replicas of the same tensors, and one for the
-    gradient norm, issued once per device: the device contributes the sum over its member
-    stages, so two replicas on one device (interleaved chunks) never wait on each other.
-    """
-    code = []
-    mine = {s.index for s in local}
-    groups: dict[tuple[int, ...], list[str]] = defaultdict(list)  # all-reduce groups list stages
-    for tensor in shared:
-        if mine & set(tensor.stages) and tensor.kind != "buffer":
-            groups[tensor.stages].append(tensor.fqn)
-    first = min(mine)
-    for group, names in sorted(groups.items()):
-        code.append(Instruction("allreduce", "compute", first, None, None, "shared-grad", None, tuple(names), group))
-    if clip_grad_norm:
-        everyone = tuple(s.index for s in stages)
-        code.append(Instruction("allreduce", "compute", first, None, None, "grad-norm", None, (), everyone))
-    code += [Instruction("compute", "compute", stage.index, "U") for stage in local]
-    return code
 
 
 def _group(transfers, key: str, peer: str) -> dict[int, dict[int, tuple[str, ...]]]:

@@ -11,6 +11,13 @@ A schedule returns one task list per device; with virtual stages a device runs s
   stage s on device s mod p; the bubble shrinks to (1/v)(p - 1)/m.
 - Varuna (Varuna §3.2, Fig. 4): recompute instead of stash on every stage but the last, with
   the static order produced by rules 1-3.
+- Harmony PP (Harmony §3, Fig. 5, Alg. 3): many packs bound wrap-around (pack k on device
+  k mod N); input-batch grouping runs all microbatches through a pack before the next, so a
+  pack's weights are swapped in once per pass; jit-update steps a pack right after its last
+  backward. Harmony DP (Fig. 6(c)): every device runs all packs on its own microbatches.
+
+Generators describe one pipeline lane (one data-parallel replica) with logical stages and
+lane-local microbatches; `schedule_tasks` maps lanes onto stage instances and devices.
 """
 
 from __future__ import annotations
@@ -130,17 +137,65 @@ def _varuna_ready(k: int, p: int, m: int, next_f: list[int], next_b: list[int], 
     return options
 
 
-def schedule_tasks(name: str, n_stages: int, microbatches: int, n_devices: int | None = None) -> tuple[str, list[list[Task]]]:
+def harmony_pp(n_packs: int, n_devices: int, microbatches: int, jit_update: bool) -> list[list[Task]]:
+    """Wrap-around packs with input-batch grouping (Harmony §3.2): device d runs packs d, d + N, ...
+
+    Forward: each pack takes every microbatch before the next pack starts. Backward: packs in
+    reverse, microbatches in reverse, and (jit-update) the pack's update right after its last
+    backward, while its weights and gradients are still on the device.
+    """
+    tasks = []
+    for d in range(n_devices):
+        packs = list(range(d, n_packs, n_devices))
+        order = [Task("F", k, mb) for k in packs for mb in range(microbatches)]
+        for k in reversed(packs):
+            order += [Task("B", k, mb) for mb in reversed(range(microbatches))]
+            order += [Task("U", k)] if jit_update else []
+        tasks.append(order + ([] if jit_update else [Task("U", k) for k in packs]))
+    return tasks
+
+
+def lane_tasks(name: str, n_stages: int, microbatches: int, n_devices: int, jit_update: bool) -> list[list[Task]]:
+    """One lane's task lists, indexed by lane device, over logical stages and local microbatches."""
+    if name == "gpipe":
+        return gpipe(n_stages, microbatches)
+    if name == "1f1b":
+        return one_f_one_b(n_stages, microbatches)
+    if name == "interleaved":
+        return interleaved(n_devices, n_stages // n_devices, microbatches)
+    if name == "varuna":
+        return varuna(n_stages, microbatches)
+    if name == "harmony-pp":
+        return harmony_pp(n_stages, n_devices, microbatches, jit_update)
+    if name == "harmony-dp":
+        return harmony_pp(n_stages, 1, microbatches, jit_update)
+    raise PlanError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+
+
+def schedule_tasks(
+    name: str, n_stages: int, microbatches: int, n_devices: int | None = None, jit_update: bool = False
+) -> tuple[str, list[list[Task]]]:
     """The resolved schedule name and each device's task list (stage s on device s mod n_devices)."""
     n_devices = n_devices or n_stages
     if name not in SCHEDULES:
         raise PlanError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
-    if name in ("auto", "gpipe"):
-        return "gpipe", gpipe(n_stages, microbatches)
-    if name == "1f1b":
-        return "1f1b", one_f_one_b(n_stages, microbatches)
-    if name == "interleaved":
-        return "interleaved", interleaved(n_devices, n_stages // n_devices, microbatches)
-    if name == "varuna":
-        return "varuna", varuna(n_stages, microbatches)
-    raise PlanError(f"schedule {name!r} is not implemented yet; use 'gpipe', '1f1b', 'interleaved' or 'varuna'")
+    name = "gpipe" if name == "auto" else name
+    return name, lane_tasks(name, n_stages, microbatches, n_devices, jit_update)
+
+
+def instance_tasks(name: str, stages, microbatches: int, n_devices: int, jit_update: bool) -> list[list[Task]]:
+    """Each device's tasks when stages may be data-parallel instances (replica r, microbatch share)."""
+    lanes: dict[int, list] = {}
+    for stage in stages:
+        lanes.setdefault(stage.replica, []).append(stage)
+    per_device: list[list[Task]] = [[] for _ in range(n_devices)]
+    for lane in lanes.values():
+        by_position = {s.position: s for s in lane}
+        local = lane[0].microbatches or tuple(range(microbatches))
+        lane_devices = sorted({s.device for s in lane})
+        for tasks in lane_tasks(name, len(lane), len(local), len(lane_devices), jit_update):
+            for task in tasks:
+                instance = by_position[task.stage]
+                mb = None if task.microbatch is None else local[task.microbatch]
+                per_device[instance.device].append(Task(task.kind, instance.index, mb, task.recompute))
+    return per_device

@@ -64,8 +64,8 @@ def test_1f1b_task_order() -> None:
     few = [f"{t.kind}{'' if t.microbatch is None else t.microbatch}" for t in one_f_one_b(4, 2)[0]]
     assert few == ["F0", "F1", "B0", "B1", "U"]  # m < p: the warm-up is cut to m
     assert schedule_tasks("1f1b", 2, 2)[0] == "1f1b"
-    with pytest.raises(PlanError, match="not implemented"):
-        schedule_tasks("harmony-dp", 2, 2)
+    with pytest.raises(PlanError, match="unknown schedule 'zigzag'"):
+        schedule_tasks("zigzag", 2, 2)
 
 
 # ---- the bubble --------------------------------------------------------------------------------

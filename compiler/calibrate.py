@@ -1,0 +1,121 @@
+"""A quick measurement of the local devices, so costs use this machine's numbers, not datasheets.
+
+Three figures per device, each from a few repetitions of one small operation (the best
+repetition counts: noise only ever makes an operation slower): the bandwidth of a copy
+within the device's memory, the bandwidth of the host <-> device link (a swap; on a CPU
+device the same as a copy), and the FLOP/s of an fp32 matmul, from which relative speeds
+follow. Between two logical devices the send bandwidth is that of a copy from one to the
+other, which is what a transfer inside one process is. Results are cached in memory, so the
+whole calibration runs once per process (well under a second on a CPU).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from stagewise.compiler.devices import Device, resolve_devices, torch_device
+from stagewise.compiler.topology import Topology
+
+COPY_BYTES = 8 * 2**20  # large enough to be bandwidth-bound, small enough to stay fast
+MATMUL_N = 256
+REPEATS = 5
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Measured figures of one device: bytes/s of copies, FLOP/s of a matmul."""
+
+    device: str
+    kind: str
+    copy_bandwidth: float
+    host_bandwidth: float
+    matmul_flops: float
+
+
+def calibrate(device: str | torch.device | Device = "cpu") -> Calibration:
+    """Measure (once per process and device) copy and host-link bandwidth and matmul FLOP/s."""
+    return _calibrate(str(_torch_device(device)))
+
+
+@functools.cache
+def _calibrate(name: str) -> Calibration:
+    device = torch.device(name)
+    src = torch.empty(COPY_BYTES // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    copy_s = _best(lambda: dst.copy_(src), device)
+    if device.type == "cuda":
+        host = torch.empty(COPY_BYTES // 4, dtype=torch.float32, pin_memory=True)
+        host_s = max(_best(lambda: src.copy_(host, non_blocking=True), device),
+                     _best(lambda: host.copy_(src, non_blocking=True), device))
+    else:
+        host_s = copy_s
+    a = torch.randn(MATMUL_N, MATMUL_N, device=device)
+    b = torch.randn(MATMUL_N, MATMUL_N, device=device)
+    matmul_s = _best(lambda: torch.mm(a, b), device)
+    return Calibration(
+        device=name,
+        kind=device.type,
+        copy_bandwidth=COPY_BYTES / copy_s,
+        host_bandwidth=COPY_BYTES / host_s,
+        matmul_flops=2 * MATMUL_N**3 / matmul_s,
+    )
+
+
+def send_bandwidth(src: str | torch.device | Device, dst: str | torch.device | Device) -> float:
+    """Bytes/s of a transfer between two logical devices of this process: a copy from src to dst."""
+    return _send_bandwidth(str(_torch_device(src)), str(_torch_device(dst)))
+
+
+@functools.cache
+def _send_bandwidth(src_name: str, dst_name: str) -> float:
+    src, dst = torch.device(src_name), torch.device(dst_name)
+    if src == dst:
+        return _calibrate(src_name).copy_bandwidth
+    a = torch.empty(COPY_BYTES // 4, dtype=torch.float32, device=src)
+    b = torch.empty(COPY_BYTES // 4, dtype=torch.float32, device=dst)
+    return COPY_BYTES / _best(lambda: b.copy_(a, non_blocking=True), src, dst)
+
+
+def relative_speeds(devices) -> list[float]:
+    """Matmul FLOP/s of each device over that of the first (the device costs are profiled on)."""
+    flops = [calibrate(d).matmul_flops for d in resolve_devices(devices)]
+    return [f / flops[0] for f in flops]
+
+
+def local_topology(devices) -> Topology:
+    """The measured send bandwidth between every pair of the given local devices."""
+    resolved = resolve_devices(devices)
+    return Topology.from_matrix(
+        [[send_bandwidth(a, b) if i != j else None for j, b in enumerate(resolved)]
+         for i, a in enumerate(resolved)]
+    )
+
+
+def _torch_device(device: str | torch.device | Device) -> torch.device:
+    device = device.torch_device if isinstance(device, Device) else torch_device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _best(op: Callable[[], object], *devices: torch.device, repeats: int = REPEATS) -> float:
+    """Seconds of the fastest of `repeats` runs of op, after one warm-up run."""
+    times = []
+    for i in range(repeats + 1):
+        _sync(devices)
+        start = time.perf_counter()
+        op()
+        _sync(devices)
+        if i:
+            times.append(time.perf_counter() - start)
+    return max(min(times), 1e-9)
+
+
+def _sync(devices: Sequence[torch.device]) -> None:
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)

@@ -1,0 +1,116 @@
+"""Per-layer costs from the trace and a device's datasheet figures (cost="analytic").
+
+For hardware one does not have, nothing can be measured; the trace still knows each node's
+forward FLOPs (torch.utils.flop_counter on fake tensors) and every value's shape. A layer's
+forward time is then the roofline bound, max(FLOPs / peak FLOP/s, bytes / memory bandwidth),
+where the bytes are those the layer must touch: its inputs, outputs and parameters. FLOPs
+and activation bytes grow linearly in the microbatch size u, parameter bytes do not, so the
+bound is piecewise linear in u (memory-bound for small u, compute-bound beyond a breakpoint)
+and fits the same `LayerProfile` the profiler fills (Srifty §3's model shape, exactly).
+Backward costs twice the forward (two matmuls per forward matmul; Narayanan §4.2); a
+recompute costs one forward. The stash is every floating-point value the layer makes
+(what autograd would keep without recompute), a deliberate upper bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.fx as fx
+from stagewise.compiler.ir import Layer
+from stagewise.passes.profile import (
+    OPTIMIZER_STATE_FACTOR,
+    LayerProfile,
+    PiecewiseLinear,
+    layer_signature,
+    layer_state_bytes,
+    tree_bytes,
+)
+from torch.utils._pytree import tree_flatten
+
+# Used when a device gives no figures: a modest CPU core set, and an older datacenter GPU.
+DEFAULT_PEAK_FLOPS = {"cpu": 5e10, "cuda": 1e14}
+DEFAULT_MEMORY_BANDWIDTH = {"cpu": 2e10, "cuda": 1e12}
+
+
+def analytic_layers(
+    gm: fx.GraphModule,
+    layers: Sequence[Layer],
+    traced_microbatch: int,
+    device,
+    *,
+    optimizer_state_factor: float = OPTIMIZER_STATE_FACTOR,
+) -> list[LayerProfile]:
+    """One LayerProfile per layer from meta['flops'] and meta['val'] at the traced size.
+
+    `device` is a `sw.Device` or `DeviceSpec`; its `peak_flops` and `memory_bandwidth`
+    (else defaults for its kind, times its relative `speed`) set the roofline.
+    """
+    peak, bandwidth = device_rates(device)
+    by_name = {n.name: n for n in gm.graph.nodes}
+    profiles = []
+    for layer in layers:
+        nodes = [by_name[name] for name in layer.nodes]
+        per_u = 1.0 / traced_microbatch
+        state = layer_state_bytes(gm, layer, optimizer_state_factor)
+        act = sum(tree_bytes(by_name[v].meta.get("val")) for v in layer.outputs)
+        inputs = sum(tree_bytes(by_name[v].meta.get("val")) for v in layer.inputs)
+        flops = sum(n.meta.get("flops", 0) for n in nodes)
+        fwd = roofline(flops * per_u, (inputs + act) * per_u, state.param + state.buffers, peak, bandwidth)
+        profiles.append(LayerProfile(
+            layer=layer.index,
+            name=layer.name,
+            signature=layer_signature(gm, layer),
+            source="analytic",
+            param_bytes=state.param,
+            grad_bytes=state.grad,
+            optim_bytes=state.optim,
+            fwd_s=fwd,
+            bwd_s=PiecewiseLinear(fwd.xs, tuple(2 * y for y in fwd.ys)),
+            recompute_s=fwd,
+            act_bytes=_linear(act, traced_microbatch),
+            stash_bytes=_linear(sum(_float_bytes(n.meta.get("val")) for n in nodes), traced_microbatch),
+            workspace_bytes=_linear(max((tree_bytes(n.meta.get("val")) for n in nodes), default=0),
+                                    traced_microbatch),
+        ))
+    return profiles
+
+
+def device_rates(device) -> tuple[float, float]:
+    """(peak FLOP/s, memory bytes/s) of a Device or DeviceSpec, defaults by kind times speed."""
+    kind = getattr(device, "kind", None) or _kind(device)
+    speed = getattr(device, "speed", 1.0) or 1.0
+    peak = getattr(device, "peak_flops", None) or DEFAULT_PEAK_FLOPS.get(kind, DEFAULT_PEAK_FLOPS["cpu"]) * speed
+    bandwidth = getattr(device, "memory_bandwidth", None) or (
+        DEFAULT_MEMORY_BANDWIDTH.get(kind, DEFAULT_MEMORY_BANDWIDTH["cpu"]) * speed
+    )
+    return float(peak), float(bandwidth)
+
+
+def roofline(flops_per_u: float, bytes_per_u: float, fixed_bytes: float, peak: float,
+             bandwidth: float) -> PiecewiseLinear:
+    """max(a u, b u + c) with a = FLOPs per sample / peak, b = bytes per sample / bandwidth,
+    c = fixed bytes / bandwidth: exact as knots at 0, the breakpoint, and one past it."""
+    a, b, c = flops_per_u / peak, bytes_per_u / bandwidth, fixed_bytes / bandwidth
+    if a <= b:
+        return PiecewiseLinear((0.0, 1.0), (c, b + c))
+    if c == 0:
+        return PiecewiseLinear((0.0, 1.0), (0.0, a))
+    knee = c / (a - b)
+    return PiecewiseLinear((0.0, knee, knee + 1.0), (c, a * knee, a * (knee + 1.0)))
+
+
+def _linear(value_at_traced: float, traced_microbatch: int) -> PiecewiseLinear:
+    """Proportional in u: one knot at the traced size."""
+    return PiecewiseLinear((float(traced_microbatch),), (float(value_at_traced),))
+
+
+def _float_bytes(value) -> int:
+    flat, _ = tree_flatten(value)
+    return sum(t.numel() * t.element_size() for t in flat if isinstance(t, torch.Tensor) and t.is_floating_point())
+
+
+def _kind(device) -> str:
+    name = getattr(device, "name", device)
+    return torch.device(name).type if isinstance(name, str | torch.device) else "cpu"

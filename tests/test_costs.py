@@ -1,0 +1,299 @@
+"""Cost models: the profiler (Harmony §4.2, Srifty §3), analytic roofline costs, calibration, topology."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from stagewise.compiler.calibrate import calibrate, local_topology, relative_speeds, send_bandwidth
+from stagewise.compiler.devices import Device, parse_bandwidth, parse_flops
+from stagewise.compiler.errors import DeviceError
+from stagewise.compiler.ir import DeviceSpec, LayerCost
+from stagewise.compiler.topology import Topology
+from stagewise.compiler.trace import trace
+from stagewise.passes import profile as prof
+from stagewise.passes.analytic import analytic_layers, roofline
+from stagewise.passes.layers import build_layers
+from stagewise.passes.profile import (
+    LayerProfile,
+    PiecewiseLinear,
+    ProfileError,
+    probe_sizes,
+    profile_layers,
+    shapes_at,
+    slow_start,
+)
+
+from tests.models.gpt import TinyGPT, lm_loss
+from tests.models.mlp import mlp
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    """Every test gets its own profile cache, never the user's."""
+    monkeypatch.setenv("STAGEWISE_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def mlp_graph():
+    torch.manual_seed(0)
+    model = mlp(width=16, depth=4)
+    traced = trace(model, (torch.randn(8, 8),), torch.randint(0, 5, (8,)), F.cross_entropy)
+    return model, traced.graph_module, build_layers(traced.graph_module, model)
+
+
+@pytest.fixture(scope="module")
+def gpt_graph():
+    torch.manual_seed(0)
+    model = TinyGPT(layers=4)
+    x = torch.randint(0, 64, (4, 16))
+    traced = trace(model, (x,), torch.randint(0, 64, (4, 16)), lm_loss)
+    return model, traced.graph_module, build_layers(traced.graph_module, model)
+
+
+def count_measurements(monkeypatch) -> list:
+    calls = []
+    real = prof.measure_layer
+
+    def counting(module, inputs, device, repeats=1):
+        calls.append(module)
+        return real(module, inputs, device, repeats)
+
+    monkeypatch.setattr(prof, "measure_layer", counting)
+    return calls
+
+
+def fake_output_bytes(gm, layer) -> int:
+    values = {n.name: n.meta["val"] for n in gm.graph.nodes}
+    return sum(values[v].numel() * values[v].element_size() for v in layer.outputs)
+
+
+# ---- profiler -------------------------------------------------------------------------------------------
+def test_profile_mlp_times_bytes_and_state(mlp_graph):
+    model, gm, layers = mlp_graph
+    profiles = profile_layers(gm, layers, "cpu", quiet=True, repeats=1)
+    assert [p.layer for p in profiles] == [layer.index for layer in layers]
+    assert [c.u for c in profiles[0].probes] == [1, 2, 4, 8]  # 1..traced size, geometric
+    for layer, p in zip(layers, profiles, strict=True):
+        cost = p.cost(8)
+        assert cost.fwd_s > 0 and cost.recompute_s > 0 and cost.bwd_s > 0
+        assert cost.act_bytes == fake_output_bytes(gm, layer)
+        expected = sum(gm.get_parameter(name).numel() * 4 for name in layer.params)
+        assert cost.param_bytes == cost.grad_bytes == expected
+        assert cost.optim_bytes == 2 * expected  # AdamW: two moments
+    # what autograd saves: Linear(8, 16) its input (8 floats a sample), Tanh its output (16 floats)
+    assert [c.stash_bytes for c in profiles[0].probes] == [32 * u for u in (1, 2, 4, 8)]
+    assert [c.stash_bytes for c in profiles[1].probes] == [64 * u for u in (1, 2, 4, 8)]
+
+
+def test_measured_stash_equals_fake_estimate(mlp_graph, gpt_graph):
+    for _, gm, layers in (mlp_graph, gpt_graph):
+        traced = prof.traced_microbatch_size(gm)
+        fake = shapes_at(gm, layers, traced, traced)
+        profiles = profile_layers(gm, layers, "cpu", [traced], quiet=True, repeats=1)
+        assert [p.cost(traced).stash_bytes for p in profiles] == fake.stash_bytes
+
+
+def test_identical_blocks_are_profiled_once(gpt_graph, monkeypatch):
+    _, gm, layers = gpt_graph
+    calls = count_measurements(monkeypatch)
+    profiles = profile_layers(gm, layers, "cpu", quiet=True, repeats=1)
+    blocks = [p for p in profiles if p.name.startswith("blocks.")]
+    assert len({p.signature for p in blocks[1:]}) == 1  # blocks.0 also holds the embedding sum
+    n_unique = len({p.signature for p in profiles})
+    n_probes = len(profiles[0].probes)
+    assert n_unique == len(layers) - 2 and len(calls) == n_unique * n_probes
+    assert blocks[2].probes[0] == LayerCost(**{**blocks[1].probes[0].__dict__, "layer": blocks[2].layer})
+    for layer, p in zip(layers, profiles, strict=True):
+        assert p.cost(4).act_bytes == fake_output_bytes(gm, layer)
+        assert p.param_bytes == sum(gm.get_parameter(name).numel() * 4 for name in layer.params)
+
+
+def test_profiling_leaves_the_model_alone(gpt_graph):
+    model, gm, layers = gpt_graph
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    profile_layers(gm, layers, "cpu", quiet=True, repeats=1)
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_profiling_keeps_buffers_and_the_random_stream():
+    """BatchNorm updates its buffers and dropout draws random numbers; neither may leak out."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.5),
+                                torch.nn.Linear(8, 5))
+    traced = trace(model, (torch.randn(8, 8),), torch.randint(0, 5, (8,)), F.cross_entropy)
+    layers = build_layers(traced.graph_module, model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    profile_layers(traced.graph_module, layers, Device("cpu", memory="1MiB"), quiet=True, repeats=1)
+    assert torch.equal(rng, torch.get_rng_state())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_second_call_hits_the_disk_cache(mlp_graph, monkeypatch, tmp_path):
+    _, gm, layers = mlp_graph
+    calls = count_measurements(monkeypatch)
+    first = profile_layers(gm, layers, "cpu", quiet=True, repeats=1)
+    assert calls and list((tmp_path / "cache" / "profiles").glob("*.json"))
+    calls.clear()
+    second = profile_layers(gm, layers, "cpu", quiet=True, repeats=1)
+    assert calls == []
+    assert second == first
+    profile_layers(gm, layers, "cpu", [2, 4], quiet=True, repeats=1)  # another request: measured again
+    assert calls
+
+
+def test_layer_profile_round_trips_through_json(mlp_graph):
+    _, gm, layers = mlp_graph
+    profiles = profile_layers(gm, layers, "cpu", quiet=True, repeats=1, cache=False)
+    text = json.dumps([p.to_dict() for p in profiles])
+    assert [LayerProfile.from_dict(d) for d in json.loads(text)] == profiles
+
+
+def test_profiled_costs_are_exact_at_probes_and_monotone(mlp_graph):
+    _, gm, layers = mlp_graph
+    profiles = profile_layers(gm, layers, "cpu", quiet=True, repeats=1)
+    for p in profiles:
+        for probe in p.probes:  # bytes are exact at every probe (times may be smoothed, see below)
+            cost = p.cost(probe.u)
+            assert (cost.act_bytes, cost.stash_bytes) == (probe.act_bytes, probe.stash_bytes)
+        for key in ("fwd_s", "bwd_s", "recompute_s", "act_bytes", "stash_bytes", "workspace_bytes"):
+            values = [getattr(p.cost(u), key) for u in range(1, 20)]
+            assert values == sorted(values), key
+
+
+def test_piecewise_linear_fit():
+    f = PiecewiseLinear.fit([1, 2, 4, 8], [1.0, 1.5, 2.5, 6.5])
+    assert [f(x) for x in (1, 2, 4, 8)] == [1.0, 1.5, 2.5, 6.5]
+    assert f(3) == 2.0 and f(6) == 4.5  # linear between probes
+    assert f(16) == 6.5 + 8 * 1.0  # past the last probe: the last segment's slope
+    noisy = PiecewiseLinear.fit([4, 1, 2], [3.0, 2.0, 1.0])  # a dip at u=2 is noise
+    assert noisy.xs == (1.0, 2.0, 4.0) and noisy.ys == (2.0, 2.0, 3.0)
+    values = [noisy(x / 4) for x in range(0, 40)]
+    assert values == sorted(values)
+    assert PiecewiseLinear.fit([4], [8.0])(2) == 4.0  # one probe: proportional
+
+
+def test_probe_sizes_span_one_to_max():
+    assert probe_sizes(1) == (1,)
+    assert probe_sizes(8) == (1, 2, 4, 8)
+    sizes = probe_sizes(100)
+    assert sizes[0] == 1 and sizes[-1] == 100 and len(sizes) == 4
+
+
+# ---- slow start (Harmony §4.2) --------------------------------------------------------------------------
+@pytest.mark.parametrize("capacity", [999, 1000, 1036, 1037, 1100, 1500, 3000, 4000, 40_000, 123_456])
+def test_slow_start_finds_the_largest_fitting_size(capacity):
+    probed = []
+
+    def fits(u: int) -> bool:
+        probed.append(u)
+        return 1000 + 37 * u <= capacity  # synthetic memory: state + activations per sample
+
+    expected = max(0, (capacity - 1000) // 37)
+    assert slow_start(fits, limit=10_000) == expected
+    assert len(probed) <= 2 * math.log2(max(expected, 2)) + 3  # multiplicative then halving steps
+
+
+def test_slow_start_stops_at_the_limit():
+    assert slow_start(lambda u: True, limit=100) == 100
+    assert slow_start(lambda u: u <= 64, limit=100) == 64
+
+
+def test_capacity_bounds_the_microbatch(mlp_graph):
+    _, gm, layers = mlp_graph
+    state = [prof.layer_state_bytes(gm, layer, 2.0) for layer in layers]
+    capacity = 5000
+    profiles = profile_layers(gm, layers, Device("cpu", memory=capacity), quiet=True, repeats=1)
+    largest = profiles[0].max_microbatch
+    assert largest is not None and all(p.max_microbatch == largest for p in profiles)
+    assert prof._fits(shapes_at(gm, layers, largest, 8), state, capacity)
+    assert not prof._fits(shapes_at(gm, layers, largest + 1, 8), state, capacity)
+    assert max(c.u for c in profiles[0].probes) == largest
+
+
+def test_too_little_memory_for_one_sample_is_a_clear_error(mlp_graph):
+    _, gm, layers = mlp_graph
+    with pytest.raises(ProfileError, match="microbatch size 1"):
+        profile_layers(gm, layers, "cpu", capacity=100, quiet=True, repeats=1)
+
+
+# ---- analytic -------------------------------------------------------------------------------------------
+def test_analytic_costs_scale_linearly_and_with_peak_flops(gpt_graph):
+    _, gm, layers = gpt_graph
+    fast = Device("cpu", peak_flops="2GFLOPS", memory_bandwidth=1e15)
+    slow = Device("cpu", peak_flops="1GFLOPS", memory_bandwidth=1e15)
+    for p_fast, p_slow, layer in zip(analytic_layers(gm, layers, 4, fast), analytic_layers(gm, layers, 4, slow),
+                                     layers, strict=True):
+        a, b = p_fast.cost(4), p_fast.cost(8)
+        assert b.act_bytes == 2 * a.act_bytes and b.stash_bytes == 2 * a.stash_bytes
+        assert a.act_bytes == fake_output_bytes(gm, layer)
+        if layer.flops:  # compute-bound: time linear in u, inversely proportional to peak FLOP/s
+            assert b.fwd_s == pytest.approx(2 * a.fwd_s, rel=1e-6)
+            assert a.fwd_s == pytest.approx(layer.flops / 2e9, rel=1e-6)
+            assert p_slow.cost(4).fwd_s == pytest.approx(2 * a.fwd_s, rel=1e-6)
+            assert a.bwd_s == pytest.approx(2 * a.fwd_s) and a.recompute_s == a.fwd_s
+        assert a.param_bytes == p_slow.cost(4).param_bytes == layer.param_bytes
+
+
+def test_roofline_is_memory_bound_below_the_knee():
+    f = roofline(flops_per_u=100.0, bytes_per_u=10.0, fixed_bytes=1000.0, peak=10.0, bandwidth=10.0)
+    # a = 10 s per sample, b = 1 s per sample, c = 100 s: knee at 100 / 9 samples
+    assert f(1) == pytest.approx(101.0) and f(5) == pytest.approx(105.0)
+    assert f(20) == pytest.approx(200.0) and f(40) == pytest.approx(400.0)
+    assert roofline(1.0, 10.0, 0.0, 1.0, 1.0)(3) == pytest.approx(30.0)  # always memory-bound
+
+
+def test_analytic_uses_a_device_spec_and_defaults(mlp_graph):
+    _, gm, layers = mlp_graph
+    spec = DeviceSpec("cuda:0", "cuda", memory=None, speed=1.0, peak_flops=1e12, memory_bandwidth=1e15)
+    assert analytic_layers(gm, layers, 8, spec)[0].cost(8).fwd_s == pytest.approx(layers[0].flops / 1e12)
+    assert analytic_layers(gm, layers, 8, Device("cpu"))[0].cost(8).fwd_s > 0
+
+
+# ---- devices, calibration, topology ---------------------------------------------------------------------
+def test_device_rates_parse_and_reach_the_spec():
+    d = Device("cpu", memory="1GiB", peak_flops="100TFLOPS", memory_bandwidth="900GB/s", host_bandwidth="16GiB/s")
+    assert (d.peak_flops, d.memory_bandwidth, d.host_bandwidth) == (1e14, 9e11, 16 * 2**30)
+    spec = d.spec()
+    assert (spec.peak_flops, spec.memory_bandwidth, spec.host_bandwidth) == (1e14, 9e11, 16 * 2**30)
+    assert Device("cpu") == Device("cpu") and Device("cpu").spec().peak_flops is None
+    assert parse_flops(5e10) == 5e10 and parse_bandwidth("2TB/s") == 2e12
+    with pytest.raises(DeviceError, match="peak_flops"):
+        Device("cpu", peak_flops="fast")
+    with pytest.raises(DeviceError, match="positive"):
+        Device("cpu", memory_bandwidth=0)
+
+
+def test_calibration_returns_positive_numbers():
+    cal = calibrate("cpu")
+    assert cal.kind == "cpu" and cal.copy_bandwidth > 0 and cal.host_bandwidth > 0 and cal.matmul_flops > 0
+    assert calibrate(Device("cpu")) is cal  # cached in memory
+    assert send_bandwidth("cpu", "cpu") > 0
+    assert relative_speeds(["cpu", "cpu"]) == [1.0, 1.0]
+    topology = local_topology(2)
+    assert topology.n_devices == 2 and topology.link(0, 1) > 0
+
+
+def test_two_level_topology_is_fast_within_and_slow_across_servers():
+    t = Topology.two_level(servers=2, per_server=4, intra="100GB/s", inter="10GB/s")
+    assert t.n_devices == 8
+    assert t.link(0, 3) == t.link(4, 7) == 1e11
+    assert t.link(0, 4) == t.link(7, 0) == 1e10
+    assert t.link(2, 2) == math.inf
+    assert [t.group(d, 1) for d in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert (t.level_between(1, 2), t.level_between(1, 6)) == (1, 2)
+    assert len(t.links()) == 8 * 7
+    assert Topology.from_json(t.to_json()) == t
+    assert json.loads(t.to_json())["bandwidth"][0][0] is None  # JSON has no infinity
+
+
+def test_uniform_topology_and_bad_matrices():
+    t = Topology.uniform(3, 5e9)
+    assert {t.link(i, j) for i in range(3) for j in range(3) if i != j} == {5e9}
+    assert Topology.from_matrix([[None, 1], [2, None]]).link(1, 0) == 2
+    with pytest.raises(DeviceError):
+        Topology.from_matrix([[None, 1], [0, None]])
+    with pytest.raises(DeviceError):
+        Topology(((math.inf, 1.0),))
