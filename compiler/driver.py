@@ -7,20 +7,22 @@ import functools
 import torch
 from stagewise.codegen.stages import build_stage_modules
 from stagewise.compiler.devices import resolve_devices
-from stagewise.compiler.errors import BatchSizeError, ExampleInputsError, PartitionError
+from stagewise.compiler.errors import BatchSizeError, ExampleInputsError, PartitionError, PlanError
 from stagewise.compiler.ir import Plan
 from stagewise.compiler.pipeline import Pipeline
 from stagewise.compiler.trace import input_names, trace
 from stagewise.passes.cutpoints import find_cuts
 from stagewise.passes.layers import build_layers
+from stagewise.passes.layout import STATE_PER_PARAM_BYTE, choose_layout
 from stagewise.passes.lower import lower
 from stagewise.passes.partition import balanced_starts, starts_from_split_points
-from stagewise.passes.schedule import schedule_tasks
+from stagewise.passes.replicate import replicate
+from stagewise.passes.schedule import SCHEDULES, instance_tasks
 from stagewise.passes.shared import alias_groups, find_shared
 from stagewise.passes.stages import build_stages
+from stagewise.passes.swap import plan_swaps
 
 DEFAULT_OPTIMIZER = functools.partial(torch.optim.SGD, lr=0.01)
-VIRTUAL_STAGES = 2  # model chunks per device under the interleaved schedule
 
 
 def compile(  # noqa: A001 - the public name of the API
@@ -36,8 +38,15 @@ def compile(  # noqa: A001 - the public name of the API
     cost: str = "profile",
     split_points: list[str] | None = None,
     clip_grad_norm: float | None = None,
+    swap: str = "auto",
+    replicas: int = 1,
 ) -> Pipeline:
-    """Compile `model` into a pipeline over `devices` that trains exactly like eager training."""
+    """Compile `model` into a pipeline over `devices` that trains exactly like eager training.
+
+    `swap`: "auto" swaps state to host memory only where a device's capacity requires it,
+    "on" forces Harmony-style swapping, "per-device" the per-GPU baseline, "off" never.
+    `replicas`: data-parallel copies of the pipeline (P x D with P = devices / replicas).
+    """
     if not isinstance(model, torch.nn.Module):
         raise ExampleInputsError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     resolved = resolve_devices(devices)
@@ -52,7 +61,13 @@ def compile(  # noqa: A001 - the public name of the API
 
     layers = build_layers(gm, model)
     cuts = find_cuts(gm, layers, size)
-    n_stages = len(resolved) * (VIRTUAL_STAGES if schedule == "interleaved" else 1)
+    schedule = "gpipe" if schedule == "auto" else schedule
+    if schedule not in SCHEDULES:
+        raise PlanError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    capacities = [d.memory for d in resolved]
+    layout = choose_layout(schedule, len(resolved), replicas, sum(c.legal for c in cuts),
+                           sum(layer.param_bytes for layer in layers), min((c for c in capacities if c), default=None))
+    n_stages = layout.positions
     if split_points is not None:
         starts = starts_from_split_points(layers, cuts, list(split_points))
         if len(starts) != n_stages:
@@ -63,9 +78,17 @@ def compile(  # noqa: A001 - the public name of the API
     else:
         starts = balanced_starts(layers, cuts, n_stages)
     stages, transfers = build_stages(gm, layers, starts, size, len(resolved))
+    stages, transfers = replicate(stages, transfers, layout.replicas, microbatches, layout.device_of)
     shared = find_shared(gm, stages)
-    schedule_name, tasks = schedule_tasks(schedule, len(stages), microbatches, len(resolved))
-    programs = lower(stages, transfers, shared, tasks, clip_grad_norm is not None)
+    swaps = plan_swaps(swap, stages, layers, capacities, STATE_PER_PARAM_BYTE)
+    if swaps.stages and clip_grad_norm is not None:
+        raise PlanError(
+            "clip_grad_norm with swapping is not supported yet: the global norm needs every gradient at once. "
+            "Give the devices more memory, or clip inside the optimizer"
+        )
+    jit_update = clip_grad_norm is None
+    tasks = instance_tasks(schedule, stages, microbatches, len(resolved), jit_update)
+    programs = lower(stages, transfers, shared, tasks, clip_grad_norm is not None, swaps)
     plan = Plan(
         model=type(model).__name__,
         tracer=traced.tracer,
@@ -76,7 +99,7 @@ def compile(  # noqa: A001 - the public name of the API
         graph_inputs=traced.graph_inputs,
         microbatches=microbatches,
         microbatch_size=size,
-        schedule=schedule_name,
+        schedule=schedule,
         layers=layers,
         cuts=cuts,
         shared=shared,
@@ -87,7 +110,7 @@ def compile(  # noqa: A001 - the public name of the API
         aliases=tuple(alias_groups(gm)),
     )
     modules = build_stage_modules(gm, layers, stages)
-    return Pipeline(plan, modules, optimizer or DEFAULT_OPTIMIZER, clip_grad_norm)
+    return Pipeline(plan, modules, optimizer or DEFAULT_OPTIMIZER, clip_grad_norm, swaps.stages)
 
 
 def batch_size(example_inputs, example_target) -> int:

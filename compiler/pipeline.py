@@ -6,9 +6,11 @@ from collections.abc import Callable
 
 import torch
 import torch.fx as fx
-from stagewise.compiler.errors import BatchSizeError, ExampleInputsError
+from stagewise.compiler.errors import BatchSizeError, ExampleInputsError, PlanError
 from stagewise.compiler.ir import Plan, Program, SharedTensor
-from stagewise.runtime.executor import StreamExecutor
+from stagewise.runtime.distributed import DistributedTransport
+from stagewise.runtime.executor import DEFAULT_TIMEOUT_S, StreamExecutor
+from stagewise.runtime.launch import distributed_context
 from stagewise.runtime.pool import MemoryPool
 from stagewise.runtime.transport import LocalTransport
 from stagewise.runtime.worker import StageWorker
@@ -17,14 +19,26 @@ from stagewise.runtime.worker import StageWorker
 class Pipeline:
     """Stage modules, their device programs, and the runtime that executes them."""
 
-    def __init__(self, plan: Plan, modules: list[fx.GraphModule], optimizer: Callable, clip_grad_norm: float | None):
+    def __init__(
+        self,
+        plan: Plan,
+        modules: list[fx.GraphModule],
+        optimizer: Callable,
+        clip_grad_norm: float | None,
+        swapped: frozenset[int] = frozenset(),
+    ):
         self.plan = plan
         self.optimizer_factory = optimizer
         self.clip_grad_norm = clip_grad_norm
-        self.pools = [MemoryPool(i, torch.device(d.name), d.memory) for i, d in enumerate(plan.devices)]
-        self.transport = LocalTransport(self.pools)
+        self.context = distributed_context()
+        local = set(range(len(plan.devices))) if self.context is None else {self.context.rank}
+        self.pools = [MemoryPool(i, self._torch_device(i), d.memory) for i, d in enumerate(plan.devices)]
+        if self.context is None:
+            self.transport = LocalTransport(self.pools)
+        else:
+            self.transport = DistributedTransport(plan, self.context.rank, self.pools, DEFAULT_TIMEOUT_S)
         received_with_grad = {(t.dst, t.value) for t in plan.transfers if t.requires_grad}
-        last = max(s.index for s in plan.stages if plan.layers[-1].index in s.layers)
+        last = max(s.position for s in plan.stages)
         self.workers = [
             StageWorker(
                 stage,
@@ -33,12 +47,21 @@ class Pipeline:
                 optimizer,
                 owned=self._owned_names(stage.index, module),
                 grad_inputs={v for (dst, v) in received_with_grad if dst == stage.index},
-                is_last=stage.index == last,
+                is_last=stage.position == last,
                 shared_names=self._shared_names(stage.index, module),
+                swapped=stage.index in swapped,
             )
             for stage, module in zip(plan.stages, modules, strict=True)
+            if stage.device in local
         ]
-        self.executor = StreamExecutor(plan.programs, self.workers, self.transport, clip_grad_norm)
+        self.executor = StreamExecutor(
+            tuple(p for p in plan.programs if p.device in local),
+            self.workers,
+            self.transport,
+            clip_grad_norm,
+            {s.index: s.device for s in plan.stages},
+        )
+        self.timeout_s = DEFAULT_TIMEOUT_S
 
     # ---- the public surface -------------------------------------------------------------
     @property
@@ -52,6 +75,18 @@ class Pipeline:
     @property
     def shared(self) -> tuple[SharedTensor, ...]:
         return self.plan.shared
+
+    @property
+    def timeout_s(self) -> float:
+        """How long a device waits for a peer before a PeerError (default 300 s)."""
+        return self.executor.timeout_s if self.context is None else self.transport.timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, seconds: float) -> None:
+        # Across processes the transport's wait names the silent rank: let it expire first.
+        self.executor.timeout_s = seconds if self.context is None else 2 * seconds
+        if self.context is not None:
+            self.transport.timeout_s = seconds
 
     @property
     def stats(self) -> list[dict[str, int]]:
@@ -78,17 +113,26 @@ class Pipeline:
         pieces = [{node_names[k]: v for k, v in piece.items()} for piece in split_batch(inputs, m)]
         for worker in self.workers:
             for mb, piece in enumerate(pieces):
+                if worker.stage.microbatches and mb not in worker.stage.microbatches:
+                    continue
                 for name in worker.stage.inputs:
                     if name in piece:
                         worker.provide(mb, name, piece[name])
         return self.executor.run(m)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The trained state under the original model's names (tied names share one tensor)."""
+        """The trained state under the original model's names (tied names share one tensor).
+        Under torch.distributed every rank gathers every stage's state."""
         found = {}
         for worker in self.workers:
-            for name, tensor in worker.module.state_dict(keep_vars=False).items():
+            for name, tensor in worker.state_tensors().items():
                 found.setdefault(name, tensor)
+        if self.context is not None:
+            gathered = [None] * len(self.plan.devices)
+            torch.distributed.all_gather_object(gathered, {k: v.detach().cpu() for k, v in found.items()})
+            for part in gathered:
+                for name, tensor in part.items():
+                    found.setdefault(name, tensor)
         result = {}
         for name in self.plan.state_names:
             holder = next((n for n in self._aliases(name) if n in found), None)
@@ -102,7 +146,7 @@ class Pipeline:
             raise ExampleInputsError(f"state_dict lacks {len(missing)} entries, e.g. {missing[:3]}")
         with torch.no_grad():
             for worker in self.workers:
-                for name, tensor in worker.module.state_dict(keep_vars=True).items():
+                for name, tensor in worker.state_tensors().items():
                     source = next((state_dict[a] for a in self._aliases(name) if a in state_dict), None)
                     if source is not None:
                         tensor.copy_(source)
@@ -118,9 +162,21 @@ class Pipeline:
     def save(self, directory) -> None:
         from stagewise.compiler.checkpoint import save
 
+        if self.context is not None:
+            raise PlanError(
+                "save under torch.distributed is not supported yet: call pipe.state_dict() (gathered on every "
+                "rank) and torch.save it from rank 0"
+            )
         save(self, directory)
 
     # ---- helpers --------------------------------------------------------------------------
+    def _torch_device(self, index: int) -> torch.device:
+        """This process's device; under torchrun on CUDA the local rank's GPU."""
+        device = torch.device(self.plan.devices[index].name)
+        if self.context is not None and device.type == "cuda":
+            return torch.device("cuda", self.context.local_rank)
+        return device
+
     def _inputs(self, args, kwargs) -> dict:
         names = self.plan.input_names
         if self.plan.input_kind == "positional":
@@ -149,6 +205,7 @@ class Pipeline:
 
     def _shared_names(self, stage: int, module: torch.nn.Module) -> dict[str, str]:
         local = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+        local |= {n for n, _ in module.named_buffers(remove_duplicate=False)}
         result = {}
         for tensor in self.plan.shared:
             if stage in tensor.stages:

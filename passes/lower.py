@@ -182,10 +182,10 @@ def _waits_for(ins: Instruction, prev: Instruction) -> bool:
     same = prev.stage == ins.stage and prev.microbatch == ins.microbatch
     if prev.kind == "swap_in" and ins.kind in ("compute", "allreduce"):
         return prev.stage == ins.stage or ins.kind == "allreduce"  # state must be on the device
-    if ins.kind in ("swap_out", "free"):
-        return prev.stream == "compute"  # evict after the work that used or changed it
-    if ins.kind == "swap_in":
-        return False  # ordered by its explicit eviction event (the buffering depth)
+    if ins.kind in ("swap_out", "free"):  # evict after the work that used or changed it
+        return prev.stream == "compute" or (prev.kind == "swap_in" and prev.stage == ins.stage)
+    if ins.kind == "swap_in":  # after this stage's earlier evictions (and the buffering-depth event)
+        return prev.kind in ("swap_out", "free") and prev.stage == ins.stage
     if ins.kind == "compute" and ins.phase in ("F", "B"):  # R re-runs F on inputs it already has
         received = {"F": "act", "B": "grad"}[ins.phase]
         return same and prev.kind == "recv" and prev.what == received

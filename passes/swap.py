@@ -10,15 +10,16 @@ compute that needs state not on the device, and the evictions the policy asks fo
 - "per-device": the baseline of per-GPU memory virtualization: in before and out after every
   task, (4m + 2)|W| for weights.
 
-A swap-in of weights waits until the weights evicted `depth` evictions earlier are gone, so at
-most `depth` packs are resident: 2 is double buffering (prefetch the next pack while the
-current one computes), 1 when the device holds only one pack's state at a time.
+A swap-in waits until the state of the same kind evicted `depth` evictions earlier is gone, so
+at most `depth` packs' state is resident: 2 is double buffering (prefetch the next pack while
+the current one computes), 1 when the device holds only one pack's state at a time.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from stagewise.compiler.errors import PlanError
 from stagewise.compiler.ir import Instruction
 
 MODES = ("off", "harmony", "per-device")
@@ -45,10 +46,13 @@ class Residency:
         self.code = code
         self.resident: set[tuple[int, str]] = set()
         self.on_host: set[tuple[int, str]] = set()
-        self.weight_evictions: list[int] = []
+        self.evictions: dict[str, list[int]] = {"weights": [], "grads": [], "optimizer": []}
 
     def need(self, stage: int, what: str) -> None:
-        """Make `what` of `stage` resident before the next compute that uses it."""
+        """Make `what` of `stage` resident before the next compute that uses it (gradients and
+        optimizer state belong to parameters: the weights come first)."""
+        if what != "weights":
+            self.need(stage, "weights")
         key = (stage, what)
         if not self.plan.swaps(stage) or key in self.resident:
             return
@@ -56,12 +60,16 @@ class Residency:
         if what == "grads" and key not in self.on_host:
             return  # not made yet: the first backward creates it on the device
         waits = ()
-        if what == "weights" and len(self.weight_evictions) >= self.plan.depth:
-            waits = (self.weight_evictions[-self.plan.depth],)
+        evicted = self.evictions[what]
+        if len(evicted) >= self.plan.depth:
+            waits = (evicted[-self.plan.depth],)
         self.code.append(Instruction("swap_in", "swap_in", stage, what=what, waits=waits, nbytes=self._bytes(stage, what)))
 
     def evict(self, stage: int, what: str, write: bool) -> None:
-        """Take `what` of `stage` off the device, writing it to host memory if it changed."""
+        """Take `what` of `stage` off the device, writing it to host memory if it changed
+        (gradients leave before their weights)."""
+        if what == "weights":
+            self.evict(stage, "grads", write=True)
         key = (stage, what)
         if not self.plan.swaps(stage) or key not in self.resident:
             return
@@ -70,8 +78,7 @@ class Residency:
         if write:
             self.on_host.add(key)
         self.code.append(Instruction(kind, "swap_out", stage, what=what, nbytes=self._bytes(stage, what) if write else 0))
-        if what == "weights":
-            self.weight_evictions.append(len(self.code) - 1)
+        self.evictions[what].append(len(self.code) - 1)
 
     def consumed(self, stage: int, what: str) -> None:
         """The update used up the gradients: nothing to keep on the host."""
@@ -81,3 +88,34 @@ class Residency:
     def _bytes(self, stage: int, what: str) -> int:
         table = {"weights": self.plan.weight_bytes, "grads": self.plan.grad_bytes, "optimizer": self.plan.optimizer_bytes}
         return table[what].get(stage, 0)
+
+
+def plan_swaps(mode: str, stages, layers, capacities: list[int | None], state_per_param_byte: int) -> SwapPlan:
+    """The swap plan for `swap=`: "off", "on" (Harmony-style everywhere), "per-device" (baseline),
+    or "auto": Harmony-style swapping only on devices whose stages' training state exceeds their capacity."""
+    weights = {s.index: sum(layers[i].param_bytes for i in s.layers) for s in stages}
+    state = {k: v * state_per_param_byte for k, v in weights.items()}
+    if mode == "auto":
+        heavy = set()
+        for device, capacity in enumerate(capacities):
+            mine = [s.index for s in stages if s.device == device]
+            if capacity is not None and sum(state[s] for s in mine) > capacity:
+                heavy |= set(mine)
+        mode, chosen = ("harmony", frozenset(heavy)) if heavy else ("off", frozenset())
+    elif mode == "on":
+        mode, chosen = "harmony", frozenset(weights)
+    elif mode in ("off", "per-device"):
+        chosen = frozenset(weights) if mode == "per-device" else frozenset()
+    else:
+        raise PlanError(f"unknown swap={mode!r}; choose 'auto', 'on', 'off' or 'per-device'")
+    largest = max((state[s] for s in chosen), default=0)
+    # double buffering needs two packs' state, and activations need room beside them
+    tight = any(c is not None and 4 * largest > c for c in capacities)
+    return SwapPlan(
+        mode=mode,
+        stages=chosen,
+        weight_bytes=weights,
+        grad_bytes=weights,
+        optimizer_bytes={k: v * (state_per_param_byte - 2) for k, v in weights.items()},
+        depth=1 if tight else 2,
+    )

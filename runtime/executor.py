@@ -31,11 +31,14 @@ class StreamExecutor:
         workers: list[StageWorker],
         transport: LocalTransport,
         clip_grad_norm: float | None,
+        device_of: dict[int, int],
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ):
+        """`programs` and `workers`: this process's (all of them in one process, one device's under
+        torch.distributed); `device_of`: every stage's device, for all-reduce groups."""
         self.programs = programs
         self.workers = {w.stage.index: w for w in workers}
-        self.device_of = {w.stage.index: w.stage.device for w in workers}
+        self.device_of = device_of
         self.transport = transport
         self.clip_grad_norm = clip_grad_norm
         self.timeout_s = timeout_s
@@ -59,10 +62,13 @@ class StreamExecutor:
         if self.sync.error is not None:
             raise self.sync.error
         self.iteration += 1
-        last = next(w for w in self.workers.values() if w.is_last)
-        loss = sum(last.losses[mb].detach() for mb in range(microbatches)) / microbatches
-        last.losses.clear()
-        return loss
+        losses = {}
+        for worker in self.workers.values():
+            if worker.is_last:  # one per data-parallel replica, each with its microbatches
+                losses.update({mb: loss.detach() for mb, loss in worker.losses.items()})
+                worker.losses.clear()
+        partial = sum(losses[mb] for mb in sorted(losses)) if losses else None
+        return self.transport.total_loss(partial) / microbatches
 
     def _stream(self, program: Program, stream: str) -> None:
         done = self.done[program.device]
@@ -111,6 +117,10 @@ class StreamExecutor:
                     worker.add_output_grad(ins.microbatch, value, tensor, ("buffer",) + key)
         elif ins.kind == "allreduce":
             self._all_reduce(device, worker, ins, label)
+        elif ins.kind == "swap_in":
+            worker.swap_in(ins.what, label)
+        elif ins.kind in ("swap_out", "free"):
+            worker.swap_out(ins.what, ins.kind == "swap_out", label)
         else:
             raise PlanError(f"the runtime cannot execute {ins}")
 

@@ -27,10 +27,16 @@ class StageWorker:
         grad_inputs: set[str],
         is_last: bool,
         shared_names: dict[str, str],
+        swapped: bool = False,
     ):
         self.stage = stage
         self.pool = pool
         self.device = pool.device
+        self.swapped = swapped  # parameters live in host memory between uses (Harmony swapping)
+        self.host: dict[tuple[str, str], torch.Tensor] = {}
+        self.params = dict(module.named_parameters())
+        if swapped:
+            self._start_on_host(module)
         self.module = module.to(self.device)
         self.owned = owned  # parameter names whose gradient counts in global reductions
         self.grad_inputs = grad_inputs  # received values whose gradient goes back to their sender
@@ -39,10 +45,10 @@ class StageWorker:
         # Sorted by name so a saved optimizer state (indexed by position) fits the reloaded stage.
         params = [p for _, p in sorted(self.module.named_parameters())]
         self.optimizer = optimizer_factory(params) if params else None
-        self.resident = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
-        self.resident |= {b.untyped_storage().data_ptr() for b in self.module.buffers()}
-        pool.allocate("weights", ("weights", stage.index), nbytes(list(self.module.parameters()) + list(self.module.buffers())),
-                      f"load stage {stage.index}")
+        self._note_resident()
+        pool.allocate("buffers", ("buffers", stage.index), nbytes(self.module.buffers()), f"load stage {stage.index}")
+        if not swapped:
+            pool.allocate("weights", ("weights", stage.index), nbytes(self.module.parameters()), f"load stage {stage.index}")
         self.inputs: dict[int, dict[str, torch.Tensor]] = {}
         self.buffers: dict[int, list[tuple[torch.Tensor, tuple]]] = {}
         self.outputs: dict[int, tuple] = {}
@@ -97,8 +103,7 @@ class StageWorker:
         pairs = [(t, g) for t, g in zip(tensors, grads, strict=True) if t.requires_grad]
         if pairs:
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-        self.pool.allocate("grads", ("grads", self.stage.index),
-                           nbytes(p.grad for p in self.module.parameters() if p.grad is not None), instruction)
+        self.pool.allocate("grads", ("grads", self.stage.index), nbytes(self._tensors("grads").values()), instruction)
         inputs = self.inputs.get(microbatch, {})
         self.input_grads[microbatch] = {
             name: inputs[name].grad.clone() if inputs[name].grad is not None else torch.zeros_like(inputs[name])
@@ -143,11 +148,84 @@ class StageWorker:
             if param.grad is not None:
                 param.grad.mul_(factor)
 
+    # ---- swapping between the device pool and host memory (Harmony §4.4) --------------------
+    def _start_on_host(self, module: torch.nn.Module) -> None:
+        """Keep parameters in (pinned, on CUDA) host memory; the device gets them on swap-in."""
+        for name, param in self.params.items():
+            host = param.data.detach().to("cpu")
+            self.host[("weights", name)] = host.pin_memory() if self.device.type == "cuda" else host
+            param.data = torch.empty(0, dtype=param.dtype, device=self.device)
+
+    def _note_resident(self) -> None:
+        self.resident = {t.untyped_storage().data_ptr() for t in list(self.module.parameters()) + list(self.module.buffers())}
+
+    def _tensors(self, what: str) -> dict[str, torch.Tensor]:
+        if what == "weights":
+            return {n: p.data for n, p in self.params.items()}
+        if what == "grads":
+            return {n: p.grad for n, p in self.params.items() if p.grad is not None}
+        state = self.optimizer.state if self.optimizer else {}
+        names = {id(p): n for n, p in self.params.items()}
+        return {f"{names[id(p)]}.{k}": v for p, st in state.items() for k, v in st.items()
+                if isinstance(v, torch.Tensor) and v.dim() > 0}
+
+    def _set(self, what: str, name: str, tensor: torch.Tensor) -> None:
+        if what == "weights":
+            self.params[name].data = tensor
+        elif what == "grads":
+            self.params[name].grad = tensor
+        else:
+            param_name, key = name.rsplit(".", 1)
+            self.optimizer.state[self.params[param_name]][key] = tensor
+
+    def swap_out(self, what: str, write: bool, instruction: str) -> None:
+        """Take `what` off the device; copy it to host memory first when it changed (`write`)."""
+        moved = 0
+        for name, tensor in self._tensors(what).items():
+            if write:
+                host = self.host.get((what, name))
+                if host is None or host.shape != tensor.shape:
+                    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.device.type == "cuda")
+                    self.host[(what, name)] = host
+                host.copy_(tensor, non_blocking=True)
+                moved += tensor.numel() * tensor.element_size()
+            empty = None if what == "grads" else torch.empty(0, dtype=tensor.dtype, device=self.device)
+            self._set(what, name, empty)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        self.pool.swap_out_bytes += moved
+        self.pool.swapped[what] += moved
+        self.pool.release((what, self.stage.index))
+
+    def swap_in(self, what: str, instruction: str) -> None:
+        """Bring `what` from host memory into the device pool (before the compute that needs it)."""
+        parts = {n: h for (w, n), h in self.host.items() if w == what}
+        if what == "grads":
+            parts = {n: h for n, h in parts.items() if self.params[n].grad is None}
+        size = sum(h.numel() * h.element_size() for h in parts.values())
+        self.pool.allocate(what, (what, self.stage.index), size, instruction)
+        for name, host in parts.items():
+            self._set(what, name, host.to(self.device, non_blocking=True))
+        if what == "grads":
+            for name in parts:
+                del self.host[(what, name)]
+        self.pool.swap_in_bytes += size
+        self.pool.swapped[what] += size
+        if what == "weights":
+            self._note_resident()
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The stage's state under its names, host copies standing in for swapped-out parameters."""
+        state = self.module.state_dict()
+        for name in self.params:
+            if state[name].numel() == 0 and ("weights", name) in self.host:
+                state[name] = self.host[("weights", name)]
+        return state
+
     def update(self, instruction: str) -> None:
         if self.optimizer is None:
             return
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.pool.release(("grads", self.stage.index))
-        state = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-        self.pool.allocate("optimizer", ("optimizer", self.stage.index), nbytes(state), instruction)
+        self.pool.allocate("optimizer", ("optimizer", self.stage.index), nbytes(self._tensors("optimizer").values()), instruction)

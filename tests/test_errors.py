@@ -96,7 +96,7 @@ def test_split_point_at_illegal_cut():
 
 
 def test_split_points_count_must_match_devices():
-    with pytest.raises(sw.PartitionError, match="split_points gives 2 stages but 3 devices with schedule .auto. need 3; give 2 split points"):
+    with pytest.raises(sw.PartitionError, match="split_points gives 2 stages but 3 devices with schedule 'gpipe' need 3; give 2 split points"):
         compile_mlp(3, split_points=["2"])
 
 

@@ -60,7 +60,7 @@ def test_capacity_is_enforced_with_a_clear_error():
     probe.step(ids, target=ids)
     weights = probe.stats[1]["weights_bytes"]
     devices = [sw.Device("cpu"), sw.Device("cpu", memory=weights + 1024)]
-    pipe = sw.compile(TinyGPT(), devices, (ids,), loss_fn=lm_loss, example_target=ids, microbatches=4)
+    pipe = sw.compile(TinyGPT(), devices, (ids,), loss_fn=lm_loss, example_target=ids, microbatches=4, swap="off")
     with pytest.raises(sw.CapacityError, match=r"device 1 \(cpu\) needs [\d.]+ KiB more for (buffer|stash) at `dev\d #\d+ .*mb=0.*` but already holds"):
         pipe.step(ids, target=ids)
 

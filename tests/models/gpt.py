@@ -33,14 +33,15 @@ class Block(nn.Module):
 
 
 class TinyGPT(nn.Module):
-    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, layers: int = 4, context: int = 16):
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, layers: int = 4, context: int = 16, tie: bool = True):
         super().__init__()
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Embedding(context, dim)
         self.blocks = nn.ModuleList(Block(dim, heads, context) for _ in range(layers))
         self.ln_f = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
-        self.head.weight = self.tok.weight  # tied
+        if tie:
+            self.head.weight = self.tok.weight
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(idx.shape[1], device=idx.device)

@@ -1,0 +1,334 @@
+"""Moving tensors between devices that live in different processes (torch.distributed).
+
+One process per device, launched with torchrun: gloo on CPU, NCCL on CUDA. The executor calls
+this transport exactly as it calls `LocalTransport`; a send becomes `isend`, a receive `irecv`
+into a buffer from this device's memory pool, and an all-reduce one collective over a process
+group created up front. Every wait polls, so a peer that died or stopped answering becomes a
+`PeerError` naming the instruction and the peer within `timeout_s`, and a thread of this rank
+that failed first makes the others stop quietly (`Aborted`) instead of waiting on the network.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+from stagewise.compiler.errors import PeerError, PlanError
+from stagewise.compiler.ir import Plan, Transfer
+from stagewise.runtime.pool import MemoryPool
+from stagewise.runtime.sync import Aborted, Sync
+from stagewise.runtime.transport import LocalTransport
+
+POLL_S = 0.05  # how often a waiting thread re-checks its deadline and whether this rank failed
+LOSS_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+class _Pending:
+    """One issued send, receive or collective, whose completion the caller polls.
+
+    Gloo's point-to-point works report `is_completed()` only after `wait()` was called, and a
+    `wait(timeout)` that expires closes the connection to the peer; so under gloo a daemon thread
+    makes the one blocking `wait()` (it returns at once when the peer's socket closes) and the
+    caller polls its event. Under NCCL `is_completed()` queries the work's CUDA event directly.
+    """
+
+    def __init__(self, work: dist.Work, blocking_wait: bool, what: str, peers: str):
+        self.work = work
+        self.what = what  # the instruction, for errors
+        self.peers = peers  # "rank 1" or "ranks 0,1", for errors
+        self.error: BaseException | None = None
+        self.event: threading.Event | None = None
+        if blocking_wait:
+            self.event = threading.Event()
+            threading.Thread(target=self._wait, name=f"wait {what}", daemon=True).start()
+
+    def _wait(self) -> None:
+        try:
+            self.work.wait()
+        except BaseException as error:  # noqa: BLE001 - re-raised by the polling thread
+            self.error = error
+        finally:
+            self.event.set()
+
+    def done(self, poll_s: float) -> bool:
+        """True once the work finished (raising its error as `PeerError`), after waiting up to `poll_s`."""
+        if self.event is not None:
+            finished = self.event.wait(poll_s)
+        else:
+            finished = self.work.is_completed()
+            if finished:
+                try:
+                    self.work.wait()
+                except BaseException as error:  # noqa: BLE001 - turned into PeerError below
+                    self.error = error
+            else:
+                time.sleep(min(poll_s, 1e-3))
+        if finished and self.error is not None:
+            raise PeerError(f"{self.what}: {self.peers} failed ({self.error}); see that rank's log") from self.error
+        return finished
+
+
+class DistributedTransport:
+    """The `LocalTransport` interface over torch.distributed, for the rank that holds device `rank`."""
+
+    def __init__(self, plan: Plan, rank: int, pools: list[MemoryPool], timeout_s: float):
+        _check_world(plan, rank)
+        self.plan = plan
+        self.rank = rank
+        self.pools = pools
+        self.timeout_s = timeout_s
+        self.local = LocalTransport(pools)  # two stages of one device exchange in memory
+        self._sync: Sync | None = None
+        self.device_of = {s.index: s.device for s in plan.stages}
+        self.transfers = {(t.value, t.src, t.dst): (i, t) for i, t in enumerate(plan.transfers)}
+        self.blocking_wait = dist.get_backend() == "gloo"
+        if not self.blocking_wait:
+            _check_link_order(plan)
+        self.sends: list[_Pending] = []
+        self.sends_lock = threading.Lock()
+        # dist.new_group is collective: every rank creates the same groups in the same order.
+        self.world = dist.new_group(list(range(len(plan.devices))))
+        self.groups = {group: dist.new_group(sorted(group)) for group in reduction_groups(plan)}
+        self.links = {pair: dist.new_group(sorted(pair)) for pair in directed_links(plan)}
+        self._check_same_plan()
+
+    # ---- the executor's interface -----------------------------------------------------------
+    @property
+    def sync(self) -> Sync | None:
+        return self._sync
+
+    @sync.setter
+    def sync(self, sync: Sync | None) -> None:
+        """The executor installs a fresh monitor per iteration; the in-memory path shares it."""
+        self._sync = sync
+        self.local.sync = sync
+
+    def send(self, key: tuple, src_device: int, dst_device: int, tensor: torch.Tensor, instruction: str) -> None:
+        """key = (what, value, microbatch, src stage, dst stage). Issues the send and returns at once."""
+        if dst_device == src_device:
+            self.local.send(key, src_device, dst_device, tensor, instruction)
+            return
+        self._reap_sends()
+        transfer = self._transfer(key)
+        _check_shape(tensor, transfer, key, instruction)
+        payload = tensor.detach().contiguous()
+        link = self.links[(src_device, dst_device)]
+        work = self._issue(lambda: dist.isend(payload, dst_device, group=link, tag=self._tag(key)), instruction,
+                           f"rank {dst_device}")
+        self.pools[src_device].p2p_bytes += payload.numel() * payload.element_size()
+        with self.sends_lock:
+            self.sends.append(_Pending(work, self.blocking_wait, instruction, f"rank {dst_device}"))
+
+    def recv(self, key: tuple, instruction: str) -> torch.Tensor:
+        """The tensor sent under `key`, in a transfer buffer of this device's pool."""
+        src_device = self.device_of[key[3]]
+        if src_device == self.rank:
+            return self.local.recv(key, instruction)
+        transfer = self._transfer(key)
+        like = torch.empty(transfer.shape, dtype=_dtype(transfer.dtype), device="meta")
+        pool = self.pools[self.rank]
+        buffer = pool.take_buffer(like, ("buffer",) + key, instruction)
+        link = self.links[(src_device, self.rank)]
+        try:
+            work = self._issue(lambda: dist.irecv(buffer, src_device, group=link, tag=self._tag(key)), instruction,
+                               f"rank {src_device}")
+            self._await(_Pending(work, self.blocking_wait, instruction, f"rank {src_device}"))
+        except BaseException:
+            pool.release(("buffer",) + key)  # not given back for reuse: a late message may still land in it
+            raise
+        return buffer
+
+    def all_reduce(self, tag: tuple, group: tuple[int, ...], rank: int, tensors: list[torch.Tensor],
+                   instruction: str) -> list[torch.Tensor]:
+        """Sum `tensors` over the group's ranks; every member gets the same bits (one collective per dtype)."""
+        if len(set(group)) == 1:
+            return self.local.all_reduce(tag, group, rank, tensors, instruction)
+        peers = "ranks " + ",".join(str(r) for r in group)
+        buckets = {}
+        for dtype in dict.fromkeys(t.dtype for t in tensors):
+            flat = torch.cat([t.detach().reshape(-1) for t in tensors if t.dtype == dtype])
+            work = self._issue(lambda flat=flat: dist.all_reduce(flat, group=self.groups[group], async_op=True),
+                               instruction, peers)
+            buckets[dtype] = (flat, _Pending(work, self.blocking_wait, instruction, peers))
+        for _, pending in buckets.values():
+            self._await(pending)
+        return _unflatten(tensors, {dtype: flat for dtype, (flat, _) in buckets.items()})
+
+    def total_loss(self, partial: torch.Tensor | None) -> torch.Tensor:
+        """End the iteration: wait for this rank's sends, then sum the ranks' partial loss sums.
+
+        Ranks without a last stage add zero; the sum travels as float64, so one rank's float32
+        loss arrives bit for bit, and data-parallel last stages add up exactly enough.
+        """
+        self.flush("sum of the loss")
+        payload = torch.zeros((), dtype=torch.float64, device=self.pools[self.rank].device)
+        if partial is not None:
+            payload += partial.detach().double()
+        work = self._issue(lambda: dist.all_reduce(payload, group=self.world, async_op=True), "sum of the loss", "every rank")
+        self._await(_Pending(work, self.blocking_wait, "sum of the loss", "every rank"))
+        return payload.to(partial.dtype if partial is not None else torch.float32).cpu()
+
+    def flush(self, instruction: str) -> None:
+        """Wait until every send this rank issued was delivered (a peer that never receives fails here)."""
+        with self.sends_lock:
+            pending, self.sends = self.sends, []
+        for send in pending:
+            self._await(send, f"{instruction}: delivery of `{send.what}`")
+
+    # ---- waiting -----------------------------------------------------------------------------
+    def _await(self, pending: _Pending, what: str | None = None) -> None:
+        """Poll until done; `PeerError` after `timeout_s`, `Aborted` when another thread here failed."""
+        start = time.monotonic()
+        while not pending.done(POLL_S):
+            if self._sync is not None and self._sync.error is not None:
+                raise Aborted
+            waited = time.monotonic() - start
+            if waited > self.timeout_s:
+                raise PeerError(
+                    f"{what or pending.what}: waited {waited:.1f} s for {pending.peers}, which died or stopped "
+                    f"answering (timeout {self.timeout_s:g} s). Check that rank's log; if it is only slow, "
+                    "raise the timeout."
+                )
+
+    def _reap_sends(self) -> None:
+        """Drop delivered sends so the list stays short; a failed one raises here."""
+        with self.sends_lock:
+            pending = list(self.sends)
+        finished = [s for s in pending if s.done(0.0)]
+        with self.sends_lock:
+            self.sends = [s for s in self.sends if s not in finished]
+
+    def _issue(self, start, instruction: str, peers: str) -> dist.Work:
+        """Start a torch.distributed op; a peer already known dead makes gloo raise right here."""
+        try:
+            return start()
+        except RuntimeError as error:
+            raise PeerError(f"{instruction}: cannot reach {peers} ({error}); see that rank's log") from error
+
+    # ---- naming ------------------------------------------------------------------------------
+    def _transfer(self, key: tuple) -> Transfer:
+        return self.transfers[_transfer_key(key)][1]
+
+    def _tag(self, key: tuple) -> int:
+        """A tag both ranks derive alike from the key: (transfer, act|grad, microbatch)."""
+        what, _, microbatch = key[:3]
+        index = self.transfers[_transfer_key(key)][0]
+        return (index * 2 + (what == "grad")) * self.plan.microbatches + microbatch
+
+    def _check_same_plan(self) -> None:
+        """Every rank compiled on its own: different plans would exchange garbage or hang, so compare."""
+        digest = int.from_bytes(hashlib.sha256(self.plan.to_json().encode()).digest()[:7], "big")
+        values = [torch.tensor([digest], dtype=torch.int64, device=self.pools[self.rank].device) for _ in range(2)]
+        for value, op in zip(values, (dist.ReduceOp.MIN, dist.ReduceOp.MAX), strict=True):
+            work = self._issue(lambda value=value, op=op: dist.all_reduce(value, op, group=self.world, async_op=True),
+                               "comparing plans", "the other ranks")
+            self._await(_Pending(work, self.blocking_wait, "comparing plans", "the other ranks"))
+        if values[0].item() != values[1].item():
+            raise PlanError(
+                "the ranks compiled different plans; compile with the same model, seed, inputs and options "
+                "on every rank (or compile on rank 0 and load the saved pipeline everywhere)"
+            )
+
+
+def reduction_groups(plan: Plan) -> list[tuple[int, ...]]:
+    """The distinct device groups of every all-reduce of every program, sorted (the creation order).
+
+    An all-reduce instruction lists member stages; the executor reduces over their devices
+    (sorted, each once), having summed the stages it holds itself. A group within one device
+    needs no process group.
+    """
+    device_of = {s.index: s.device for s in plan.stages}
+    groups = {tuple(sorted({device_of[s] for s in ins.group}))
+              for p in plan.programs for ins in p.instructions if ins.kind == "allreduce"}
+    return sorted(g for g in groups if len(g) > 1)
+
+
+def directed_links(plan: Plan) -> list[tuple[int, int]]:
+    """(sender, receiver) device pairs of every transfer and its gradient, sorted.
+
+    Each direction gets its own group: under NCCL a group's point-to-point ops run on one
+    stream in issue order, and a rank's send and receive threads would interleave differently
+    on the two ranks, which can deadlock; one direction has one issuing thread on each side.
+    """
+    device_of = {s.index: s.device for s in plan.stages}
+    links = set()
+    for t in plan.transfers:
+        src, dst = device_of[t.src], device_of[t.dst]
+        if src != dst:
+            links.add((src, dst))
+            if t.requires_grad:
+                links.add((dst, src))
+    return sorted(links)
+
+
+def misordered_links(plan: Plan) -> list[tuple[int, int]]:
+    """Directed links whose sender issues its messages in another order than the receiver expects.
+
+    Gloo matches a message to its receive by tag, so the order does not matter; NCCL ignores
+    tags and pairs a link's sends and receives in issue order, so there it must agree.
+    """
+    by_device = {p.device: p for p in plan.programs}
+    wrong = []
+    for src, dst in directed_links(plan):
+        sent = [(i.what, v, i.microbatch, i.stage, i.peer_stage) for i in by_device[src].instructions
+                if i.kind == "send" and i.peer == dst for v in i.values]
+        expected = [(i.what, v, i.microbatch, i.peer_stage, i.stage) for i in by_device[dst].instructions
+                    if i.kind == "recv" and i.peer == src for v in i.values]
+        if sent != expected:
+            wrong.append((src, dst))
+    return wrong
+
+
+def _transfer_key(key: tuple) -> tuple[str, int, int]:
+    """(value, producer stage, consumer stage) of a message: a gradient flows against its transfer."""
+    what, value, _, src_stage, dst_stage = key
+    return (value, src_stage, dst_stage) if what == "act" else (value, dst_stage, src_stage)
+
+
+def _check_world(plan: Plan, rank: int) -> None:
+    if not dist.is_initialized():
+        raise PlanError("the distributed transport needs torch.distributed initialised (launch with torchrun)")
+    world = dist.get_world_size()
+    if world != len(plan.devices) or dist.get_rank() != rank:
+        raise PlanError(
+            f"the plan has {len(plan.devices)} devices but this is rank {dist.get_rank()} of {world} processes "
+            f"asked to run device {rank}; launch one process per device "
+            f"(torchrun --nproc-per-node {len(plan.devices)})"
+        )
+
+
+def _check_link_order(plan: Plan) -> None:
+    wrong = misordered_links(plan)
+    if wrong:
+        raise PlanError(
+            f"devices {wrong} (sender, receiver) issue their messages in another order than the receiver "
+            f"expects, which {dist.get_backend()} cannot match (it ignores tags); use the gloo backend or "
+            "another schedule"
+        )
+
+
+def _check_shape(tensor: torch.Tensor, transfer: Transfer, key: tuple, instruction: str) -> None:
+    """The receiver allocates from the plan's shape; a different tensor would arrive corrupted."""
+    if tuple(tensor.shape) != tuple(transfer.shape) or tensor.dtype != _dtype(transfer.dtype):
+        raise PlanError(
+            f"{instruction}: {key[0]} of `{key[1]}` is {tuple(tensor.shape)} {tensor.dtype} but the plan says "
+            f"{tuple(transfer.shape)} {transfer.dtype}; recompile with example inputs shaped like the batches"
+        )
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.removeprefix("torch."))
+
+
+def _unflatten(tensors: list[torch.Tensor], flats: dict[torch.dtype, torch.Tensor]) -> list[torch.Tensor]:
+    """Views of the reduced buffers, shaped and ordered like `tensors`."""
+    offsets = dict.fromkeys(flats, 0)
+    result = []
+    for t in tensors:
+        start = offsets[t.dtype]
+        result.append(flats[t.dtype][start : start + t.numel()].view(t.shape))
+        offsets[t.dtype] = start + t.numel()
+    return result

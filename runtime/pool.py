@@ -1,0 +1,107 @@
+"""The unified memory pool of one device (Harmony §4.4).
+
+Every runtime-managed tensor is registered here under a kind (weights, grads, optimizer,
+stash, buffer, swapped-in state) whatever stream made it, so one ledger enforces the device's
+capacity, records the peak, and counts swap and p2p traffic. Transfer buffers are recycled:
+a receive takes a free buffer of the same shape and dtype if one was released, so steady-state
+iterations allocate no new transfer memory.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+
+import torch
+from stagewise.compiler.devices import format_bytes
+from stagewise.compiler.errors import CapacityError
+
+KINDS = ("weights", "buffers", "grads", "optimizer", "stash", "buffer")
+
+
+class MemoryPool:
+    def __init__(self, device_index: int, device: torch.device, capacity: int | None):
+        self.index = device_index
+        self.device = device
+        self.capacity = capacity
+        self.lock = threading.Lock()
+        self.held: dict[tuple, tuple[str, int]] = {}  # key -> (kind, bytes)
+        self.by_kind: dict[str, int] = defaultdict(int)
+        self.current = 0
+        self.peak = 0
+        self.swap_in_bytes = 0
+        self.swap_out_bytes = 0
+        self.swapped: dict[str, int] = defaultdict(int)  # bytes moved per kind: weights, grads, optimizer
+        self.p2p_bytes = 0
+        self.free_buffers: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+        self.reused_buffers = 0
+
+    def allocate(self, kind: str, key: tuple, nbytes: int, instruction: str) -> None:
+        with self.lock:
+            if key in self.held:
+                self._release(key)
+            if self.capacity is not None and self.current + nbytes > self.capacity:
+                raise CapacityError(
+                    f"device {self.index} ({self.device}) needs {format_bytes(nbytes)} more for {kind} at "
+                    f"`{instruction}` but already holds {format_bytes(self.current)} of its {format_bytes(self.capacity)} "
+                    f"({self._breakdown()}). Give the device more memory, use more devices or fewer "
+                    "microbatches in flight (schedule='1f1b'), or let compile plan swapping."
+                )
+            self.held[key] = (kind, nbytes)
+            self.by_kind[kind] += nbytes
+            self.current += nbytes
+            self.peak = max(self.peak, self.current)
+
+    def release(self, key: tuple) -> None:
+        with self.lock:
+            self._release(key)
+
+    def _release(self, key: tuple) -> None:
+        kind, nbytes = self.held.pop(key, (None, 0))
+        if kind is not None:
+            self.by_kind[kind] -= nbytes
+            self.current -= nbytes
+
+    def take_buffer(self, like: torch.Tensor, key: tuple, instruction: str) -> torch.Tensor:
+        """A transfer buffer shaped like `like` on this device, recycled when one is free."""
+        self.allocate("buffer", key, like.numel() * like.element_size(), instruction)
+        with self.lock:
+            free = self.free_buffers[(tuple(like.shape), like.dtype)]
+            if free:
+                self.reused_buffers += 1
+                return free.pop()
+        return torch.empty(like.shape, dtype=like.dtype, device=self.device)
+
+    def give_back_buffer(self, buffer: torch.Tensor, key: tuple) -> None:
+        self.release(key)
+        with self.lock:
+            self.free_buffers[(tuple(buffer.shape), buffer.dtype)].append(buffer.detach())
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "device": self.index,
+            "peak_bytes": self.peak,
+            "current_bytes": self.current,
+            "capacity_bytes": self.capacity,
+            "swap_in_bytes": self.swap_in_bytes,
+            "swap_out_bytes": self.swap_out_bytes,
+            "p2p_bytes": self.p2p_bytes,
+            "reused_buffers": self.reused_buffers,
+            **{f"swap_{kind}_bytes": self.swapped[kind] for kind in ("weights", "grads", "optimizer")},
+            **{f"{kind}_bytes": self.by_kind[kind] for kind in KINDS},
+        }
+
+    def _breakdown(self) -> str:
+        return ", ".join(f"{k} {format_bytes(v)}" for k, v in self.by_kind.items() if v)
+
+
+def nbytes(tensors) -> int:
+    """Bytes of distinct storages among `tensors` (views of one storage count once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in seen:
+                seen.add(ptr)
+                total += t.untyped_storage().nbytes()
+    return total
