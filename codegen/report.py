@@ -12,9 +12,10 @@ from stagewise.compiler.devices import format_bytes
 def render_plan(plan) -> str:
     stages = Table(title=f"stagewise plan: {plan.model} ({plan.tracer} trace, {plan.schedule}, "
                    f"{plan.microbatches} microbatches of {plan.microbatch_size})")
-    for column in ("stage", "device", "layers", "params", "fwd GFLOP/mb", "receives", "sends"):
+    for column in ("stage", "device", "layers", "params", "fwd GFLOP/mb", "pred F+B ms/mb", "receives", "sends"):
         stages.add_column(column)
     for stage in plan.stages:
+        predicted = plan.predicted_stage_s[stage.index] * 1e3 if plan.predicted_stage_s else None
         layers = [plan.layers[i] for i in stage.layers]
         names = layers[0].name if len(layers) == 1 else f"{layers[0].name} .. {layers[-1].name} ({len(layers)})"
         params = sum(layer.param_bytes for layer in layers)
@@ -27,10 +28,17 @@ def render_plan(plan) -> str:
             names,
             format_bytes(params),
             f"{flops:.4f}",
+            "-" if predicted is None else f"{predicted:.3f}",
             _transfers(receives, plan.microbatch_size, "src"),
             _transfers(sends, plan.microbatch_size, "dst"),
         )
     parts = [_render(stages)]
+    if plan.predicted_iteration_s is not None:
+        peaks = ", ".join(f"dev{d} {format_bytes(b)}" for d, b in enumerate(plan.predicted_peak_bytes))
+        parts.append(f"predicted ({plan.cost_model} costs): {plan.predicted_iteration_s * 1e3:.2f} ms per iteration; "
+                     f"peak memory {peaks}")
+    if plan.considered:
+        parts.append("plans considered:\n  " + "\n  ".join(plan.considered))
     if plan.shared:
         shared = Table(title="shared tensors (replicated; gradients summed before each update)")
         for column in ("tensor", "also named", "stages", "kind"):

@@ -1,28 +1,39 @@
-"""`stagewise.compile`: trace -> layers -> cut-points -> partition -> shared -> schedule -> lower -> codegen."""
+"""`stagewise.compile`: trace -> layers -> cut-points -> plan (partition, schedule, swaps) -> programs -> codegen."""
 
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 from stagewise.codegen.stages import build_stage_modules
-from stagewise.compiler.devices import resolve_devices
+from stagewise.compiler.calibrate import send_bandwidth
+from stagewise.compiler.devices import Device, resolve_devices
 from stagewise.compiler.errors import BatchSizeError, ExampleInputsError, PartitionError, PlanError
 from stagewise.compiler.ir import Plan
 from stagewise.compiler.pipeline import Pipeline
 from stagewise.compiler.trace import input_names, trace
+from stagewise.passes.analytic import analytic_layers
 from stagewise.passes.cutpoints import find_cuts
 from stagewise.passes.layers import build_layers
 from stagewise.passes.layout import STATE_PER_PARAM_BYTE, choose_layout
-from stagewise.passes.lower import lower
-from stagewise.passes.partition import balanced_starts, starts_from_split_points
-from stagewise.passes.replicate import replicate
-from stagewise.passes.schedule import SCHEDULES, instance_tasks
-from stagewise.passes.shared import alias_groups, find_shared
-from stagewise.passes.stages import build_stages
-from stagewise.passes.swap import plan_swaps
+from stagewise.passes.partition import starts_from_split_points
+from stagewise.passes.planner import (
+    Assembled,
+    Prediction,
+    assemble,
+    candidates,
+    choose,
+    partition,
+    predict,
+    sim_cost,
+)
+from stagewise.passes.profile import costs_at, profile_layers
+from stagewise.passes.schedule import SCHEDULES
+from stagewise.passes.shared import alias_groups
 
 DEFAULT_OPTIMIZER = functools.partial(torch.optim.SGD, lr=0.01)
+COST_MODELS = ("profile", "analytic")
 
 
 def compile(  # noqa: A001 - the public name of the API
@@ -43,74 +54,166 @@ def compile(  # noqa: A001 - the public name of the API
 ) -> Pipeline:
     """Compile `model` into a pipeline over `devices` that trains exactly like eager training.
 
-    `swap`: "auto" swaps state to host memory only where a device's capacity requires it,
-    "on" forces Harmony-style swapping, "per-device" the per-GPU baseline, "off" never.
-    `replicas`: data-parallel copies of the pipeline (P x D with P = devices / replicas).
+    With `schedule="auto"` and `microbatches=None` the planner simulates candidate plans and
+    keeps the fastest that fits every device's memory. `cost`: "profile" measures each layer
+    on this machine (cached on disk), "analytic" derives times from FLOPs and the devices'
+    peak rates. `swap`: "auto" swaps state to host memory only where a device's capacity
+    requires it, "on" forces Harmony-style swapping, "per-device" the per-GPU baseline, "off"
+    never. `replicas`: data-parallel copies of the pipeline (P x D, P = devices / replicas).
     """
     if not isinstance(model, torch.nn.Module):
         raise ExampleInputsError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if cost not in COST_MODELS:
+        raise PlanError(f"unknown cost={cost!r}; choose 'profile' (measure) or 'analytic' (FLOPs and peak rates)")
+    if schedule not in SCHEDULES:
+        raise PlanError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
     resolved = resolve_devices(devices)
     names, kind = input_names(model, example_inputs)
     batch = batch_size(example_inputs, example_target)
-    if microbatches is None:
-        microbatches = max(d for d in range(1, len(resolved) + 1) if batch % d == 0)
-    check_microbatches(batch, microbatches)
-    size = batch // microbatches
-    traced = trace(model, split_batch(example_inputs, microbatches)[0], _first(example_target, microbatches), loss_fn)
-    gm = traced.graph_module
-
-    layers = build_layers(gm, model)
-    cuts = find_cuts(gm, layers, size)
-    schedule = "gpipe" if schedule == "auto" else schedule
-    if schedule not in SCHEDULES:
-        raise PlanError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if microbatches is not None:
+        check_microbatches(batch, microbatches)
+    first_m = microbatches or max(d for d in range(1, len(resolved) + 1) if batch % d == 0)
+    analysis = _Analysis(model, example_inputs, example_target, loss_fn, batch, first_m)
+    specs = [d.spec() for d in resolved]
     capacities = [d.memory for d in resolved]
-    layout = choose_layout(schedule, len(resolved), replicas, sum(c.legal for c in cuts),
-                           sum(layer.param_bytes for layer in layers), min((c for c in capacities if c), default=None))
-    n_stages = layout.positions
-    if split_points is not None:
-        starts = starts_from_split_points(layers, cuts, list(split_points))
-        if len(starts) != n_stages:
-            raise PartitionError(
-                f"split_points gives {len(starts)} stages but {len(resolved)} devices with schedule "
-                f"{schedule!r} need {n_stages}; give {n_stages - 1} split points"
-            )
+    bandwidth = send_bandwidth(resolved[0], resolved[-1]) if len(resolved) > 1 else float("inf")
+    clip = clip_grad_norm is not None
+    costs = _cost_model(cost, analysis, resolved[0])
+
+    def build(name: str, m: int) -> tuple[Assembled, list, int]:
+        gm, layers, cuts, size = analysis.at(m)
+        legal = sum(c.legal for c in cuts)
+        params = sum(layer.param_bytes for layer in layers)
+        layout = choose_layout(name, len(resolved), replicas, legal, params, min((c for c in capacities if c), default=None))
+        layer_costs = costs(size)
+        if split_points is not None:
+            starts = starts_from_split_points(layers, cuts, list(split_points))
+            if len(starts) != layout.positions:
+                raise PartitionError(
+                    f"split_points gives {len(starts)} stages but {len(resolved)} devices with schedule {name!r} "
+                    f"need {layout.positions}; give {layout.positions - 1} split points"
+                )
+            stage_devices = [layout.device_of(s, 0) for s in range(len(starts))]
+        else:
+            starts, stage_devices = partition(name, layers, cuts, layer_costs, layout, specs, size, bandwidth)
+        plan = assemble(gm, layers, cuts, size, name, m, starts, stage_devices, layout, swap, capacities, clip)
+        return plan, layer_costs, size
+
+    if split_points is not None or (schedule != "auto" and microbatches is not None):
+        chosen_name = "gpipe" if schedule == "auto" else schedule
+        chosen, layer_costs, size = build(chosen_name, first_m)
+        prediction, _ = predict(chosen, layer_costs, specs, size, bandwidth)
+        considered = ()
     else:
-        starts = balanced_starts(layers, cuts, n_stages)
-    stages, transfers = build_stages(gm, layers, starts, size, len(resolved))
-    stages, transfers = replicate(stages, transfers, layout.replicas, microbatches, layout.device_of)
-    shared = find_shared(gm, stages)
-    swaps = plan_swaps(swap, stages, layers, capacities, STATE_PER_PARAM_BYTE)
-    if swaps.stages and clip_grad_norm is not None:
-        raise PlanError(
-            "clip_grad_norm with swapping is not supported yet: the global norm needs every gradient at once. "
-            "Give the devices more memory, or clip inside the optimizer"
-        )
-    jit_update = clip_grad_norm is None
-    tasks = instance_tasks(schedule, stages, microbatches, len(resolved), jit_update)
-    programs = lower(stages, transfers, shared, tasks, clip_grad_norm is not None, swaps)
+        needs_swap = _needs_swap(analysis, capacities, swap)
+        legal = sum(c.legal for c in analysis.at(first_m)[2])
+        pairs = candidates(schedule, microbatches, batch, len(resolved), legal, needs_swap)
+        chosen, prediction, tried = choose(pairs, build, specs, bandwidth)
+        considered = tuple(_describe(name, m, result) for name, m, result in tried)
+    chosen = _agree_across_ranks(chosen, build)
+    gm, layers, cuts, size = analysis.at(chosen.microbatches)
     plan = Plan(
         model=type(model).__name__,
-        tracer=traced.tracer,
-        devices=tuple(d.spec() for d in resolved),
+        tracer=analysis.tracer,
+        devices=tuple(specs),
         input_names=tuple(names),
         input_kind=kind,
-        target_name=traced.target_name,
-        graph_inputs=traced.graph_inputs,
-        microbatches=microbatches,
+        target_name=analysis.target_name,
+        graph_inputs=analysis.graph_inputs,
+        microbatches=chosen.microbatches,
         microbatch_size=size,
-        schedule=schedule,
+        schedule=chosen.schedule,
         layers=layers,
         cuts=cuts,
-        shared=shared,
-        stages=stages,
-        transfers=transfers,
-        programs=programs,
+        shared=chosen.shared,
+        stages=chosen.stages,
+        transfers=chosen.transfers,
+        programs=chosen.programs,
         state_names=tuple(model.state_dict().keys()),
         aliases=tuple(alias_groups(gm)),
+        cost_model=cost,
+        predicted_iteration_s=prediction.iteration_s,
+        predicted_stage_s=prediction.stage_s,
+        predicted_peak_bytes=prediction.peak_bytes,
+        considered=considered,
     )
-    modules = build_stage_modules(gm, layers, stages)
-    return Pipeline(plan, modules, optimizer or DEFAULT_OPTIMIZER, clip_grad_norm, swaps.stages)
+    modules = build_stage_modules(gm, layers, chosen.stages)
+    pipe = Pipeline(plan, modules, optimizer or DEFAULT_OPTIMIZER, clip_grad_norm, chosen.swaps.stages)
+    pipe.sim_cost = sim_cost(chosen, costs(size), specs, size, bandwidth)
+    return pipe
+
+
+class _Analysis:
+    """The traced graph, its layers and cut-points at a given microbatch count (traced once per size:
+    torch.export bakes shapes into the graph, and transfer buffers are sized from them)."""
+
+    def __init__(self, model, example_inputs, example_target, loss_fn, batch: int, first_m: int):
+        self.model, self.inputs, self.target, self.loss_fn, self.batch = model, example_inputs, example_target, loss_fn, batch
+        self.cache: dict[int, tuple] = {}
+        self.at(first_m)
+        self.first_m = first_m
+
+    def at(self, m: int):
+        if m not in self.cache:
+            size = self.batch // m
+            traced = trace(self.model, split_batch(self.inputs, m)[0], _first(self.target, m), self.loss_fn)
+            gm = traced.graph_module
+            layers = build_layers(gm, self.model)
+            self.cache[m] = (gm, layers, find_cuts(gm, layers, size), size)
+            self.tracer, self.target_name, self.graph_inputs = traced.tracer, traced.target_name, traced.graph_inputs
+        return self.cache[m]
+
+
+def _cost_model(cost: str, analysis: _Analysis, device: Device):
+    """Per-layer costs at a microbatch size, from one profile (or analytic model) of the first trace."""
+    gm, layers, _, size = analysis.at(analysis.first_m)
+
+    @functools.cache
+    def profiles():
+        if cost == "analytic":
+            return analytic_layers(gm, layers, size, device)
+        return profile_layers(gm, layers, device, traced_microbatch=size, quiet=not sys.stderr.isatty())
+
+    return lambda u: costs_at(profiles(), u)
+
+
+def _needs_swap(analysis: _Analysis, capacities: list[int | None], swap: str) -> bool:
+    if swap in ("on", "per-device"):
+        return True
+    if swap == "off" or all(c is None for c in capacities):
+        return False
+    layers = analysis.at(analysis.first_m)[1]
+    state = STATE_PER_PARAM_BYTE * sum(layer.param_bytes for layer in layers)
+    return state > sum(c for c in capacities if c) * 0.75
+
+
+def _describe(name: str, m: int, result: Prediction | str) -> str:
+    if isinstance(result, str):
+        return f"{name:<11} x{m:<3} not possible: {result}"
+    fits = "fits" if result.fits else "does not fit"
+    return f"{name:<11} x{m:<3} {result.iteration_s * 1e3:9.2f} ms/iteration, {fits}"
+
+
+def _agree_across_ranks(chosen: Assembled, build) -> Assembled:
+    """Under torch.distributed every rank must run the same plan: rank 0's choice wins."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return chosen
+    decision = [(chosen.schedule, chosen.microbatches, chosen.starts, chosen.stage_devices)]
+    torch.distributed.broadcast_object_list(decision, src=0)
+    if decision[0] == (chosen.schedule, chosen.microbatches, chosen.starts, chosen.stage_devices):
+        return chosen
+    return _rebuild(decision[0], chosen, build)
+
+
+def _rebuild(decision, chosen: Assembled, build) -> Assembled:
+    name, m, starts, stage_devices = decision
+    plan, _, _ = build(name, m)
+    if (plan.starts, plan.stage_devices) == (starts, stage_devices):
+        return plan
+    raise PlanError(
+        "the ranks planned differently (measured costs differ between processes); pass split_points=, "
+        "schedule= and microbatches= explicitly, or cost='analytic', so every rank builds the same plan"
+    )
 
 
 def batch_size(example_inputs, example_target) -> int:

@@ -212,6 +212,11 @@ class Plan:
     programs: tuple[Program, ...] = field(default=())
     state_names: tuple[str, ...] = ()  # every key of the original model's state_dict
     aliases: tuple[tuple[str, ...], ...] = ()  # groups of FQNs naming one tensor (tied weights)
+    cost_model: str = ""  # "profile" | "analytic": where the predictions come from
+    predicted_iteration_s: float | None = None
+    predicted_stage_s: tuple[float, ...] = ()  # forward + backward of one microbatch, per stage
+    predicted_peak_bytes: tuple[int, ...] = ()  # per device
+    considered: tuple[str, ...] = ()  # the candidate plans the planner simulated, one line each
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)

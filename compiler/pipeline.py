@@ -28,6 +28,7 @@ class Pipeline:
         swapped: frozenset[int] = frozenset(),
     ):
         self.plan = plan
+        self.sim_cost = None  # the planner's per-stage costs, when compiled (not after load)
         self.optimizer_factory = optimizer
         self.clip_grad_norm = clip_grad_norm
         self.context = distributed_context()
@@ -152,11 +153,14 @@ class Pipeline:
                         tensor.copy_(source)
 
     def simulate(self, peak_flops: float | None = None, bandwidth: float | None = None):
-        """The predicted timeline of one iteration of these programs (analytic FLOP-based costs)."""
+        """The predicted timeline of one iteration of these programs: with the planner's costs
+        (profiled or analytic), or, given peak_flops / bandwidth, FLOP-based costs for that hardware."""
         from stagewise.passes.costs import CPU_PEAK_FLOPS, LOCAL_BANDWIDTH, analytic_cost
         from stagewise.passes.simulate import simulate
 
-        cost = analytic_cost(self.plan, peak_flops or CPU_PEAK_FLOPS, bandwidth or LOCAL_BANDWIDTH)
+        cost = self.sim_cost
+        if cost is None or peak_flops is not None or bandwidth is not None:
+            cost = analytic_cost(self.plan, peak_flops or CPU_PEAK_FLOPS, bandwidth or LOCAL_BANDWIDTH)
         return simulate(self.plan.programs, cost)
 
     def save(self, directory) -> None:

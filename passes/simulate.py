@@ -71,6 +71,7 @@ class SimCost:
     links: dict[tuple[int, int], float] = field(default_factory=dict)
     latency_s: float = 0.0
     duplex: bool = True
+    host_bandwidth: float = math.inf  # bytes/s between a device and host memory (swaps)
 
     @classmethod
     def uniform(cls, n_stages: int, forward_s: float, backward_s: float, **kwargs) -> SimCost:
@@ -200,6 +201,8 @@ class _Simulation:
             for s in STREAMS
         }
         self.deps = {d: _dependencies(p) for d, p in self.programs.items()}
+        self.stage_device = {ins.stage: d for d, p in self.programs.items() for ins in p.instructions
+                             if ins.stage is not None and ins.kind != "allreduce"}
         self.started: dict[tuple[int, int], float] = {}
         self.finished: dict[tuple[int, int], float] = {}
         self.timers: list[tuple[float, int, Callable[[], None]]] = []
@@ -211,6 +214,9 @@ class _Simulation:
         self.span_start: dict[tuple[int, int], float] = {}
         self.memory: dict[int, list[tuple[float, float]]] = defaultdict(list)
         self.p2p: dict[int, float] = defaultdict(float)
+        self.swapped_in: dict[int, float] = defaultdict(float)
+        self.swapped_out: dict[int, float] = defaultdict(float)
+        self.resident_swap: dict[tuple, float] = {}  # (stage, what) -> bytes brought in by its last swap-in
         self.now = 0.0
         self._seq = 0
 
@@ -251,10 +257,23 @@ class _Simulation:
             self._post_recv(op, ins)
         elif ins.kind == "allreduce":
             self._join_allreduce(op, ins)
-        elif ins.kind == "free":
-            self._finish(op)
+        elif ins.kind in ("swap_in", "swap_out", "free"):
+            self._start_swap(op, ins)
         else:
             raise PlanError(f"the simulator does not model {ins.kind!r} instructions yet: {ins}")
+
+    def _start_swap(self, op: tuple[int, int], ins: Instruction) -> None:
+        """A swap moves its planned bytes over the host link; device memory follows it."""
+        device = op[0]
+        if ins.kind == "swap_in":
+            self.swapped_in[device] += ins.nbytes
+            self.memory[device].append((self.now, ins.nbytes))
+        else:
+            self.swapped_out[device] += ins.nbytes
+            self.memory[device].append((self.now, -self.resident_swap.get((ins.stage, ins.what), 0)))
+        if ins.kind == "swap_in":
+            self.resident_swap[(ins.stage, ins.what)] = ins.nbytes
+        self._after(ins.nbytes / self.cost.host_bandwidth if ins.nbytes else 0.0, op)
 
     def _start_compute(self, op: tuple[int, int], ins: Instruction) -> None:
         stashes = (ins.phase == "F" and ins.what != "no-stash") or ins.phase == "R"
@@ -279,12 +298,13 @@ class _Simulation:
 
     def _join_allreduce(self, op: tuple[int, int], ins: Instruction) -> None:
         tag = (ins.what, ins.values, ins.group)
-        member = ins.stage if ins.stage is not None else op[0]  # groups list stages
-        key = (*tag, self.seen[(member, tag)])
-        self.seen[(member, tag)] += 1
+        key = (*tag, self.seen[(op[0], tag)])
+        self.seen[(op[0], tag)] += 1
         members = self.rendezvous[key]
         members.append(op)
-        if len(members) == len(ins.group):
+        # groups list stages; each device joins once for all its member stages
+        expected = len({self.stage_device.get(s, s) for s in ins.group})
+        if len(members) == expected:
             duration = self.cost.allreduce_s(ins)
             for member in members:
                 self.span_start[member] = self.now
@@ -380,8 +400,8 @@ class _Simulation:
             idle={d: end - busy[d] for d in devices},
             peak_bytes={d: max(b for _, b in memory[d]) for d in devices},
             p2p_bytes={d: self.p2p[d] for d in devices},
-            swap_in_bytes=dict.fromkeys(devices, 0.0),
-            swap_out_bytes=dict.fromkeys(devices, 0.0),
+            swap_in_bytes={d: self.swapped_in[d] for d in devices},
+            swap_out_bytes={d: self.swapped_out[d] for d in devices},
             timeline=tuple(spans),
             memory=memory,
         )

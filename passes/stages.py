@@ -14,10 +14,16 @@ from stagewise.passes.layers import COMPUTE_OPS, state_targets
 
 
 def build_stages(
-    gm: fx.GraphModule, layers: tuple[Layer, ...], starts: list[int], microbatch_size: int, n_devices: int | None = None
+    gm: fx.GraphModule,
+    layers: tuple[Layer, ...],
+    starts: list[int],
+    microbatch_size: int,
+    n_devices: int | None = None,
+    device_of: list[int] | None = None,
 ) -> tuple[tuple[Stage, ...], tuple[Transfer, ...]]:
-    """`starts[s]` is the first layer of stage s; stage s runs on device s mod n_devices."""
+    """`starts[s]` is the first layer of stage s; stage s runs on device_of[s] (default s mod n_devices)."""
     n_devices = n_devices or len(starts)
+    device_of = device_of or [s % n_devices for s in range(len(starts))]
     bounds = list(starts) + [len(layers)]
     stage_of_layer = {i: s for s in range(len(starts)) for i in range(bounds[s], bounds[s + 1])}
     stage_of = {name: stage_of_layer[layer.index] for layer in layers for name in layer.nodes}
@@ -49,7 +55,7 @@ def build_stages(
         stages.append(
             Stage(
                 index=s,
-                device=s % n_devices,
+                device=device_of[s],
                 layers=tuple(range(bounds[s], bounds[s + 1])),
                 inputs=tuple(graph_inputs + received),
                 outputs=tuple(outputs),

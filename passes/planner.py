@@ -1,0 +1,220 @@
+"""The planner: partition, assemble and simulate candidate plans; keep the fastest that fits.
+
+For each candidate (schedule x microbatch count) it partitions the layers from their costs at
+that microbatch size: PipeDream's dynamic program (§2.4.1) over contiguous layers for equal
+devices, OR-Tools CP-SAT partition-and-binding when devices differ in speed or memory,
+Harmony's balanced time packing for packs (Alg. 2). It then lowers the candidate to the same
+instruction programs the runtime executes and simulates them (Srifty §3.3: an event-driven
+simulator over per-layer costs), and keeps the lowest predicted iteration time whose
+predicted per-device peak memory fits every device (Harmony §4.3, Varuna §4.4).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch.fx as fx
+from stagewise.compiler.errors import PartitionError, StagewiseError
+from stagewise.compiler.ir import Cut, DeviceSpec, Layer, LayerCost, Program, SharedTensor, Stage, Transfer
+from stagewise.passes.cpsat import Cluster, DeviceModel, partition_and_bind
+from stagewise.passes.harmony_packing import split_balanced
+from stagewise.passes.layout import STATE_PER_PARAM_BYTE, Layout, choose_layout
+from stagewise.passes.lower import lower
+from stagewise.passes.partition import balanced_starts
+from stagewise.passes.pipedream_dp import LayerCosts, NoFeasiblePlan, Topology, plan_pipeline
+from stagewise.passes.replicate import replicate
+from stagewise.passes.schedule import instance_tasks
+from stagewise.passes.shared import find_shared
+from stagewise.passes.simulate import SimCost, SimResult, simulate, transfer_bytes
+from stagewise.passes.stages import build_stages
+from stagewise.passes.swap import SwapPlan, plan_swaps
+
+CPSAT_MAX_LAYERS = 48  # exact partition-and-binding stays fast below this (cpsat.py notes)
+
+
+@dataclass(frozen=True)
+class Assembled:
+    schedule: str
+    microbatches: int
+    starts: tuple[int, ...]
+    stage_devices: tuple[int, ...]
+    layout: Layout
+    stages: tuple[Stage, ...]
+    transfers: tuple[Transfer, ...]
+    shared: tuple[SharedTensor, ...]
+    swaps: SwapPlan
+    programs: tuple[Program, ...]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    iteration_s: float
+    stage_s: tuple[float, ...]  # forward + backward seconds of one microbatch, per stage instance
+    peak_bytes: tuple[int, ...]  # per device
+    fits: bool
+
+
+def assemble(
+    gm: fx.GraphModule, layers, cuts, microbatch_size: int, schedule: str, microbatches: int, starts: Sequence[int],
+    stage_devices: Sequence[int], layout: Layout, swap: str, capacities: list[int | None], clip: bool,
+) -> Assembled:
+    """Stages, replicas, shared tensors, swaps and programs of one plan."""
+    stages, transfers = build_stages(gm, layers, list(starts), microbatch_size, device_of=list(stage_devices))
+    stages, transfers = replicate(stages, transfers, layout.replicas, microbatches, layout.device_of)
+    shared = find_shared(gm, stages)
+    swaps = plan_swaps(swap, stages, layers, capacities, STATE_PER_PARAM_BYTE)
+    if swaps.stages and clip:
+        raise PartitionError(
+            "clip_grad_norm with swapping is not supported yet: the global norm needs every gradient at once. "
+            "Give the devices more memory, or clip inside the optimizer"
+        )
+    tasks = instance_tasks(schedule, stages, microbatches, len(capacities), jit_update=not clip)
+    programs = lower(stages, transfers, shared, tasks, clip, swaps)
+    return Assembled(schedule, microbatches, tuple(starts), tuple(stage_devices), layout, stages, transfers, shared,
+                     swaps, programs)
+
+
+def sim_cost(plan: Assembled, costs: Sequence[LayerCost], devices: Sequence[DeviceSpec], microbatch_size: int,
+             bandwidth: float) -> SimCost:
+    """Per-stage seconds and bytes from per-layer costs (measured or analytic), scaled by device speed."""
+    forward, backward, update, stash, state = [], [], [], [], []
+    for stage in sorted(plan.stages, key=lambda s: s.index):
+        speed = devices[stage.device].speed
+        mine = [costs[i] for i in stage.layers]
+        recompute = any(ins.what == "no-stash" for p in plan.programs for ins in p.instructions if ins.stage == stage.index)
+        forward.append(sum(c.fwd_s for c in mine) / speed)
+        backward.append(sum(c.bwd_s for c in mine) / speed)
+        update.append(0.0)
+        stash.append(sum(c.stash_bytes for c in mine) * (1 if not recompute else 1))
+        state.append(0 if stage.index in plan.swaps.stages else sum(c.state_bytes for c in mine))
+    return SimCost(
+        forward_s=tuple(forward), backward_s=tuple(backward), update_s=tuple(update), stash_bytes=tuple(stash),
+        state_bytes=tuple(state), value_bytes=transfer_bytes(plan.transfers, microbatch_size), bandwidth=bandwidth,
+        host_bandwidth=bandwidth,
+    )
+
+
+def predict(plan: Assembled, costs, devices, microbatch_size: int, bandwidth: float) -> tuple[Prediction, SimResult]:
+    cost = sim_cost(plan, costs, devices, microbatch_size, bandwidth)
+    result = simulate(plan.programs, cost)
+    peaks = tuple(int(result.peak_bytes.get(d, 0)) for d in range(len(devices)))
+    fits = all(d.memory is None or peak <= d.memory for d, peak in zip(devices, peaks, strict=True))
+    stage_s = tuple(f + b for f, b in zip(cost.forward_s, cost.backward_s, strict=True))
+    return Prediction(result.iteration_time, stage_s, peaks, fits), result
+
+
+def partition(
+    schedule: str, layers: tuple[Layer, ...], cuts: tuple[Cut, ...], costs: Sequence[LayerCost], layout: Layout,
+    devices: Sequence[DeviceSpec], microbatch_size: int, bandwidth: float,
+) -> tuple[list[int], list[int]]:
+    """Stage starts and each stage's device for one candidate."""
+    legal = [c.legal for c in cuts]
+    times = [c.fwd_s + c.bwd_s for c in costs]
+    positions = layout.positions
+    if positions > sum(legal) + 1:
+        raise PartitionError(
+            f"cannot split the model into {positions} stages: it has only {sum(legal)} legal cut-points "
+            f"({sum(legal) + 1} stages at most). Use at most {sum(legal) + 1} devices, or make the model's "
+            "blocks finer-grained modules."
+        )
+    if schedule in ("harmony-pp", "harmony-dp") or schedule == "interleaved":
+        starts = _balanced_at_legal(times, legal, positions, layers, cuts)
+        return starts, [layout.device_of(s, 0) for s in range(len(starts))]
+    heterogeneous = len({(d.speed, d.memory) for d in devices}) > 1
+    if heterogeneous and layout.replicas == 1 and len(layers) <= CPSAT_MAX_LAYERS:
+        return _cpsat(times, cuts, costs, devices, microbatch_size, bandwidth)
+    capacity = min((d.memory for d in devices if d.memory), default=None)
+    dp_costs = LayerCosts(
+        compute=times,
+        activation_bytes=[cut.bytes_per_sample * microbatch_size for cut in cuts] + [0.0],
+        param_bytes=[c.param_bytes for c in costs],
+        stash_bytes=[c.stash_bytes for c in costs],
+        resident_bytes=[c.state_bytes for c in costs],
+        cut_allowed=legal,
+    )
+    try:
+        plan = plan_pipeline(dp_costs, Topology.flat(positions, bandwidth, capacity), straight=True)
+    except NoFeasiblePlan:
+        starts = balanced_starts(layers, cuts, positions)  # memory is then the swap planner's business
+        return starts, [layout.device_of(s, 0) for s in range(len(starts))]
+    starts = [stage.first for stage in plan.stages]
+    return starts, [layout.device_of(s, 0) for s in range(len(starts))] if len(starts) == positions else list(range(len(starts)))
+
+
+def _balanced_at_legal(times, legal, count: int, layers, cuts) -> list[int]:
+    """Harmony's balanced time packing (Alg. 2 l. 7-11), moved to the nearest legal cut."""
+    packs = split_balanced(times, count)
+    starts = [0]
+    allowed = [i + 1 for i, ok in enumerate(legal) if ok]
+    for pack in packs[1:]:
+        later = [a for a in allowed if a > starts[-1]]
+        if not later:
+            break
+        starts.append(min(later, key=lambda a: abs(a - pack.start)))
+    if len(starts) < count:
+        return balanced_starts(layers, cuts, count)
+    return starts
+
+
+def _cpsat(times, cuts, costs, devices, microbatch_size: int, bandwidth: float) -> tuple[list[int], list[int]]:
+    cluster = Cluster(
+        devices=tuple(DeviceModel(speed=d.speed, memory=d.memory) for d in devices),
+        bandwidth=tuple(tuple(bandwidth for _ in devices) for _ in devices),
+    )
+    memory = [c.state_bytes + c.stash_bytes * len(devices) for c in costs]
+    binding = partition_and_bind(times, [c.bytes_per_sample * microbatch_size for c in cuts] + [0.0], memory, cluster,
+                                 cut_allowed=[c.legal for c in cuts], time_limit_s=5.0)
+    return [s.first for s in binding.stages], [s.device for s in binding.stages]
+
+
+def candidates(schedule: str, microbatches: int | None, batch: int, n_devices: int, legal_cuts: int,
+               needs_swap: bool) -> list[tuple[str, int]]:
+    """(schedule, microbatch count) pairs to try."""
+    if schedule != "auto":
+        schedules = [schedule]
+    elif needs_swap:
+        schedules = ["harmony-pp", "harmony-dp"]
+    else:
+        schedules = ["gpipe", "1f1b"] + (["interleaved"] if legal_cuts + 1 >= 2 * n_devices else [])
+    counts = [microbatches] if microbatches else [m for m in range(1, min(batch, 8 * n_devices) + 1) if batch % m == 0]
+    pairs = []
+    for name in schedules:
+        for m in counts:
+            if name == "interleaved" and m % n_devices:
+                continue
+            if name == "harmony-dp" and m % n_devices:
+                continue
+            pairs.append((name, m))
+    return pairs
+
+
+def choose(
+    pairs: list[tuple[str, int]],
+    build: Callable[[str, int], tuple[Assembled, Sequence[LayerCost], int]],
+    devices: Sequence[DeviceSpec],
+    bandwidth: float,
+) -> tuple[Assembled, Prediction, list[tuple[str, int, Prediction | str]]]:
+    """The candidate with the lowest predicted iteration time that fits; the table of all tried."""
+    tried: list[tuple[str, int, Prediction | str]] = []
+    best = None
+    for name, m in pairs:
+        try:
+            plan, costs, size = build(name, m)
+        except StagewiseError as error:
+            tried.append((name, m, str(error).splitlines()[0]))
+            continue
+        prediction, _ = predict(plan, costs, devices, size, bandwidth)
+        tried.append((name, m, prediction))
+        key = (not prediction.fits, prediction.iteration_s)
+        if best is None or key < best[0]:
+            best = (key, plan, prediction)
+    if best is None:
+        reasons = list(dict.fromkeys(r for _, _, r in tried))
+        if len(reasons) == 1:
+            raise PartitionError(reasons[0])
+        raise PartitionError("no plan could be built: " + "; ".join(f"{n} x{m}: {r}" for n, m, r in tried))
+    return best[1], best[2], tried
+
+
+__all__ = ["Assembled", "Prediction", "assemble", "candidates", "choose", "choose_layout", "partition", "predict"]
