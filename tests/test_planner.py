@@ -1,0 +1,81 @@
+"""The planner chooses better plans than a person would and says how long they will take."""
+
+import stagewise as sw
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tests.models.gpt import TinyGPT, lm_loss
+from tests.reference import SGD, check_equal_training
+
+
+def _gpt_batch(vocab=64, batch=8, length=8):
+    ids = torch.randint(0, vocab, (batch, length + 1))
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _uniform_split(pipe, stages: int) -> list[str]:
+    """What a person writes: the same number of layers per stage."""
+    layers = pipe.plan.layers
+    every = len(layers) / stages
+    return [layers[round(every * s)].name for s in range(1, stages)]
+
+
+def test_auto_picks_the_fastest_candidate_that_fits():
+    x, y = _gpt_batch()
+    pipe = sw.compile(TinyGPT(), 2, (x,), loss_fn=lm_loss, example_target=y, cost="analytic")
+    assert len(pipe.plan.considered) > 3
+    times = [float(line.split()[2]) for line in pipe.plan.considered if "ms/iteration, fits" in line]
+    assert abs(pipe.plan.predicted_iteration_s * 1e3 - min(times)) < 0.01
+    assert pipe.plan.schedule in ("gpipe", "1f1b", "interleaved")
+    assert "plans considered" in str(pipe.plan) and "predicted (analytic costs)" in str(pipe.plan)
+
+
+def test_large_vocabulary_head_gets_its_own_share():
+    """A 16k-vocabulary head costs more than a block: the DP gives it fewer blocks' company than a
+    uniform split does, and predicts a shorter bottleneck stage."""
+    x, y = _gpt_batch(vocab=16384)
+    model = TinyGPT(vocab=16384, layers=6, tie=False)
+    ours = sw.compile(model, 3, (x,), loss_fn=lm_loss, example_target=y, cost="analytic", schedule="gpipe",
+                      microbatches=4)
+    uniform = sw.compile(model, 3, (x,), loss_fn=lm_loss, example_target=y, cost="analytic", schedule="gpipe",
+                         microbatches=4, split_points=_uniform_split(ours, 3))
+    assert max(ours.plan.predicted_stage_s) < max(uniform.plan.predicted_stage_s)
+    assert ours.plan.predicted_iteration_s < uniform.plan.predicted_iteration_s
+    last = ours.plan.stages[-1]
+    assert len(last.layers) < len(uniform.plan.stages[-1].layers)
+
+
+def test_faster_device_gets_more_work():
+    """CP-SAT binds stages to devices that differ in speed: the 3x faster device takes the larger share."""
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(8)], nn.Linear(64, 5))
+    x, y = torch.randn(8, 64), torch.randint(0, 5, (8,))
+    devices = [sw.Device("cpu", speed=1.0), sw.Device("cpu", speed=3.0)]
+    pipe = sw.compile(model, devices, (x,), loss_fn=F.cross_entropy, example_target=y, cost="analytic",
+                      schedule="gpipe", microbatches=2)
+    flops = {s.device: sum(pipe.plan.layers[i].flops for i in s.layers) for s in pipe.plan.stages}
+    assert flops[1] > 2 * flops[0]
+
+
+def test_plan_respects_device_memory():
+    """With one small device, the DP keeps that device's share within its capacity; training then
+    stays under the capacity and equals eager."""
+    x, y = _gpt_batch()
+    probe = sw.compile(TinyGPT(layers=4), 2, (x,), loss_fn=lm_loss, example_target=y, cost="analytic")
+    state = sum(4 * layer.param_bytes for layer in probe.plan.layers)
+    small = int(state * 0.35)
+    devices = [sw.Device("cpu"), sw.Device("cpu", memory=small)]
+    batches = [(( _gpt_batch()[0],), _gpt_batch()[1]) for _ in range(2)]
+    pipe = check_equal_training(TinyGPT(layers=4), batches, devices, loss_fn=lm_loss, optimizer=SGD, cost="analytic",
+                                schedule="gpipe", microbatches=2, swap="off")
+    assert pipe.stats[1]["peak_bytes"] <= small
+
+
+def test_model_larger_than_the_devices_gets_a_swapping_schedule():
+    x, y = _gpt_batch()
+    model = TinyGPT(layers=4, dim=64)
+    state = 4 * sum(p.numel() * p.element_size() for p in model.parameters())
+    devices = [sw.Device("cpu", memory=state // 3) for _ in range(2)]
+    pipe = sw.compile(model, devices, (x,), loss_fn=lm_loss, example_target=y, cost="analytic")
+    assert pipe.plan.schedule in ("harmony-pp", "harmony-dp")
+    assert any(ins.kind == "swap_in" for p in pipe.programs for ins in p.instructions)
