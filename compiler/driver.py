@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import time
 
 import torch
 from stagewise.codegen.stages import build_stage_modules
@@ -67,6 +68,7 @@ def compile(  # noqa: A001 - the public name of the API
         raise PlanError(f"unknown cost={cost!r}; choose 'profile' (measure) or 'analytic' (FLOPs and peak rates)")
     if schedule not in SCHEDULES:
         raise PlanError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    timer = _PhaseTimer()
     resolved = resolve_devices(devices)
     names, kind = input_names(model, example_inputs)
     batch = batch_size(example_inputs, example_target)
@@ -74,11 +76,14 @@ def compile(  # noqa: A001 - the public name of the API
         check_microbatches(batch, microbatches)
     first_m = microbatches or max(d for d in range(1, len(resolved) + 1) if batch % d == 0)
     analysis = _Analysis(model, example_inputs, example_target, loss_fn, batch, first_m)
+    timer.lap("trace")
     specs = [d.spec() for d in resolved]
     capacities = [d.memory for d in resolved]
     bandwidth = send_bandwidth(resolved[0], resolved[-1]) if len(resolved) > 1 else float("inf")
     clip = clip_grad_norm is not None
     costs = _cost_model(cost, analysis, resolved[0])
+    costs(analysis.at(first_m)[3])
+    timer.lap(f"costs ({cost})")
 
     def build(name: str, m: int) -> tuple[Assembled, list, int]:
         gm, layers, cuts, size = analysis.at(m)
@@ -112,6 +117,7 @@ def compile(  # noqa: A001 - the public name of the API
         considered = tuple(_describe(name, m, result) for name, m, result in tried)
     chosen = _agree_across_ranks(chosen, build)
     gm, layers, cuts, size = analysis.at(chosen.microbatches)
+    timer.lap("plan (partition, schedule, lower, simulate)")
     plan = Plan(
         model=type(model).__name__,
         tracer=analysis.tracer,
@@ -140,7 +146,22 @@ def compile(  # noqa: A001 - the public name of the API
     modules = build_stage_modules(gm, layers, chosen.stages)
     pipe = Pipeline(plan, modules, optimizer or DEFAULT_OPTIMIZER, clip_grad_norm, chosen.swaps.stages)
     pipe.sim_cost = sim_cost(chosen, costs(size), specs, size, bandwidth)
+    timer.lap("codegen and runtime set-up")
+    pipe.compile_times = timer.laps
     return pipe
+
+
+class _PhaseTimer:
+    """Seconds spent in each compile phase, for `pipe.compile_times`."""
+
+    def __init__(self):
+        self.laps: dict[str, float] = {}
+        self.last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = self.laps.get(name, 0.0) + now - self.last
+        self.last = now
 
 
 class _Analysis:

@@ -29,6 +29,7 @@ class Pipeline:
     ):
         self.plan = plan
         self.sim_cost = None  # the planner's per-stage costs, when compiled (not after load)
+        self.compile_times: dict[str, float] = {}
         self.optimizer_factory = optimizer
         self.clip_grad_norm = clip_grad_norm
         self.context = distributed_context()
@@ -76,6 +77,19 @@ class Pipeline:
     @property
     def shared(self) -> tuple[SharedTensor, ...]:
         return self.plan.shared
+
+    def time_breakdown(self) -> list[dict[str, float]]:
+        """Where the last step's time went, per device: seconds each stream was busy, and the step."""
+        timeline = self.executor.timeline
+        step = max((end for *_, end in timeline), default=0.0)
+        rows = []
+        for program in self.executor.programs:
+            busy = {stream: 0.0 for stream in ("compute", "swap_in", "swap_out", "p2p_in", "p2p_out")}
+            for device, stream, _, start, end in timeline:
+                if device == program.device:
+                    busy[stream] += end - start
+            rows.append({"device": program.device, "step_s": step, **{f"{k}_s": v for k, v in busy.items()}})
+        return rows
 
     @property
     def timeout_s(self) -> float:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import torch
 from stagewise.compiler.errors import PlanError
@@ -51,6 +52,8 @@ class StreamExecutor:
         self.sync = Sync(len(streams), self.timeout_s)
         self.transport.sync = self.sync
         self.done = {p.device: [False] * len(p.instructions) for p in self.programs}
+        self.timeline: list[tuple[int, str, int, float, float]] = []  # measured (device, stream, index, start, end)
+        self.started_at = time.perf_counter()
         threads = [
             threading.Thread(target=self._stream, args=(program, stream), name=f"dev{program.device}-{stream}", daemon=True)
             for program, stream in streams
@@ -79,7 +82,10 @@ class StreamExecutor:
                 label = f"dev{program.device} #{index} {ins}"
                 if ins.waits:
                     self.sync.wait_until(lambda ins=ins: all(done[j] for j in ins.waits), label)
+                start = time.perf_counter()
                 self._execute(program.device, ins, label)
+                end = time.perf_counter()
+                self.timeline.append((program.device, stream, index, start - self.started_at, end - self.started_at))
                 with self.sync.locked():
                     done[index] = True
                     self.sync.changed()
