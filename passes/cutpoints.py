@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 from stagewise.compiler.ir import CrossingValue, Cut, Layer
+from stagewise.compiler.subgraph import attribute
 
 
 def value_info(gm: fx.GraphModule, microbatch_size: int) -> dict[str, CrossingValue]:
@@ -22,7 +23,7 @@ def value_info(gm: fx.GraphModule, microbatch_size: int) -> dict[str, CrossingVa
         is_tensor = isinstance(val, torch.Tensor)
         floating = is_tensor and (val.is_floating_point() or val.is_complex())
         if node.op == "get_attr":
-            attr = _get_attr(gm, node.target)
+            attr = attribute(gm, node.target)
             grad[node] = isinstance(attr, torch.nn.Parameter) and attr.requires_grad
         elif node.op == "placeholder":
             grad[node] = False
@@ -55,9 +56,3 @@ def find_cuts(gm: fx.GraphModule, layers: tuple[Layer, ...], microbatch_size: in
         cuts.append(Cut(after, values, not bad, reason))
     return tuple(cuts)
 
-
-def _get_attr(gm: fx.GraphModule, target: str):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj

@@ -38,6 +38,7 @@ from functools import cache
 from itertools import accumulate
 
 from stagewise.compiler.errors import PartitionError
+from stagewise.compiler.topology import Level  # level k: m_k components joined by B_k
 
 INF = math.inf
 
@@ -81,14 +82,6 @@ class LayerCosts:
 
     def can_cut_after(self, layer: int) -> bool:
         return self.cut_allowed is None or bool(self.cut_allowed[layer])
-
-
-@dataclass(frozen=True)
-class Level:
-    """Level k of the topology: `workers` (m_k) components of level k-1 joined by `bandwidth` (B_k)."""
-
-    workers: int
-    bandwidth: float
 
 
 @dataclass(frozen=True)

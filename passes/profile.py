@@ -34,7 +34,6 @@ probed there alone and its costs scale in proportion to u.
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import hashlib
 import json
@@ -55,6 +54,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from stagewise.compiler.devices import Device, parse_bytes, resolve_devices
 from stagewise.compiler.errors import StagewiseError
 from stagewise.compiler.ir import Layer, LayerCost
+from stagewise.compiler.subgraph import attribute, extract
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.node import _get_qualified_name, map_arg
 from torch.utils._pytree import tree_flatten, tree_map
@@ -464,24 +464,9 @@ def _batched_fake(value, u: int, traced: int):
 
 # ---- one layer as a module -----------------------------------------------------------------------
 def layer_module(gm: fx.GraphModule, layer: Layer) -> fx.GraphModule:
-    """The layer's nodes as a GraphModule of their own: placeholders for its inputs, get_attr for
-    its state (a private copy, so profiling leaves the model's gradients alone), its outputs
-    returned as a tuple (the approach of codegen/stages.py)."""
-    by_name = {n.name: n for n in gm.graph.nodes}
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {by_name[name]: graph.placeholder(name) for name in layer.inputs}
-    attrs: dict[str, object] = {}
-    for name in layer.nodes:
-        node = by_name[name]
-        for arg in node.all_input_nodes:
-            if arg.op == "get_attr" and arg not in env:
-                env[arg] = graph.node_copy(arg)
-                attrs[arg.target] = _attr(gm, arg.target)
-        if node.op == "call_module":
-            attrs[node.target] = gm.get_submodule(node.target)
-        env[node] = graph.node_copy(node, lambda n: env[n])
-    graph.output(tuple(env[by_name[name]] for name in layer.outputs))
-    return fx.GraphModule(copy.deepcopy(attrs), graph, class_name=f"Layer{layer.index}")
+    """The layer's nodes as a GraphModule of their own, with a private copy of its state (so
+    profiling leaves the model's gradients alone)."""
+    return extract(gm, layer.nodes, layer.inputs, layer.outputs, class_name=f"Layer{layer.index}")
 
 
 def layer_signature(gm: fx.GraphModule, layer: Layer) -> str:
@@ -495,7 +480,7 @@ def layer_signature(gm: fx.GraphModule, layer: Layer) -> str:
         for arg in node.all_input_nodes:
             if arg.op == "get_attr" and arg.name not in local:
                 local[arg.name] = f"attr{len(local)}"
-                items.append(("get_attr", _value_key(_attr(gm, arg.target))))
+                items.append(("get_attr", _value_key(attribute(gm, arg.target))))
         args = map_arg((node.args, node.kwargs), lambda a: local.get(a.name, "?"))
         items.append((node.op, _target_key(gm, node), repr(args), _value_key(node.meta.get("val"))))
         local[name] = f"n{k}"
@@ -674,7 +659,7 @@ def layer_state_bytes(gm: fx.GraphModule, layer: Layer, optimizer_state_factor: 
     """Exact parameter bytes (a tensor used twice in the layer counts once); gradients and
     optimizer state only for trainable ones."""
     params = {id(p): p for p in (gm.get_parameter(name) for name in layer.params)}.values()
-    buffers = {id(b): b for b in (_attr(gm, name) for name in layer.buffers)}.values()
+    buffers = {id(b): b for b in (attribute(gm, name) for name in layer.buffers)}.values()
     param = sum(_nbytes(p) for p in params)
     grad = sum(_nbytes(p) for p in params if p.requires_grad)
     buffer = sum(_nbytes(b) for b in buffers if isinstance(b, torch.Tensor))
@@ -799,12 +784,6 @@ def _sid(t: torch.Tensor) -> int:
 def _state_tensors(gm: fx.GraphModule) -> list[torch.Tensor]:
     tensors = [*gm.parameters(), *gm.buffers()]
     tensors += [v for n in gm.graph.nodes if n.op == "get_attr"
-                for v in [_attr(gm, n.target)] if isinstance(v, torch.Tensor)]
+                for v in [attribute(gm, n.target)] if isinstance(v, torch.Tensor)]
     return tensors
 
-
-def _attr(gm: torch.nn.Module, target: str):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
