@@ -8,7 +8,7 @@ import time
 
 import torch
 from stagewise.codegen.stages import build_stage_modules
-from stagewise.compiler.calibrate import send_bandwidth
+from stagewise.compiler.calibrate import optimizer_state_ratio, send_bandwidth
 from stagewise.compiler.devices import Device, resolve_devices
 from stagewise.compiler.errors import BatchSizeError, ExampleInputsError, PartitionError, PlanError
 from stagewise.compiler.ir import Plan
@@ -17,7 +17,7 @@ from stagewise.compiler.trace import input_names, trace
 from stagewise.passes.analytic import analytic_layers
 from stagewise.passes.cutpoints import find_cuts
 from stagewise.passes.layers import build_layers
-from stagewise.passes.layout import STATE_PER_PARAM_BYTE, choose_layout
+from stagewise.passes.layout import choose_layout
 from stagewise.passes.partition import starts_from_split_points
 from stagewise.passes.planner import (
     Assembled,
@@ -81,17 +81,24 @@ def compile(  # noqa: A001 - the public name of the API
     capacities = [d.memory for d in resolved]
     bandwidth = send_bandwidth(resolved[0], resolved[-1]) if len(resolved) > 1 else float("inf")
     clip = clip_grad_norm is not None
-    costs = _cost_model(cost, analysis, resolved[0])
+    optimizer = optimizer or DEFAULT_OPTIMIZER
+    optimizer_ratio = optimizer_state_ratio(optimizer)
+    state_ratio = 2 + optimizer_ratio  # weights + gradients + optimizer state, per weight byte
+    costs = _cost_model(cost, analysis, resolved[0], optimizer_ratio)
     costs(analysis.at(first_m)[3])
     timer.lap(f"costs ({cost})")
 
-    def build(name: str, m: int) -> tuple[Assembled, list, int]:
+    def build(name: str, m: int, fixed: tuple | None = None) -> tuple[Assembled, list, int]:
+        """One candidate plan; `fixed` = (stage starts, stage devices) decided elsewhere (rank 0)."""
         gm, layers, cuts, size = analysis.at(m)
         legal = sum(c.legal for c in cuts)
         params = sum(layer.param_bytes for layer in layers)
-        layout = choose_layout(name, len(resolved), replicas, legal, params, min((c for c in capacities if c), default=None))
+        layout = choose_layout(name, len(resolved), replicas, legal, params, min((c for c in capacities if c), default=None),
+                               state_ratio)
         layer_costs = costs(size)
-        if split_points is not None:
+        if fixed is not None:
+            starts, stage_devices = fixed
+        elif split_points is not None:
             starts = starts_from_split_points(layers, cuts, list(split_points))
             if len(starts) != layout.positions:
                 raise PartitionError(
@@ -101,7 +108,7 @@ def compile(  # noqa: A001 - the public name of the API
             stage_devices = [layout.device_of(s, 0) for s in range(len(starts))]
         else:
             starts, stage_devices = partition(name, layers, cuts, layer_costs, layout, specs, size, bandwidth)
-        plan = assemble(gm, layers, cuts, size, name, m, starts, stage_devices, layout, swap, capacities, clip)
+        plan = assemble(gm, layers, cuts, size, name, m, starts, stage_devices, layout, swap, capacities, clip, state_ratio)
         return plan, layer_costs, size
 
     if split_points is not None or (schedule != "auto" and microbatches is not None):
@@ -110,7 +117,7 @@ def compile(  # noqa: A001 - the public name of the API
         prediction, _ = predict(chosen, layer_costs, specs, size, bandwidth)
         considered = ()
     else:
-        needs_swap = _needs_swap(analysis, capacities, swap)
+        needs_swap = _needs_swap(analysis, capacities, swap, state_ratio)
         legal = sum(c.legal for c in analysis.at(first_m)[2])
         pairs = candidates(schedule, microbatches, batch, len(resolved), legal, needs_swap)
         chosen, prediction, tried = choose(pairs, build, specs, bandwidth)
@@ -144,7 +151,7 @@ def compile(  # noqa: A001 - the public name of the API
         considered=considered,
     )
     modules = build_stage_modules(gm, layers, chosen.stages)
-    pipe = Pipeline(plan, modules, optimizer or DEFAULT_OPTIMIZER, clip_grad_norm, chosen.swaps.stages)
+    pipe = Pipeline(plan, modules, optimizer, clip_grad_norm, chosen.swaps.stages)
     pipe.sim_cost = sim_cost(chosen, costs(size), specs, size, bandwidth)
     timer.lap("codegen and runtime set-up")
     pipe.compile_times = timer.laps
@@ -185,26 +192,27 @@ class _Analysis:
         return self.cache[m]
 
 
-def _cost_model(cost: str, analysis: _Analysis, device: Device):
+def _cost_model(cost: str, analysis: _Analysis, device: Device, optimizer_ratio: float):
     """Per-layer costs at a microbatch size, from one profile (or analytic model) of the first trace."""
     gm, layers, _, size = analysis.at(analysis.first_m)
 
     @functools.cache
     def profiles():
         if cost == "analytic":
-            return analytic_layers(gm, layers, size, device)
-        return profile_layers(gm, layers, device, traced_microbatch=size, quiet=not sys.stderr.isatty())
+            return analytic_layers(gm, layers, size, device, optimizer_state_factor=optimizer_ratio)
+        return profile_layers(gm, layers, device, traced_microbatch=size, quiet=not sys.stderr.isatty(),
+                              optimizer_state_factor=optimizer_ratio)
 
     return lambda u: costs_at(profiles(), u)
 
 
-def _needs_swap(analysis: _Analysis, capacities: list[int | None], swap: str) -> bool:
+def _needs_swap(analysis: _Analysis, capacities: list[int | None], swap: str, state_ratio: float) -> bool:
     if swap in ("on", "per-device"):
         return True
     if swap == "off" or all(c is None for c in capacities):
         return False
     layers = analysis.at(analysis.first_m)[1]
-    state = STATE_PER_PARAM_BYTE * sum(layer.param_bytes for layer in layers)
+    state = state_ratio * sum(layer.param_bytes for layer in layers)
     return state > sum(c for c in capacities if c) * 0.75
 
 
@@ -223,18 +231,14 @@ def _agree_across_ranks(chosen: Assembled, build) -> Assembled:
     torch.distributed.broadcast_object_list(decision, src=0)
     if decision[0] == (chosen.schedule, chosen.microbatches, chosen.starts, chosen.stage_devices):
         return chosen
-    return _rebuild(decision[0], chosen, build)
+    return _rebuild(decision[0], build)
 
 
-def _rebuild(decision, chosen: Assembled, build) -> Assembled:
+def _rebuild(decision, build) -> Assembled:
+    """This rank's measurements led elsewhere: build rank 0's plan here."""
     name, m, starts, stage_devices = decision
-    plan, _, _ = build(name, m)
-    if (plan.starts, plan.stage_devices) == (starts, stage_devices):
-        return plan
-    raise PlanError(
-        "the ranks planned differently (measured costs differ between processes); pass split_points=, "
-        "schedule= and microbatches= explicitly, or cost='analytic', so every rank builds the same plan"
-    )
+    plan, _, _ = build(name, m, fixed=(list(starts), list(stage_devices)))
+    return plan
 
 
 def batch_size(example_inputs, example_target) -> int:

@@ -8,8 +8,9 @@ and activation bytes grow linearly in the microbatch size u, parameter bytes do 
 bound is piecewise linear in u (memory-bound for small u, compute-bound beyond a breakpoint)
 and fits the same `LayerProfile` the profiler fills (Srifty §3's model shape, exactly).
 Backward costs twice the forward (two matmuls per forward matmul; Narayanan §4.2); a
-recompute costs one forward. The stash is every floating-point value the layer makes
-(what autograd would keep without recompute), a deliberate upper bound.
+recompute costs one forward. The stash is what autograd saves for the backward, counted on a
+fake-tensor run of the whole graph (no memory allocated); where that run is impossible,
+every floating-point value the layer makes, an upper bound.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from stagewise.passes.profile import (
     PiecewiseLinear,
     layer_signature,
     layer_state_bytes,
+    shapes_at,
     tree_bytes,
 )
 from torch.utils._pytree import tree_flatten
@@ -49,6 +51,7 @@ def analytic_layers(
     """
     peak, bandwidth = device_rates(device)
     by_name = {n.name: n for n in gm.graph.nodes}
+    saved = _saved_bytes(gm, layers, traced_microbatch)
     profiles = []
     for layer in layers:
         nodes = [by_name[name] for name in layer.nodes]
@@ -70,11 +73,20 @@ def analytic_layers(
             bwd_s=PiecewiseLinear(fwd.xs, tuple(2 * y for y in fwd.ys)),
             recompute_s=fwd,
             act_bytes=_linear(act, traced_microbatch),
-            stash_bytes=_linear(sum(_float_bytes(n.meta.get("val")) for n in nodes), traced_microbatch),
+            stash_bytes=_linear(saved[layer.index] if saved else sum(_float_bytes(n.meta.get("val")) for n in nodes),
+                                traced_microbatch),
             workspace_bytes=_linear(max((tree_bytes(n.meta.get("val")) for n in nodes), default=0),
                                     traced_microbatch),
         ))
     return profiles
+
+
+def _saved_bytes(gm: fx.GraphModule, layers: Sequence[Layer], traced_microbatch: int) -> list[int] | None:
+    """Bytes autograd saves per layer at the traced size (a fake run), or None if it cannot run."""
+    try:
+        return shapes_at(gm, layers, traced_microbatch, traced_microbatch).stash_bytes
+    except Exception:  # noqa: BLE001 - fall back to the upper bound
+        return None
 
 
 def device_rates(device) -> tuple[float, float]:

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from stagewise.compiler.errors import PartitionError
 
 VIRTUAL_STAGES = 2  # model chunks per device under the interleaved schedule
-STATE_PER_PARAM_BYTE = 4  # weights + gradients + Adam-like optimizer state (two moments)
 
 
 @dataclass(frozen=True)
@@ -30,15 +29,16 @@ class Layout:
 
 
 def choose_layout(
-    schedule: str, n_devices: int, replicas: int, legal_cuts: int, param_bytes: int, capacity: int | None
+    schedule: str, n_devices: int, replicas: int, legal_cuts: int, param_bytes: int, capacity: int | None,
+    state_per_param_byte: float = 4.0,
 ) -> Layout:
+    """`state_per_param_byte`: training-state bytes per weight byte (weights, gradients, optimizer state)."""
     n, d = n_devices, replicas
     if schedule in ("harmony-pp", "harmony-dp"):
         if d != 1:
             raise PartitionError(f"{schedule} chooses its own data parallelism; drop replicas={d}")
-        lanes = 1 if schedule == "harmony-pp" else n
         per_lane = n if schedule == "harmony-pp" else 1
-        packs = max(2 * per_lane, _packs_for_memory(param_bytes, capacity, lanes))
+        packs = max(2 * per_lane, _packs_for_memory(param_bytes * state_per_param_byte, capacity))
         packs = min(packs, legal_cuts + 1)
         if schedule == "harmony-pp":
             return Layout(packs, 1, lambda s, r: s % n)
@@ -53,8 +53,8 @@ def choose_layout(
     return Layout(p, d, lambda s, r: r * p + s)
 
 
-def _packs_for_memory(param_bytes: int, capacity: int | None, lanes: int) -> int:
+def _packs_for_memory(state_bytes: float, capacity: int | None) -> int:
     """Packs so that two packs' training state fit one device (double buffering)."""
     if capacity is None:
         return 1
-    return math.ceil(2 * STATE_PER_PARAM_BYTE * param_bytes / capacity)
+    return math.ceil(2 * state_bytes / capacity)

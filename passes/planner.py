@@ -15,11 +15,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch.fx as fx
-from stagewise.compiler.errors import PartitionError, StagewiseError
+from stagewise.compiler.devices import format_bytes
+from stagewise.compiler.errors import CapacityError, PartitionError, StagewiseError
 from stagewise.compiler.ir import Cut, DeviceSpec, Layer, LayerCost, Program, SharedTensor, Stage, Transfer
 from stagewise.passes.cpsat import Cluster, DeviceModel, partition_and_bind
 from stagewise.passes.harmony_packing import split_balanced
-from stagewise.passes.layout import STATE_PER_PARAM_BYTE, Layout, choose_layout
+from stagewise.passes.layout import Layout, choose_layout
 from stagewise.passes.lower import lower
 from stagewise.passes.partition import balanced_starts
 from stagewise.passes.pipedream_dp import LayerCosts, NoFeasiblePlan, Topology, plan_pipeline
@@ -58,12 +59,13 @@ class Prediction:
 def assemble(
     gm: fx.GraphModule, layers, cuts, microbatch_size: int, schedule: str, microbatches: int, starts: Sequence[int],
     stage_devices: Sequence[int], layout: Layout, swap: str, capacities: list[int | None], clip: bool,
+    state_per_param_byte: float,
 ) -> Assembled:
     """Stages, replicas, shared tensors, swaps and programs of one plan."""
     stages, transfers = build_stages(gm, layers, list(starts), microbatch_size, device_of=list(stage_devices))
     stages, transfers = replicate(stages, transfers, layout.replicas, microbatches, layout.device_of)
     shared = find_shared(gm, stages)
-    swaps = plan_swaps(swap, stages, layers, capacities, STATE_PER_PARAM_BYTE)
+    swaps = plan_swaps(swap, stages, layers, capacities, state_per_param_byte)
     if swaps.stages and clip:
         raise PartitionError(
             "clip_grad_norm with swapping is not supported yet: the global norm needs every gradient at once. "
@@ -118,8 +120,11 @@ def partition(
             f"({sum(legal) + 1} stages at most). Use at most {sum(legal) + 1} devices, or make the model's "
             "blocks finer-grained modules."
         )
-    if schedule in ("harmony-pp", "harmony-dp") or schedule == "interleaved":
+    if schedule == "interleaved":
         starts = _balanced_at_legal(times, legal, positions, layers, cuts)
+        return starts, [layout.device_of(s, 0) for s in range(len(starts))]
+    if schedule in ("harmony-pp", "harmony-dp"):
+        starts = _packs(times, legal, positions, layers, cuts, costs, devices)
         return starts, [layout.device_of(s, 0) for s in range(len(starts))]
     heterogeneous = len({(d.speed, d.memory) for d in devices}) > 1
     if heterogeneous and layout.replicas == 1 and len(layers) <= CPSAT_MAX_LAYERS:
@@ -140,6 +145,20 @@ def partition(
         return starts, [layout.device_of(s, 0) for s in range(len(starts))]
     starts = [stage.first for stage in plan.stages]
     return starts, [layout.device_of(s, 0) for s in range(len(starts))] if len(starts) == positions else list(range(len(starts)))
+
+
+def _packs(times, legal, count: int, layers, cuts, costs, devices) -> list[int]:
+    """Harmony packs: balanced in time (Alg. 2), and more of them until the largest pack's
+    training state leaves room for a second pack (double buffering) and the activations."""
+    capacity = min((d.memory for d in devices if d.memory), default=None)
+    most = sum(legal) + 1
+    while True:
+        starts = _balanced_at_legal(times, legal, count, layers, cuts)
+        bounds = list(starts) + [len(costs)]
+        largest = max(sum(c.state_bytes for c in costs[a:b]) for a, b in zip(bounds, bounds[1:], strict=False))
+        if capacity is None or 4 * largest <= capacity or count >= most:
+            return starts
+        count += 1
 
 
 def _balanced_at_legal(times, legal, count: int, layers, cuts) -> list[int]:
@@ -214,7 +233,17 @@ def choose(
         if len(reasons) == 1:
             raise PartitionError(reasons[0])
         raise PartitionError("no plan could be built: " + "; ".join(f"{n} x{m}: {r}" for n, m, r in tried))
-    return best[1], best[2], tried
+    _, plan, prediction = best
+    if not prediction.fits:
+        over = [(d, peak, spec.memory) for d, (peak, spec) in enumerate(zip(prediction.peak_bytes, devices, strict=True))
+                if spec.memory is not None and peak > spec.memory]
+        detail = ", ".join(f"device {d} would need {format_bytes(peak)} of its {format_bytes(cap)}" for d, peak, cap in over)
+        raise CapacityError(
+            f"no plan fits the devices' memory even with swapping: the best ({plan.schedule}, {plan.microbatches} "
+            f"microbatches) predicts {detail}. Give the devices more memory, add devices, use a smaller batch or "
+            "more microbatches (smaller activations)."
+        )
+    return plan, prediction, tried
 
 
 __all__ = ["Assembled", "Prediction", "assemble", "candidates", "choose", "choose_layout", "partition", "predict"]

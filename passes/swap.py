@@ -90,7 +90,7 @@ class Residency:
         return table[what].get(stage, 0)
 
 
-def plan_swaps(mode: str, stages, layers, capacities: list[int | None], state_per_param_byte: int) -> SwapPlan:
+def plan_swaps(mode: str, stages, layers, capacities: list[int | None], state_per_param_byte: float) -> SwapPlan:
     """The swap plan for `swap=`: "off", "on" (Harmony-style everywhere), "per-device" (baseline),
     or "auto": Harmony-style swapping only on devices whose stages' training state exceeds their capacity."""
     weights = {s.index: sum(layers[i].param_bytes for i in s.layers) for s in stages}
@@ -116,6 +116,6 @@ def plan_swaps(mode: str, stages, layers, capacities: list[int | None], state_pe
         stages=chosen,
         weight_bytes=weights,
         grad_bytes=weights,
-        optimizer_bytes={k: v * (state_per_param_byte - 2) for k, v in weights.items()},
+        optimizer_bytes={k: round(v * (state_per_param_byte - 2)) for k, v in weights.items()},
         depth=1 if tight else 2,
     )

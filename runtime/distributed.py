@@ -11,8 +11,10 @@ that failed first makes the others stop quietly (`Aborted`) instead of waiting o
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 import time
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -24,6 +26,11 @@ from stagewise.runtime.transport import LocalTransport
 
 POLL_S = 0.05  # how often a waiting thread re-checks its deadline and whether this rank failed
 LOSS_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+# What the ranks execute together and must agree on. Not the planner's predictions: each rank
+# measures its own layer costs, so predicted times differ between ranks in the last digits.
+EXECUTED_FIELDS = ("devices", "input_names", "input_kind", "target_name", "graph_inputs", "microbatches",
+                   "microbatch_size", "schedule", "shared", "stages", "transfers", "programs", "state_names",
+                   "aliases")
 
 
 class _Pending:
@@ -219,8 +226,11 @@ class DistributedTransport:
         return (index * 2 + (what == "grad")) * self.plan.microbatches + microbatch
 
     def _check_same_plan(self) -> None:
-        """Every rank compiled on its own: different plans would exchange garbage or hang, so compare."""
-        digest = int.from_bytes(hashlib.sha256(self.plan.to_json().encode()).digest()[:7], "big")
+        """Every rank compiled on its own: different plans would exchange garbage or hang, so compare
+        what they execute (EXECUTED_FIELDS)."""
+        data = asdict(self.plan)
+        executed = json.dumps({name: data[name] for name in EXECUTED_FIELDS})
+        digest = int.from_bytes(hashlib.sha256(executed.encode()).digest()[:7], "big")
         values = [torch.tensor([digest], dtype=torch.int64, device=self.pools[self.rank].device) for _ in range(2)]
         for value, op in zip(values, (dist.ReduceOp.MIN, dist.ReduceOp.MAX), strict=True):
             work = self._issue(lambda value=value, op=op: dist.all_reduce(value, op, group=self.world, async_op=True),

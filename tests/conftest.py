@@ -5,6 +5,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `tests.models`, `tests.reference`
+torch.set_num_threads(1)  # device threads already run side by side on this machine's 2 cores
 
 
 @pytest.fixture(autouse=True)

@@ -4,14 +4,20 @@ Each test spawns two processes that join a process group through a file store (a
 processes do) and run the same user code as in one process: `sw.compile` sees the process
 group, keeps this rank's stages and program, and sends through torch.distributed. The parent
 compares what the ranks saved with eager training.
+
+Spawning a pair of processes costs seconds, so one pair trains the whole matrix of cases (every
+schedule with swapping forced on and off on the tied GPT, several on Hugging Face GPT-2, and an
+MLP), one after another, and each case is then checked as its own test.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import pickle
 import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -25,7 +31,7 @@ from stagewise.runtime.launch import distributed_context
 
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.models.mlp import mlp
-from tests.reference import ADAMW, SGD, assert_state_equal, eager_train
+from tests.reference import ADAMW, ATOL, RTOL, SGD, assert_state_equal, eager_train, pipeline_train
 
 RANKS = 2
 STEPS = 3
@@ -33,21 +39,62 @@ SPAWN_LIMIT_S = 60.0  # a child that outlives this is killed and the test fails 
 
 
 # ---- the problems both ranks and the parent build alike ---------------------------------------
-def _problem(name: str):
-    """(model, batches, compile options) from seed 0, identical in every process."""
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "varuna", "harmony-pp", "harmony-dp")
+# (problem, schedule, swap): every schedule with swapping forced on and off on the tied GPT (tied
+# embedding and head on the first and last stage, on different ranks except under harmony-dp, where
+# each rank holds every pack and the replicas all-reduce), every schedule but GPipe once on HF GPT-2,
+# and the MLP (no shared tensors, SGD, loss_fn). Swap "off" trains with gradient clipping (the
+# global-norm all-reduce, every update deferred); swap "on" cannot clip yet, so packs without a
+# tied weight update right after their last backward (jit-update).
+CASES = (
+    [("mlp", "gpipe", "off")]
+    + [("tied-gpt", schedule, swap) for schedule in SCHEDULES for swap in ("on", "off")]
+    + [("hf-gpt2", "1f1b", "off"), ("hf-gpt2", "interleaved", "on"), ("hf-gpt2", "varuna", "on"),
+       ("hf-gpt2", "harmony-pp", "on"), ("hf-gpt2", "harmony-dp", "off")]
+)
+MATRIX_LIMIT_S = 150.0  # the whole matrix on one pair of ranks (about 20 s on an idle 2-core machine)
+
+
+def _problem(name: str, swap: str = "off"):
+    """(model, batches, options for compile and eager_train) from seed 0, identical in every process."""
     torch.manual_seed(0)
     if name == "mlp":
         batches = [((torch.randn(8, 8),), torch.randint(0, 5, (8,))) for _ in range(STEPS)]
         return mlp(), batches, {"loss_fn": F.cross_entropy, "optimizer": SGD, "microbatches": 2}
+    clip = {"clip_grad_norm": 0.5 if name == "tied-gpt" else 1.0} if swap == "off" else {}
+    if name == "hf-gpt2":
+        from tests.hf import gpt2, lm_batches  # here: importing transformers costs every spawned rank 2 s
+
+        return gpt2(), lm_batches(STEPS), {"optimizer": ADAMW, "microbatches": 2, **clip}
     model = TinyGPT()
     batches = []
     for _ in range(STEPS):
         ids = torch.randint(0, 64, (8, 9))
         batches.append(((ids[:, :-1],), ids[:, 1:]))
-    options = {"loss_fn": lm_loss, "optimizer": ADAMW, "microbatches": 2, "clip_grad_norm": 0.5}
-    if name == "interleaved-gpt":  # two stages per rank: local and remote messages, groups over stages
-        options.update(schedule="interleaved", optimizer=SGD, microbatches=4)
-    return model, batches, options
+    return model, batches, {"loss_fn": lm_loss, "optimizer": ADAMW, "microbatches": 4, **clip}
+
+
+def _compile(name: str, schedule: str, swap: str):
+    """With analytic costs: measured ones differ between the ranks, which could partition differently
+    (a PlanError by design); these tests are about the runtime, not the planner."""
+    model, batches, options = _problem(name, swap)
+    inputs, target = batches[0]
+    if target is not None:
+        options["example_target"] = target
+    return sw.compile(model, RANKS, inputs, schedule=schedule, swap=swap, cost="analytic", **options), batches
+
+
+@functools.cache
+def _eager(name: str, swap: str) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """Eager losses and trained state; one run serves every schedule of a problem. On one thread:
+    on ops this small a second one only waits, and on a busy machine it made eager training 50x slower."""
+    model, batches, options = _problem(name, swap)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return eager_train(model, batches, **options), model.state_dict()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _join(init_file: str, rank: int, timeout_s: float) -> None:
@@ -56,22 +103,35 @@ def _join(init_file: str, rank: int, timeout_s: float) -> None:
 
 
 def _save(path: Path, result) -> None:
-    path.write_bytes(pickle.dumps(result))
+    """Written beside and renamed into place: a rank killed mid-write leaves its previous save."""
+    partial = path.with_suffix(".partial")
+    partial.write_bytes(pickle.dumps(result))
+    partial.replace(path)
 
 
 # ---- what each rank runs --------------------------------------------------------------------
-def _train(rank: int, init_file: str, out: str, name: str) -> None:
-    _join(init_file, rank, 20.0)
+def _train_cases(rank: int, init_file: str, out: str, cases) -> None:
+    """Train every case in turn, saving after each; the first failure ends the matrix on this rank
+    (the peer then fails on a PeerError: later collectives could not be matched)."""
+    _join(init_file, rank, 30.0)
+    torch.set_num_threads(1)  # two ranks share the machine's cores
     context = distributed_context()
-    model, batches, options = _problem(name)
-    inputs, target = batches[0]
-    pipe = sw.compile(model, RANKS, inputs, example_target=target, **options)
-    pipe.timeout_s = 20.0
-    assert {w.stage.device for w in pipe.workers} == {rank}  # this rank runs only its own stages
-    losses = [pipe.step(*inputs, target=target) for inputs, target in batches]
-    state = {k: v.clone() for k, v in pipe.state_dict().items()}  # gathered from every rank
-    _save(Path(out) / f"rank{rank}.pkl", {"context": tuple(context), "losses": losses, "state": state,
-                                          "p2p_bytes": pipe.pools[rank].p2p_bytes})
+    path = Path(out) / f"rank{rank}.pkl"
+    results = {}
+    for case in cases:
+        try:
+            pipe, batches = _compile(*case)
+            pipe.timeout_s = 20.0
+            devices = {w.stage.device for w in pipe.workers}
+            losses = pipeline_train(pipe, batches)
+            state = {k: v.clone() for k, v in pipe.state_dict().items()}  # gathered from every rank
+            results[case] = {"context": tuple(context), "devices": devices, "losses": losses, "state": state,
+                             "stats": pipe.stats[rank]}
+        except Exception:  # noqa: BLE001 - the parent shows it
+            results[case] = {"error": traceback.format_exc()}
+            _save(path, results)
+            os._exit(0)  # the process group may be mid-collective; do not wait on it at exit
+        _save(path, results)
     dist.destroy_process_group()
 
 
@@ -123,35 +183,53 @@ def _break_forward(worker, microbatch: int) -> None:
 
 
 # ---- the parent ------------------------------------------------------------------------------
-def _spawn(fn, tmp_path: Path, *args) -> list[dict]:
-    """Run `fn(rank, init_file, out, *args)` on two processes; kill them past SPAWN_LIMIT_S."""
+def _spawn(fn, tmp_path: Path, *args, limit_s: float = SPAWN_LIMIT_S, fail_on_hang: bool = True) -> list[dict]:
+    """Run `fn(rank, init_file, out, *args)` on two processes; kill them past `limit_s` (and fail,
+    unless the caller reads what they saved before that)."""
     init_file = str(tmp_path / "store")
     context = mp.start_processes(fn, args=(init_file, str(tmp_path), *args), nprocs=RANKS, join=False,
                                  start_method="spawn")
-    deadline = time.monotonic() + SPAWN_LIMIT_S
+    deadline = time.monotonic() + limit_s
     while not context.join(timeout=0.5):
         if time.monotonic() > deadline:
             for process in context.processes:
                 process.kill()
-            pytest.fail(f"the ranks did not finish within {SPAWN_LIMIT_S:.0f} s (a hang)")
+            if fail_on_hang:
+                pytest.fail(f"the ranks did not finish within {limit_s:.0f} s (a hang)")
+            break
     return [pickle.loads(p.read_bytes()) if p.exists() else None
             for p in (tmp_path / f"rank{r}.pkl" for r in range(RANKS))]
 
 
-@pytest.mark.parametrize("name", ["mlp", "tied-gpt", "interleaved-gpt"])
-def test_two_ranks_train_like_eager(tmp_path, name):
-    """MLP: p2p of activations and gradients. Tied GPT with clipping: both kinds of all-reduce.
-    Interleaved: two stages per rank, the tied weight's stages 0 and 3 on different ranks."""
-    results = _spawn(_train, tmp_path, name)
-    model, batches, options = _problem(name)
-    options.pop("schedule", None)
-    want = eager_train(model, batches, **options)
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> list[dict]:
+    """Every case of CASES trained by one pair of ranks: per rank, case -> what it saved."""
+    results = _spawn(_train_cases, tmp_path_factory.mktemp("cases"), CASES, limit_s=MATRIX_LIMIT_S,
+                     fail_on_hang=False)  # a hang fails the case it stopped at, and the ones after it
+    return [result or {} for result in results]
+
+
+@pytest.mark.parametrize("case", CASES, ids="-".join)
+def test_two_ranks_train_like_eager(trained, case):
+    """Losses and parameters equal eager training's on both ranks; each rank ran only its own
+    stages, and swapped state to host memory exactly when swapping was forced on."""
+    name, schedule, swap = case
+    results = [per_rank.get(case) for per_rank in trained]
+    for rank, result in enumerate(results):
+        failed = [f"{c}: {r['error']}" for c, r in trained[rank].items() if "error" in r]
+        assert result is not None, f"rank {rank} did not finish {case}; " + (
+            "\n".join(failed) or f"it hung, or the matrix took over {MATRIX_LIMIT_S:.0f} s")
+        assert "error" not in result, f"rank {rank} failed:\n{result['error']}"
+    want, state = _eager(name, swap)
     for rank, result in enumerate(results):
         assert result["context"] == (rank, RANKS, rank)
-        torch.testing.assert_close(torch.stack(result["losses"]), torch.stack(want), rtol=1e-5, atol=1e-6)
-        assert result["p2p_bytes"] > 0
+        assert result["devices"] == {rank}  # this rank runs only its own stages
+        torch.testing.assert_close(torch.stack(result["losses"]), torch.stack(want), rtol=RTOL, atol=ATOL)
+        stats = result["stats"]
+        assert stats["p2p_bytes"] > 0
+        assert (stats["swap_in_bytes"] > 0) == (stats["swap_out_bytes"] > 0) == (swap == "on"), stats
     assert all(torch.equal(a, b) for a, b in zip(results[0]["losses"], results[1]["losses"], strict=True))
-    assert_state_equal(results[0]["state"], model.state_dict())
+    assert_state_equal(results[0]["state"], state)
     assert_state_equal(results[1]["state"], results[0]["state"])
 
 
