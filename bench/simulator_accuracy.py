@@ -1,0 +1,575 @@
+"""Simulator accuracy: the planner's predicted step time (cost="profile") vs the measured one, over many plans.
+
+    python bench/simulator_accuracy.py            # default run: 12 plans (about 2-3 minutes on 2 CPU cores)
+    python bench/simulator_accuracy.py --quick    # smoke run: 4 plans, fewer steps (about 30 s)
+
+For each plan (model x devices x schedule x microbatches; the planner's own partition) the script
+prints pipe.plan.predicted_iteration_s next to the median measured `pipe.step` time and the
+relative error (predicted - measured) / measured, then the median |error| over the plans (target
+<= 10%).
+
+Diagnosis, second table: the compute F+B of a step as a multiple of what the simulator charged for
+it (the sum of the stage's per-layer profiles), measured five ways:
+
+- stage module alone: each stage's GraphModule forward + autograd backward on microbatch 0's real
+  inputs (captured during warm-up), timed in the main thread with nothing else running: is the sum
+  of per-layer profiles right for the whole stage?
+- runtime worker alone: the same through StageWorker.forward / backward (saved-tensor hooks, pool
+  accounting, input-gradient copies), still alone;
+- stages together, no runtime: every device's stages in a loop in one thread per device at once,
+  without the runtime: how much devices of one process slow each other (cores, GIL, memory);
+- in pipeline, alone / concurrent: every instruction of the timed steps is timed (a wrapper around
+  StreamExecutor._execute; the library is not changed), split by whether another device computed
+  during < 10% or > 90% of it; with the compute threads' CPU time (time.thread_time) and the share
+  of wall time they waited (for a core or the GIL);
+- the optimizer update (U instructions), which the planner charges 0 s.
+
+Calibrated variants (beside the raw figure, never instead of it), both measured, not guessed:
+A: a null model (16 x Linear(4, 4): compute the profiler puts at microseconds) is compiled with the
+same devices, schedule and microbatches and stepped; the per-instruction overhead c that makes the
+simulation of its programs match its measured step time is found by bisection, and the real plan is
+simulated again with c added to every compute instruction and as the latency of every transfer.
+B: as A, with each stage's F / B taken from "stages together, no runtime" instead of the profile.
+
+Timing: OMP_NUM_THREADS=MKL_NUM_THREADS=1 and torch.set_num_threads(1) (bench/_common.py says why
+both), so each device's compute thread uses one core; this machine has 2 cores, so 4-device plans
+run four compute threads on 2 cores, which the simulator (one device, one core) does not model:
+expect 4-device plans to be under-predicted.
+Profiles go to a fresh cache directory so they are measured in this run, under the same load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import resource
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, replace
+
+import stagewise as sw
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from _common import command_line, machine_note, pin_threads, tests_models
+from rich.console import Console
+from rich.table import Table
+from stagewise.passes.simulate import simulate
+from stagewise.runtime.executor import StreamExecutor
+from stagewise.runtime.worker import StageWorker
+
+
+# ---- instruction timing -------------------------------------------------------------------------------
+class Recorder:
+    """Times every instruction the in-process runtime executes, while `on`; while `capture`, keeps a
+    copy of each stage's inputs for microbatch 0 (to time the stages on their own afterwards)."""
+
+    def __init__(self):
+        self.on = False
+        self.capture = False
+        self.spans: list[tuple] = []
+        self.inputs: dict[int, dict[str, torch.Tensor]] = {}
+        self.lock = threading.Lock()
+        self.original = StreamExecutor._execute
+        self.original_forward = StageWorker.forward
+
+    def install(self) -> None:
+        recorder, original, forward = self, self.original, self.original_forward
+
+        def _forward(worker, microbatch, instruction, stash=True):
+            if recorder.capture and microbatch == 0 and worker.stage.index not in recorder.inputs:
+                recorder.inputs[worker.stage.index] = {
+                    k: v.detach().clone().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v
+                    for k, v in worker.inputs[microbatch].items()}
+            forward(worker, microbatch, instruction, stash)
+
+        StageWorker.forward = _forward
+
+        def _execute(executor, device, ins, label):
+            usage = resource.getrusage(resource.RUSAGE_THREAD)
+            start, cpu = time.perf_counter(), time.thread_time()
+            original(executor, device, ins, label)
+            if recorder.on:
+                end, cpu = time.perf_counter(), time.thread_time() - cpu
+                after = resource.getrusage(resource.RUSAGE_THREAD)
+                kernel = (after.ru_stime - usage.ru_stime, after.ru_minflt - usage.ru_minflt)
+                with recorder.lock:
+                    recorder.spans.append((device, ins, start, end, cpu, kernel))
+
+        StreamExecutor._execute = _execute
+
+    def uninstall(self) -> None:
+        StreamExecutor._execute = self.original
+        StageWorker.forward = self.original_forward
+
+
+RECORDER = Recorder()
+
+
+# ---- models ---------------------------------------------------------------------------------------------
+@dataclass
+class Model:
+    key: str
+    title: str
+    make: object  # () -> nn.Module
+    inputs: tuple
+    target: torch.Tensor
+    loss_fn: object
+
+
+def gpt_model(args) -> Model:
+    gpt = tests_models()
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
+
+    def make():
+        torch.manual_seed(0)
+        return gpt.TinyGPT(vocab=args.vocab, dim=args.dim, heads=4, layers=args.blocks, context=args.seq, tie=False)
+
+    title = f"TinyGPT {args.blocks} blocks, d={args.dim}, vocab {args.vocab}, seq {args.seq}, batch {args.batch}"
+    return Model("gpt", title, make, (ids[:, :-1],), ids[:, 1:], gpt.lm_loss)
+
+
+def mlp_model(args) -> Model:
+    g = torch.Generator().manual_seed(0)
+    widths = [round(args.hidden * 10 ** float(torch.rand((), generator=g))) for _ in range(args.mlp_blocks)]
+    x, y = torch.randn(args.mlp_batch, args.mlp_dim, generator=g), torch.randint(0, 10, (args.mlp_batch,), generator=g)
+
+    def make():
+        torch.manual_seed(0)
+        blocks = [nn.Sequential(nn.Linear(args.mlp_dim, h), nn.GELU(), nn.Linear(h, args.mlp_dim)) for h in widths]
+        return nn.Sequential(*blocks, nn.Linear(args.mlp_dim, 10))
+
+    title = f"MLP {args.mlp_blocks} blocks d={args.mlp_dim}, hidden {min(widths)}..{max(widths)}, batch {args.mlp_batch}"
+    return Model("mlp", title, make, (x,), y, F.cross_entropy)
+
+
+def null_model(batch: int) -> Model:
+    """Compute the profiler puts at microseconds: what is left of a step is the runtime's own cost."""
+    x, y = torch.randn(batch, 4), torch.randn(batch, 4)
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(4, 4) for _ in range(16)])
+
+    return Model("null", "16 x Linear(4, 4)", make, (x,), y, F.mse_loss)
+
+
+PLANS = [  # (model, devices, schedule, microbatches)
+    ("gpt", 2, "gpipe", 4), ("gpt", 2, "gpipe", 8), ("gpt", 2, "1f1b", 8), ("gpt", 2, "interleaved", 4),
+    ("gpt", 2, "varuna", 8), ("gpt", 4, "gpipe", 8), ("gpt", 4, "1f1b", 8), ("gpt", 4, "interleaved", 8),
+    ("mlp", 2, "gpipe", 4), ("mlp", 2, "1f1b", 8), ("mlp", 2, "varuna", 4), ("mlp", 4, "1f1b", 8),
+]
+QUICK_PLANS = [("gpt", 2, "gpipe", 4), ("gpt", 2, "1f1b", 8), ("mlp", 2, "varuna", 4), ("mlp", 4, "1f1b", 8)]
+
+
+# ---- measuring -------------------------------------------------------------------------------------------
+def compile_plan(model: Model, devices: int, schedule: str, m: int):
+    return sw.compile(model.make(), devices, model.inputs, loss_fn=model.loss_fn, example_target=model.target,
+                      schedule=schedule, microbatches=m, cost="profile")
+
+
+def step_times(pipe, model: Model, warmup: int, steps: int, record: bool = False) -> list[float]:
+    RECORDER.inputs.clear()
+    RECORDER.capture = record
+    try:
+        for _ in range(warmup):
+            pipe.step(*model.inputs, target=model.target)
+    finally:
+        RECORDER.capture = False
+    times = []
+    RECORDER.spans.clear()
+    RECORDER.on = record
+    try:
+        for _ in range(steps):
+            start = time.perf_counter()
+            pipe.step(*model.inputs, target=model.target)
+            times.append(time.perf_counter() - start)
+    finally:
+        RECORDER.on = False
+    return times
+
+
+@dataclass
+class Compute:
+    """Measured compute of one plan's timed steps, as ratios to what the simulator charged."""
+
+    alone: float  # wall seconds / profiled, instructions with no other device computing (< 10% overlap)
+    concurrent: float  # the same, instructions > 90% overlapped by another device's compute
+    cpu: float  # thread CPU seconds / profiled, all F/R/B instructions
+    waiting: float  # 1 - CPU / wall over all F/R/B: time the compute threads had no core
+    overlap: float  # share of compute wall time during which another device computed too
+    update: float  # seconds of U instructions per step (the planner charges 0)
+    faults: float  # minor page faults per F/R/B instruction
+    kernel: float  # kernel (system) share of the compute threads' CPU time in F/R/B
+
+
+def compute_ratios(pipe, steps: int) -> Compute:
+    cost = pipe.sim_cost
+    spans = [span for span in RECORDER.spans if span[1].kind == "compute"]
+    by_device = collections.defaultdict(list)
+    for d, _, a, b, _, _ in spans:
+        by_device[d].append((a, b))
+    sums = {"alone": [0.0, 0.0], "concurrent": [0.0, 0.0], "all": [0.0, 0.0, 0.0]}
+    overlapped = update = kernel = faults_total = 0.0
+    count = 0
+    for d, ins, a, b, cpu, (sys_s, faults) in spans:
+        if ins.phase == "U":
+            update += b - a
+            continue
+        others = sorted((x, y) for e, iv in by_device.items() if e != d for x, y in iv if y > a and x < b)
+        covered, reach = 0.0, a
+        for x, y in others:  # length of the union of the other devices' compute inside [a, b]
+            x, y = max(x, reach), min(y, b)
+            if y > x:
+                covered += y - x
+                reach = y
+        share = covered / (b - a) if b > a else 0.0
+        profiled = cost.forward_s[ins.stage] if ins.phase in ("F", "R") else cost.backward_s[ins.stage]
+        overlapped += covered
+        sums["all"][0] += b - a
+        sums["all"][1] += profiled
+        sums["all"][2] += cpu
+        kernel += sys_s
+        faults_total += faults
+        count += 1
+        kind = "alone" if share < 0.1 else "concurrent" if share > 0.9 else None
+        if kind:
+            sums[kind][0] += b - a
+            sums[kind][1] += profiled
+    wall, profiled, cpu = sums["all"]
+
+    def ratio(key):
+        m, p = sums[key][:2]
+        return m / p if p else float("nan")
+
+    return Compute(ratio("alone"), ratio("concurrent"), cpu / profiled if profiled else float("nan"),
+                   1 - cpu / wall if wall else 0.0, overlapped / wall if wall else 0.0, update / steps,
+                   faults_total / count if count else 0.0, kernel / cpu if cpu else 0.0)
+
+
+def with_overhead(cost, c: float):
+    """c seconds more on every compute instruction and on every transfer."""
+    n = len(cost.forward_s)
+    update = tuple(cost.update_s) + (0.0,) * (n - len(cost.update_s))
+    return replace(cost, forward_s=tuple(f + c for f in cost.forward_s), backward_s=tuple(b + c for b in cost.backward_s),
+                   update_s=tuple(u + c for u in update), latency_s=cost.latency_s + c)
+
+
+def fit_overhead(pipe, measured: float) -> float:
+    """The per-instruction overhead c with simulate(programs, cost + c) == measured (bisection)."""
+    base = pipe.sim_cost
+    if simulate(pipe.plan.programs, base).iteration_time >= measured:
+        return 0.0
+    lo, hi = 0.0, 1e-3
+    while simulate(pipe.plan.programs, with_overhead(base, hi)).iteration_time < measured:
+        hi *= 2
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if simulate(pipe.plan.programs, with_overhead(base, mid)).iteration_time < measured else (lo, mid)
+    return (lo + hi) / 2
+
+
+def stage_seconds(pipe, repeats: int = 5) -> tuple[dict, dict, float]:
+    """Each stage's forward and backward on microbatch 0's real inputs, timed in this thread with no
+    other thread running: (plain: the stage module and autograd, as the profiler times a layer;
+    worker: through StageWorker.forward / backward, the code path the runtime runs), medians; and the
+    minor page faults per worker F or B."""
+    plain, worker_path = {}, {}
+    faults = instructions = 0
+    for worker in pipe.workers:
+        inputs = RECORDER.inputs.get(worker.stage.index)
+        if inputs is None:
+            continue
+        args = [inputs[name] for name in worker.stage.inputs]
+        f_times, b_times = [], []
+        for _ in range(repeats + 1):
+            fresh = [a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+                     for a in args]
+            start = time.perf_counter()
+            outputs = worker.module(*fresh)
+            middle = time.perf_counter()
+            roots = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
+            if roots:
+                torch.autograd.backward(roots, [torch.ones_like(o) for o in roots])
+            end = time.perf_counter()
+            f_times.append(middle - start)
+            b_times.append(end - middle)
+        worker.module.zero_grad(set_to_none=True)
+        plain[worker.stage.index] = (statistics.median(f_times[1:]), statistics.median(b_times[1:]))
+        mb = 10**6  # a microbatch index the pipeline never uses
+        f_times, b_times = [], []
+        for _ in range(repeats + 1):
+            for name, value in inputs.items():
+                worker.provide(mb, name, value.detach().clone() if isinstance(value, torch.Tensor) else value)
+            before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+            start = time.perf_counter()
+            worker.forward(mb, "timing F")
+            middle = time.perf_counter()
+            for k, name in enumerate(worker.stage.outputs):
+                value = worker.outputs[mb][k]
+                if isinstance(value, torch.Tensor) and value.requires_grad and not (worker.is_last and k == 0):
+                    worker.add_output_grad(mb, name, torch.ones_like(value), ("timing", name))
+            worker.backward(mb, 1.0, "timing B")
+            end = time.perf_counter()
+            faults += resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+            instructions += 2
+            worker.input_grads.pop(mb, None)
+            f_times.append(middle - start)
+            b_times.append(end - middle)
+        worker.module.zero_grad(set_to_none=True)
+        worker.pool.release(("grads", worker.stage.index))
+        worker_path[worker.stage.index] = (statistics.median(f_times[1:]), statistics.median(b_times[1:]))
+    return plain, worker_path, faults / instructions if instructions else 0.0
+
+
+def concurrent_stage_seconds(pipe, seconds: float = 0.8) -> dict[int, tuple[float, float]]:
+    """Each stage's forward and backward (stage module and autograd, as in `stage_seconds`) while every
+    device runs its own stages in a loop in its own thread at the same time, without the runtime:
+    how much the devices of one process slow each other down (cores, GIL, memory bandwidth)."""
+    by_device = collections.defaultdict(list)
+    for worker in pipe.workers:
+        inputs = RECORDER.inputs.get(worker.stage.index)
+        if inputs is not None:
+            by_device[worker.stage.device].append((worker, [inputs[name] for name in worker.stage.inputs]))
+    times = collections.defaultdict(lambda: ([], []))
+    stop = time.perf_counter() + seconds
+
+    def loop(stages) -> None:
+        while time.perf_counter() < stop:
+            for worker, args in stages:
+                fresh = [a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+                         for a in args]
+                start = time.perf_counter()
+                outputs = worker.module(*fresh)
+                middle = time.perf_counter()
+                roots = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
+                if roots:
+                    torch.autograd.backward(roots, [torch.ones_like(o) for o in roots])
+                times[worker.stage.index][0].append(middle - start)
+                times[worker.stage.index][1].append(time.perf_counter() - middle)
+
+    threads = [threading.Thread(target=loop, args=(stages,)) for stages in by_device.values()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for worker in pipe.workers:
+        worker.module.zero_grad(set_to_none=True)
+    return {s: (statistics.median(f), statistics.median(b)) for s, (f, b) in times.items() if f}
+
+
+def _fb_ratio(measured: dict[int, tuple[float, float]], cost) -> float:
+    """Sum over stages of measured F + B over the simulator's profiled F + B."""
+    profiled = sum(cost.forward_s[s] + cost.backward_s[s] for s in measured)
+    return sum(f + b for f, b in measured.values()) / profiled if profiled else float("nan")
+
+
+def stage_cost(cost, measured: dict[int, tuple[float, float]]):
+    """The simulator's costs with each stage's F / B replaced by measured ones."""
+    forward = tuple(measured.get(s, (f, 0.0))[0] for s, f in enumerate(cost.forward_s))
+    backward = tuple(measured.get(s, (0.0, b))[1] for s, b in enumerate(cost.backward_s))
+    return replace(cost, forward_s=forward, backward_s=backward)
+
+
+@dataclass
+class Row:
+    model: str
+    devices: int
+    schedule: str
+    microbatches: int
+    instructions: int
+    predicted: float
+    measured: float
+    times: list
+    compute: Compute
+    plain: float  # stage module F+B alone / profile
+    worker: float  # StageWorker F+B alone / profile
+    overhead: float  # per-instruction overhead fitted on the null model
+    calibrated: float  # profile + c
+    staged: float  # stage-level timings through the worker + c
+    concurrent: float  # stage modules timed while all devices run at once, + c
+    interference: float  # those concurrent F+B / profile
+    alone_faults: float  # minor page faults per worker F or B run alone
+
+
+def run_plan(models: dict, key: str, devices: int, schedule: str, m: int, args) -> Row:
+    model = models[key]
+    pipe = compile_plan(model, devices, schedule, m)
+    times = step_times(pipe, model, args.warmup, args.steps, record=True)
+    compute = compute_ratios(pipe, args.steps)
+    plain, worker_path, alone_faults = stage_seconds(pipe)
+    together = concurrent_stage_seconds(pipe)
+    null = null_model(model.target.shape[0])
+    null_pipe = compile_plan(null, devices, schedule, m)
+    c = fit_overhead(null_pipe, statistics.median(step_times(null_pipe, null, args.warmup, args.null_steps)))
+    calibrated = simulate(pipe.plan.programs, with_overhead(pipe.sim_cost, c)).iteration_time
+    staged = simulate(pipe.plan.programs, with_overhead(stage_cost(pipe.sim_cost, worker_path), c)).iteration_time
+    concurrent = simulate(pipe.plan.programs, with_overhead(stage_cost(pipe.sim_cost, together), c)).iteration_time
+    instructions = max(len(p.instructions) for p in pipe.plan.programs)
+    return Row(key, devices, schedule, m, instructions, pipe.plan.predicted_iteration_s, statistics.median(times),
+               times, compute, _fb_ratio(plain, pipe.sim_cost), _fb_ratio(worker_path, pipe.sim_cost), c, calibrated,
+               staged, concurrent, _fb_ratio(together, pipe.sim_cost), alone_faults)
+
+
+# ---- the report --------------------------------------------------------------------------------------------
+def err(predicted: float, measured: float) -> float:
+    return (predicted - measured) / measured
+
+
+def report(console: Console, rows: list[Row], models: dict, args) -> None:
+    for model in models.values():
+        console.print(f"  {model.key}: {model.title}")
+    table = Table(title="simulator (cost='profile') vs measured step time, ms")
+    cols = ("model", "dev", "schedule", "mb", "predicted", "measured median", "min / max", "error",
+            "calibrated A: + c", "its error", "calibrated B: stages timed together + c", "its error")
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("model", "schedule") else "right")
+    for r in rows:
+        table.add_row(
+            r.model, str(r.devices), r.schedule, str(r.microbatches), f"{r.predicted * 1e3:.1f}",
+            f"{r.measured * 1e3:.1f}", f"{min(r.times) * 1e3:.0f} / {max(r.times) * 1e3:.0f}",
+            f"{err(r.predicted, r.measured):+.1%}", f"{r.calibrated * 1e3:.1f}", f"{err(r.calibrated, r.measured):+.1%}",
+            f"{r.concurrent * 1e3:.1f}", f"{err(r.concurrent, r.measured):+.1%}",
+        )
+    console.print(table)
+
+    def median_abs(f, subset) -> str:
+        return f"{statistics.median(abs(f(r)) for r in subset):.1%}" if subset else "-"
+
+    two = [r for r in rows if r.devices == 2]
+    summary = Table(title="median |relative error| over the plans (target <= 10% for the raw prediction)")
+    for col in ("prediction", "all plans", "2-device plans", "target met (all plans)"):
+        summary.add_column(col, justify="right")
+    raw = statistics.median(abs(err(r.predicted, r.measured)) for r in rows)
+    summary.add_row("raw: pipe.plan.predicted_iteration_s", median_abs(lambda r: err(r.predicted, r.measured), rows),
+                    median_abs(lambda r: err(r.predicted, r.measured), two), "yes" if raw <= 0.10 else "no")
+    summary.add_row("calibrated A: profile + per-instruction overhead c (null model)",
+                    median_abs(lambda r: err(r.calibrated, r.measured), rows),
+                    median_abs(lambda r: err(r.calibrated, r.measured), two), "")
+    summary.add_row("calibrated B: stages timed with every device running at once (no runtime), + c",
+                    median_abs(lambda r: err(r.concurrent, r.measured), rows),
+                    median_abs(lambda r: err(r.concurrent, r.measured), two), "")
+    summary.add_row("diagnostic: stages timed alone through the runtime's worker, + c",
+                    median_abs(lambda r: err(r.staged, r.measured), rows),
+                    median_abs(lambda r: err(r.staged, r.measured), two), "")
+    console.print(summary)
+
+    table = Table(title="where the time goes: compute F+B per step as a multiple of what the simulator charged "
+                  "(the per-layer profile)")
+    cols = ("model", "dev", "schedule", "mb", "stage module alone", "runtime worker alone", "stages together, no runtime",
+            "in pipeline, alone",
+            "in pipeline, concurrent", "CPU time in pipeline", "waiting (1 - CPU/wall)", "compute overlapped",
+            "page faults per F/B: pipeline / alone", "kernel share of CPU", "update ms (charged 0)",
+            "c µs/instr (null model)")
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("model", "schedule") else "right")
+    for r in rows:
+        table.add_row(r.model, str(r.devices), r.schedule, str(r.microbatches), _ratio(r.plain), _ratio(r.worker),
+                      _ratio(r.interference), _ratio(r.compute.alone), _ratio(r.compute.concurrent), _ratio(r.compute.cpu),
+                      f"{r.compute.waiting:.0%}", f"{r.compute.overlap:.0%}",
+                      f"{r.compute.faults:.0f} / {r.alone_faults:.0f}", f"{r.compute.kernel:.0%}",
+                      f"{r.compute.update * 1e3:.1f}",
+                      f"{r.overhead * 1e6:.0f}")
+    console.print(table)
+    diagnose(console, rows)
+
+
+def _ratio(x: float) -> str:
+    return "-" if x != x else f"{x:.2f}x"  # NaN: no instruction in that class
+
+
+def _median(values) -> float:
+    values = [v for v in values if v == v]
+    return statistics.median(values) if values else float("nan")
+
+
+def diagnose(console: Console, rows: list[Row]) -> None:
+    """What the measurements say about the gap between prediction and measurement."""
+    two = [r for r in rows if r.devices == 2]
+    four = [r for r in rows if r.devices == 4]
+    med = {k: _median(getattr(r, k) for r in two) for k in ("plain", "worker", "interference")}
+    med.update({k: _median(getattr(r.compute, k) for r in two) for k in ("alone", "concurrent", "cpu", "waiting")})
+    lines = [
+        f"the profile is right about the stages: a stage module run alone takes {_ratio(med['plain'])} the sum of its "
+        f"layers' profiles, {_ratio(med['worker'])} through the runtime's StageWorker code, and "
+        f"{_ratio(med['interference'])} when every device runs its stages at once in its own thread without the "
+        f"runtime (2-device plans, medians): two devices on {os.cpu_count()} cores barely slow each other down.",
+        f"inside the running pipeline the same compute takes {_ratio(med['alone'])} when no other device computes and "
+        f"{_ratio(med['concurrent'])} beside another device, against {_ratio(med['worker'])} and "
+        f"{_ratio(med['interference'])} outside the runtime: the runtime itself makes compute "
+        f"{med['alone'] / med['worker']:.2f}x (alone) to {med['concurrent'] / med['interference']:.2f}x (concurrent) "
+        f"slower. Its compute threads' CPU time is {_ratio(med['cpu'])} the profile and they wait only "
+        f"{med['waiting']:.0%} of their wall time, so the extra is work done on the compute thread, not waiting for a "
+        "core. Part of it is the kernel: a compute instruction in the pipeline takes "
+        f"{_median(r.compute.faults for r in two):.0f} minor page faults against {_median(r.alone_faults for r in two):.0f} "
+        f"for the same worker code alone, and the kernel is {_median(r.compute.kernel for r in two):.0%} of its CPU "
+        "time (fresh pages: the stream threads are created anew every step and tensors are allocated and freed "
+        "across threads); the rest is likely GIL hand-offs to the other stream threads, which every event wakes "
+        "(one condition variable, notify_all).",
+        f"the runtime's own cost per instruction, fitted on the null model, is "
+        f"{_median(r.overhead for r in two) * 1e6:.0f} µs with 2 devices"
+        + (f", {_median(r.overhead for r in four) * 1e6:.0f} µs with 4" if four else "")
+        + "; the simulator charges none. Calibration A adds it; calibration B also uses the stages' concurrent "
+        "timings. What B leaves is the runtime's slowdown of compute above.",
+        (f"with 4 devices on {os.cpu_count()} cores compute beside another device takes "
+         f"{_ratio(_median(r.compute.concurrent for r in four))} the profile (stages together without the runtime: "
+         f"{_ratio(_median(r.interference for r in four))}): the simulator's one-core-per-device model cannot hold "
+         "there. " if four else "")
+        + f"The optimizer update, charged 0 s, measures {_median(r.compute.update for r in rows) * 1e3:.1f} ms per "
+        "step (median; SGD).",
+    ]
+    console.print("[bold]diagnosis[/bold]:")
+    for line in lines:
+        console.print("  - " + line)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="4 plans, 1 warm-up + 3 timed steps (~30 s)")
+    p.add_argument("--steps", type=int, default=6, help="timed steps per plan")
+    p.add_argument("--null-steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--blocks", type=int, default=8)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--mlp-blocks", type=int, default=12)
+    p.add_argument("--mlp-dim", type=int, default=256)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--mlp-batch", type=int, default=256)
+    p.add_argument("--no-pin", action="store_true",
+                   help="do not set OMP_NUM_THREADS=MKL_NUM_THREADS=1 (some ops in new threads then use every core)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.steps, args.warmup, args.null_steps = 3, 1, 5
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if not args.no_pin:
+        pin_threads()
+    torch.set_num_threads(1)
+    os.environ["STAGEWISE_CACHE"] = tempfile.mkdtemp(prefix="stagewise-bench-")  # profile in this run
+    console = Console(width=190)
+    console.print(f"[bold]command:[/bold] {command_line()}")
+    console.print(machine_note())
+    console.print(f"torch.set_num_threads(1) (one core per device's compute thread; {os.cpu_count()} cores here); "
+                  f"SGD; the planner's partition; cost='profile'; {args.warmup} warm-up + {args.steps} timed steps "
+                  f"per plan; null model: {args.null_steps} steps")
+    models = {"gpt": gpt_model(args), "mlp": mlp_model(args)}
+    RECORDER.install()
+    try:
+        rows = [run_plan(models, *plan, args) for plan in (QUICK_PLANS if args.quick else PLANS)]
+    finally:
+        RECORDER.uninstall()
+    report(console, rows, models, args)
+    console.print(f"machine afterwards: load average {os.getloadavg()[0]:.2f} (1 min)")
+
+
+if __name__ == "__main__":
+    main()
