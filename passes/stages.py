@@ -43,15 +43,19 @@ def build_stages(
             dtype = str(val.dtype).removeprefix("torch.") if hasattr(val, "dtype") else "float32"
             transfers.append(Transfer(node.name, src, dst, v.bytes_per_sample, v.requires_grad, "direct", shape, dtype))
 
+    param_names = {k for k, _ in gm.named_parameters(remove_duplicate=False)}
+    nodes_of: dict[int, list[fx.Node]] = {s: [] for s in range(len(starts))}
+    for n in gm.graph.nodes:
+        if n.name in stage_of:
+            nodes_of[stage_of[n.name]].append(n)
     stages = []
     for s in range(len(starts)):
-        nodes = [n for n in gm.graph.nodes if stage_of.get(n.name) == s]
+        nodes = nodes_of[s]
         graph_inputs = [p.name for p in placeholders if any(stage_of.get(u.name) == s for u in p.users)]
         received = [t.value for t in transfers if t.dst == s]
         sent = list(dict.fromkeys(t.value for t in transfers if t.src == s))
         outputs = ([loss.name] if stage_of[loss.name] == s else []) + sent
         targets = state_targets(gm, nodes)
-        param_names = {k for k, _ in gm.named_parameters(remove_duplicate=False)}
         stages.append(
             Stage(
                 index=s,
