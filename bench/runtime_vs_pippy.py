@@ -28,7 +28,6 @@ import argparse
 import copy
 import datetime
 import functools
-import math
 import os
 import shlex
 import statistics
@@ -37,6 +36,7 @@ import tempfile
 import time
 import warnings
 
+import _common
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -47,50 +47,15 @@ RANKS = 2
 
 
 # ---- the model: a GPT-style stack with an untied head -------------------------------------------
-class Block(nn.Module):
-    def __init__(self, dim: int, heads: int, context: int):
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-        self.ln2 = nn.LayerNorm(dim)
-        self.fc = nn.Linear(dim, 4 * dim)
-        self.out = nn.Linear(4 * dim, dim)
-        self.register_buffer("causal", torch.tril(torch.ones(context, context, dtype=torch.bool)), persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        scores = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
-        scores = scores.masked_fill(~self.causal[:t, :t], float("-inf"))
-        attn = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, d)
-        x = x + self.proj(attn)
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    def __init__(self, vocab: int, dim: int, heads: int, layers: int, context: int):
-        super().__init__()
-        self.tok = nn.Embedding(vocab, dim)
-        self.pos = nn.Embedding(context, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads, context) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab, bias=False)  # untied: nothing is shared across the cut
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(idx.shape[1], device=idx.device)
-        x = self.tok(idx) + self.pos(positions)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
+def GPT(vocab: int, dim: int, heads: int, layers: int, context: int) -> nn.Module:  # noqa: N802 - reads as a class
+    """The test zoo's GPT (tests/models/gpt.py) with an untied head: nothing is shared across the cut."""
+    return _common.tests_models().TinyGPT(vocab=vocab, dim=dim, heads=heads, layers=layers, context=context, tie=False)
 
 
 class FirstHalf(nn.Module):
     """Hand-built stage 0 for pippy's manual frontend (used only if its tracer fails)."""
 
-    def __init__(self, model: GPT, cut: int):
+    def __init__(self, model: nn.Module, cut: int):
         super().__init__()
         self.tok, self.pos = model.tok, model.pos
         self.blocks = nn.ModuleList(model.blocks[:cut])
@@ -103,7 +68,7 @@ class FirstHalf(nn.Module):
 
 
 class SecondHalf(nn.Module):
-    def __init__(self, model: GPT, cut: int):
+    def __init__(self, model: nn.Module, cut: int):
         super().__init__()
         self.blocks = nn.ModuleList(model.blocks[cut:])
         self.ln_f, self.head = model.ln_f, model.head
@@ -154,7 +119,7 @@ def command_line() -> str:
 
 
 # ---- the two systems on one rank ------------------------------------------------------------------
-def make_model(args) -> GPT:
+def make_model(args) -> nn.Module:
     torch.manual_seed(0)
     return GPT(args.vocab, args.dim, args.heads, args.layers, args.seq)
 
@@ -301,7 +266,7 @@ def report(args, results: dict) -> None:
     console.print(f"[bold]command:[/bold] {command_line()}")
     params = sum(p.numel() for p in make_model(args).parameters())
     console.print(
-        f"model: GPT, {args.layers} blocks, d={args.dim}, {args.heads} heads, vocab {args.vocab}, seq {args.seq}, "
+        f"model: nn.Module, {args.layers} blocks, d={args.dim}, {args.heads} heads, vocab {args.vocab}, seq {args.seq}, "
         f"untied head, {params / 1e6:.2f} M parameters; minibatch {args.batch} sequences in {args.microbatches} "
         f"microbatches; AdamW(lr={args.lr}); 2 ranks over gloo, {args.threads} intra-op thread(s) each; "
         f"cut before blocks.{args.layers // 2}; {args.warmup} warm-up + {args.steps} timed steps per system"
