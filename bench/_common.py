@@ -82,3 +82,21 @@ def machine_note() -> str:
             f"(1 / 5 / 15 min); fp32 matmul per thread (1 intra-op thread): {alone:.0f} GFLOP/s alone, "
             f"{two:.0f} with 2 threads, {four:.0f} with 4 threads running at once; OMP_NUM_THREADS="
             f"{os.environ.get('OMP_NUM_THREADS', 'unset')}, MKL_NUM_THREADS={os.environ.get('MKL_NUM_THREADS', 'unset')}")
+
+
+def start(args, width: int, fresh_cache: bool):
+    """The shared preamble: one intra-op thread per device (pinned unless --no-pin), optionally a
+    fresh profile cache (profiles measured in this run), and the command and machine printed."""
+    from rich.console import Console  # noqa: PLC0415 - only benchmarks print tables
+
+    if not args.no_pin:
+        pin_threads()
+    torch.set_num_threads(1)
+    if fresh_cache:
+        import tempfile  # noqa: PLC0415
+
+        os.environ["STAGEWISE_CACHE"] = tempfile.mkdtemp(prefix="stagewise-bench-")
+    console = Console(width=width)
+    console.print(f"[bold]command:[/bold] {command_line()}")
+    console.print(machine_note())
+    return console

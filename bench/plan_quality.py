@@ -41,7 +41,6 @@ import bisect
 import collections
 import os
 import statistics
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -51,7 +50,7 @@ import stagewise as sw
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from _common import command_line, machine_note, pin_threads, tests_models
+from _common import start, tests_models
 from rich.console import Console
 from rich.table import Table
 from stagewise.runtime.executor import StreamExecutor
@@ -267,13 +266,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    if not args.no_pin:
-        pin_threads()
-    torch.set_num_threads(1)
-    os.environ["STAGEWISE_CACHE"] = tempfile.mkdtemp(prefix="stagewise-bench-")  # profile in this run
-    console = Console(width=170)
-    console.print(f"[bold]command:[/bold] {command_line()}")
-    console.print(machine_note())
+    console = start(args, width=170, fresh_cache=True)  # profiles measured in this run
     console.print(f"torch.set_num_threads(1); schedule='gpipe', microbatches={args.microbatches}, SGD (the default), "
                   f"cost='profile'; {args.warmup} warm-up + {args.steps} timed steps per plan, round robin")
     install_busy_timer()

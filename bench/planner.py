@@ -14,7 +14,7 @@ calls, with the number of calls.
 
 Phases reported:
 - analysis: trace (torch.fx, else torch.export + fake-tensor shape/FLOP propagation), layers and
-  cut-points. The driver re-traces once per candidate microbatch count, so this counts all traces.
+  cut-points. The driver traces once to plan and once more at the chosen microbatch size.
 - planning, the figure compared with Harmony's planner (0.7 s GPT-2, 31.6 s ResNet1K) and with our
   targets (< 0.5 s and < 3 s): per-layer costs (analytic), search (partition), binding and lowering
   (assemble), simulation (predict), codegen (build_stage_modules), and the rest of compile ("glue").
@@ -43,7 +43,7 @@ import stagewise.passes.planner as planner
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from _common import command_line, machine_note, pin_threads, tests_models
+from _common import start, tests_models
 from rich.console import Console
 from rich.table import Table
 from stagewise.passes.analytic import analytic_layers
@@ -329,12 +329,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    if not args.no_pin:
-        pin_threads()
-    torch.set_num_threads(1)
-    console = Console(width=150)
-    console.print(f"[bold]command:[/bold] {command_line()}")
-    console.print(machine_note())
+    console = start(args, width=150, fresh_cache=False)
     console.print("torch.set_num_threads(1); sw.compile(cost='analytic', "
                   + ("schedule='gpipe', microbatches=devices" if args.quick else "schedule='auto', microbatches=None")
                   + ") on CPU devices; seconds are wall time summed over calls")
@@ -349,9 +344,9 @@ def main() -> None:
             cpsat = cpsat_seconds(case, 4)
     report(console, args, runs, profiles, cpsat)
     console.print(
-        "Notes: 'planning' excludes tracing and profiling; the driver traces once per candidate microbatch "
-        "count (torch.export bakes shapes into the graph), which is what 'analysis' counts. The PipeDream DP "
-        "runs once per gpipe / 1f1b candidate, although both give it the same inputs at one microbatch size.")
+        "Notes: 'planning' excludes tracing and profiling. The driver plans every candidate on its first trace "
+        "and traces again only at the chosen microbatch size (torch.export bakes shapes into the graph); "
+        "'analysis' counts both. One partition serves gpipe, 1f1b and varuna at a microbatch size.")
 
 
 if __name__ == "__main__":

@@ -45,7 +45,6 @@ import collections
 import os
 import resource
 import statistics
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -54,7 +53,7 @@ import stagewise as sw
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from _common import command_line, machine_note, pin_threads, tests_models
+from _common import start, tests_models
 from rich.console import Console
 from rich.table import Table
 from stagewise.passes.simulate import simulate
@@ -551,13 +550,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    if not args.no_pin:
-        pin_threads()
-    torch.set_num_threads(1)
-    os.environ["STAGEWISE_CACHE"] = tempfile.mkdtemp(prefix="stagewise-bench-")  # profile in this run
-    console = Console(width=190)
-    console.print(f"[bold]command:[/bold] {command_line()}")
-    console.print(machine_note())
+    console = start(args, width=190, fresh_cache=True)  # profiles measured in this run
     console.print(f"torch.set_num_threads(1) (one core per device's compute thread; {os.cpu_count()} cores here); "
                   f"SGD; the planner's partition; cost='profile'; {args.warmup} warm-up + {args.steps} timed steps "
                   f"per plan; null model: {args.null_steps} steps")
