@@ -81,14 +81,15 @@ class StreamExecutor:
                     continue
                 label = f"dev{program.device} #{index} {ins}"
                 if ins.waits:
-                    self.sync.wait_until(lambda ins=ins: all(done[j] for j in ins.waits), label)
+                    self.sync.wait_until(lambda ins=ins: all(done[j] for j in ins.waits), label,
+                                         [("done", program.device, j) for j in ins.waits])
                 start = time.perf_counter()
                 self._execute(program.device, ins, label)
                 end = time.perf_counter()
                 self.timeline.append((program.device, stream, index, start - self.started_at, end - self.started_at))
                 with self.sync.locked():
                     done[index] = True
-                    self.sync.changed()
+                    self.sync.changed(("done", program.device, index))
         except Aborted:
             pass
         except BaseException as error:  # noqa: BLE001 - handed to the caller of run()

@@ -1,17 +1,20 @@
 """One monitor for every blocking wait of the in-process runtime's stream threads.
 
 All waits (an event of another stream, a message in the mailbox, an all-reduce partner) go
-through `Sync.wait_until`, so the runtime can tell the three ways a wait ends badly:
-a thread failed (every other thread stops with it and the first error is raised), every live
-thread is waiting (the programs deadlock: reported at once), or a wait outlasts the timeout
-(a peer that never answers). Never a hang.
+through `Sync.wait_until`, naming the keys whose change could make them ready. A change wakes
+only the threads waiting on its keys, so finishing an instruction costs one wake-up, not one
+per stream thread. The runtime can still tell the three ways a wait ends badly: a thread
+failed (every other thread stops with it and the first error is raised), every live thread
+waits on keys that have not changed since it last looked (the programs deadlock: reported at
+once), or a wait outlasts the timeout (a peer that never answers). Never a hang.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Hashable, Sequence
 
 from stagewise.compiler.errors import PeerError, PlanError
 
@@ -22,23 +25,26 @@ class Aborted(Exception):
 
 class Sync:
     def __init__(self, threads: int, timeout_s: float):
-        self.condition = threading.Condition()
+        self.lock = threading.Lock()
         self.alive = threads
-        self.version = 0  # bumped by every state change (an event done, a message, a thread ending)
-        self.waiters: dict[int, int] = {}  # waiting thread -> the version it last checked against
+        self.versions: dict[Hashable, int] = defaultdict(int)  # key -> how often it changed
+        self.waiters: dict[int, tuple[threading.Condition, dict[Hashable, int]]] = {}  # thread -> (its condition, keys seen)
+        self.conditions: dict[int, threading.Condition] = {}
         self.timeout_s = timeout_s
         self.error: BaseException | None = None
 
-    def wait_until(self, ready: Callable[[], bool], what: str) -> None:
-        """Block until `ready()` (evaluated under the lock); `what` names the wait in errors."""
+    def wait_until(self, ready: Callable[[], bool], what: str, keys: Sequence[Hashable]) -> None:
+        """Block until `ready()` (evaluated under the lock); a change of one of `keys` re-checks it.
+        `what` names the wait in errors."""
         deadline = time.monotonic() + self.timeout_s
         me = threading.get_ident()
-        with self.condition:
+        with self.lock:
+            condition = self.conditions.setdefault(me, threading.Condition(self.lock))
             while not ready():
                 if self.error is not None:
                     raise Aborted
-                self.waiters[me] = self.version
-                if len(self.waiters) == self.alive and all(v == self.version for v in self.waiters.values()):
+                self.waiters[me] = (condition, {k: self.versions[k] for k in keys})
+                if self._deadlocked():
                     self.waiters.pop(me)
                     self._fail(PlanError(f"the device programs wait on each other forever (deadlock) at: {what}"))
                     raise Aborted
@@ -47,28 +53,41 @@ class Sync:
                     self.waiters.pop(me)
                     self._fail(PeerError(f"waited {self.timeout_s:.0f} s for {what}: a peer stopped answering"))
                     raise Aborted
-                self.condition.wait(min(remaining, 1.0))
+                condition.wait(min(remaining, 1.0))
                 self.waiters.pop(me, None)
 
-    def locked(self):
-        """The monitor's lock; call `changed()` before leaving it after a state change."""
-        return self.condition
+    def _deadlocked(self) -> bool:
+        """Every live thread waits, and none of the keys it waits on changed since it looked."""
+        return len(self.waiters) >= self.alive and all(
+            all(self.versions[k] == v for k, v in seen.items()) for _, seen in self.waiters.values()
+        )
 
-    def changed(self) -> None:
-        """Wake every waiter to re-check (caller holds the lock)."""
-        self.version += 1
-        self.condition.notify_all()
+    def locked(self):
+        """The monitor's lock; call `changed(key)` before leaving it after a state change."""
+        return self.lock
+
+    def changed(self, *keys: Hashable) -> None:
+        """Wake the threads waiting on `keys` (caller holds the lock)."""
+        for key in keys:
+            self.versions[key] += 1
+        for condition, seen in self.waiters.values():
+            if any(key in seen for key in keys):
+                condition.notify()
+
+    def _wake_all(self) -> None:
+        for condition, _ in self.waiters.values():
+            condition.notify()
 
     def thread_done(self) -> None:
-        with self.condition:
+        with self.lock:
             self.alive -= 1
-            self.changed()
+            self._wake_all()  # the others re-check: with one thread fewer they may be deadlocked
 
     def fail(self, error: BaseException) -> None:
-        with self.condition:
+        with self.lock:
             self._fail(error)
 
     def _fail(self, error: BaseException) -> None:
         if self.error is None:
             self.error = error
-        self.changed()
+        self._wake_all()

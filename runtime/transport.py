@@ -30,10 +30,10 @@ class LocalTransport:
         self.pools[src_device].p2p_bytes += tensor.numel() * tensor.element_size()
         with self.sync.locked():
             self.mailbox[key] = buffer
-            self.sync.changed()
+            self.sync.changed(("message", key))
 
     def recv(self, key: tuple, instruction: str) -> torch.Tensor:
-        self.sync.wait_until(lambda: key in self.mailbox, instruction)
+        self.sync.wait_until(lambda: key in self.mailbox, instruction, [("message", key)])
         with self.sync.locked():
             return self.mailbox.pop(key)
 
@@ -46,8 +46,8 @@ class LocalTransport:
         key = (tag, group)
         with self.sync.locked():
             self.reductions.setdefault(key, {}).setdefault(rank, [t.detach() for t in tensors])
-            self.sync.changed()
-        self.sync.wait_until(lambda: len(self.reductions.get(key, {})) == len(group), instruction)
+            self.sync.changed(("all-reduce", key))
+        self.sync.wait_until(lambda: len(self.reductions.get(key, {})) == len(group), instruction, [("all-reduce", key)])
         with self.sync.locked():
             contributions = self.reductions[key]
             device = tensors[0].device if tensors else torch.device("cpu")
