@@ -1,6 +1,7 @@
-"""Analytic stage costs for the simulator: FLOPs from the trace over a device's peak rate.
+"""Stage costs from a plan alone: FLOPs recorded in the plan over a device's peak rate.
 
-A first estimate until the profiler arrives: forward seconds are the stage's forward FLOPs
+For `pipe.simulate(peak_flops=...)` on hardware one does not have, and for a loaded pipeline,
+which keeps no per-layer profile: forward seconds are the stage's forward FLOPs
 (torch.utils.flop_counter on fake tensors, per microbatch) over the device's peak FLOP/s
 times its relative speed; backward is twice the forward (the usual 2x for matmul-bound
 layers, Narayanan §4.2); state is parameters plus gradients; the stash counted is the
@@ -11,9 +12,10 @@ are not tracked yet).
 from __future__ import annotations
 
 from stagewise.compiler.ir import Plan
+from stagewise.passes.analytic import DEFAULT_PEAK_FLOPS
 from stagewise.passes.simulate import SimCost, transfer_bytes
 
-CPU_PEAK_FLOPS = 5e10  # a modest figure for one logical CPU device; calibration replaces it
+CPU_PEAK_FLOPS = DEFAULT_PEAK_FLOPS["cpu"]
 LOCAL_BANDWIDTH = 1e10  # bytes/s of a copy between logical devices in one process
 
 

@@ -81,18 +81,16 @@ def assemble(
 def sim_cost(plan: Assembled, costs: Sequence[LayerCost], devices: Sequence[DeviceSpec], microbatch_size: int,
              bandwidth: float) -> SimCost:
     """Per-stage seconds and bytes from per-layer costs (measured or analytic), scaled by device speed."""
-    forward, backward, update, stash, state = [], [], [], [], []
+    forward, backward, stash, state = [], [], [], []
     for stage in sorted(plan.stages, key=lambda s: s.index):
         speed = devices[stage.device].speed
         mine = [costs[i] for i in stage.layers]
-        recompute = any(ins.what == "no-stash" for p in plan.programs for ins in p.instructions if ins.stage == stage.index)
         forward.append(sum(c.fwd_s for c in mine) / speed)
         backward.append(sum(c.bwd_s for c in mine) / speed)
-        update.append(0.0)
-        stash.append(sum(c.stash_bytes for c in mine) * (1 if not recompute else 1))
+        stash.append(sum(c.stash_bytes for c in mine))
         state.append(0 if stage.index in plan.swaps.stages else sum(c.state_bytes for c in mine))
     return SimCost(
-        forward_s=tuple(forward), backward_s=tuple(backward), update_s=tuple(update), stash_bytes=tuple(stash),
+        forward_s=tuple(forward), backward_s=tuple(backward), stash_bytes=tuple(stash),
         state_bytes=tuple(state), value_bytes=transfer_bytes(plan.transfers, microbatch_size), bandwidth=bandwidth,
         host_bandwidth=bandwidth,
     )
