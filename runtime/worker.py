@@ -35,6 +35,7 @@ class StageWorker:
         self.swapped = swapped  # parameters live in host memory between uses (Harmony swapping)
         self.host: dict[tuple[str, str], torch.Tensor] = {}
         self.params = dict(module.named_parameters())
+        self.aliases = dict(module.named_parameters(remove_duplicate=False))  # every name, ties included
         if swapped:
             self._start_on_host(module)
         self.module = module.to(self.device)
@@ -127,13 +128,12 @@ class StageWorker:
         return grad
 
     def named_grads(self, names) -> list[torch.Tensor]:
-        params = dict(self.module.named_parameters(remove_duplicate=False))
+        params = self.aliases
         return [params[n].grad if params[n].grad is not None else torch.zeros_like(params[n]) for n in names]
 
     def set_grads(self, names, grads) -> None:
-        params = dict(self.module.named_parameters(remove_duplicate=False))
         for name, grad in zip(names, grads, strict=True):
-            params[name].grad = grad
+            self.aliases[name].grad = grad
 
     def grad_square_sum(self) -> torch.Tensor:
         """Sum of squared gradient entries over the parameters this stage counts in the norm."""

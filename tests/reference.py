@@ -8,6 +8,8 @@ import functools
 import stagewise as sw
 import torch
 
+from tests.models.gpt import lm_loss
+
 SGD = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
 # AdamW divides each gradient element by its own running magnitude, so float32 rounding in an
 # element whose gradient is near zero (measured: 2e-9 absolute on gradients up to 3e-2 between
@@ -82,3 +84,21 @@ def assert_state_equal(got: dict, want: dict) -> None:
     assert set(got) == set(want), f"state keys differ: {set(got) ^ set(want)}"
     for name, tensor in want.items():
         torch.testing.assert_close(got[name], tensor, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def token_batches(steps=3, batch=8, length=8, vocab=64):
+    """Next-token batches: inputs and targets shifted by one (for TinyGPT and lm_loss)."""
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, vocab, (batch, length + 1))
+        out.append(((ids[:, :-1],), ids[:, 1:]))
+    return out
+
+
+def first_device_peak(model, devices: int, schedule: str) -> int:
+    """Device 0's peak pool bytes in one TinyGPT-style step, optimizer state left out."""
+    ids = torch.randint(0, 64, (8, 8))
+    pipe = sw.compile(model, devices, (ids,), loss_fn=lm_loss, example_target=ids, microbatches=8,
+                      schedule=schedule)
+    pipe.step(ids, target=ids)
+    return pipe.stats[0]["peak_bytes"] - pipe.stats[0]["optimizer_bytes"]

@@ -8,19 +8,11 @@ from tests.models.cnn import ResNet
 from tests.models.encdec import EncoderDecoder
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.models.mlp import mlp
-from tests.reference import ADAMW, SGD, check_equal_training, eager_train
+from tests.reference import ADAMW, SGD, check_equal_training, eager_train, token_batches
 
 
 def classification_batches(steps=3, batch=8):
     return [((torch.randn(batch, 8),), torch.randint(0, 5, (batch,))) for _ in range(steps)]
-
-
-def token_batches(steps=3, batch=8, length=8, vocab=64):
-    out = []
-    for _ in range(steps):
-        ids = torch.randint(0, vocab, (batch, length + 1))
-        out.append(((ids[:, :-1],), ids[:, 1:]))
-    return out
 
 
 @pytest.mark.parametrize("devices", [1, 2, 3, 4])

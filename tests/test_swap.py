@@ -7,15 +7,7 @@ import torch
 
 from tests.hf import gpt2, lm_batches
 from tests.models.gpt import TinyGPT, lm_loss
-from tests.reference import ADAMW, SGD, check_equal_training
-
-
-def token_batches(steps=3, batch=8, length=8):
-    out = []
-    for _ in range(steps):
-        ids = torch.randint(0, 64, (batch, length + 1))
-        out.append(((ids[:, :-1],), ids[:, 1:]))
-    return out
+from tests.reference import ADAMW, SGD, check_equal_training, token_batches
 
 
 def weight_bytes(model) -> int:
