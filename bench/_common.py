@@ -11,9 +11,11 @@ import shlex
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -100,3 +102,15 @@ def start(args, width: int, fresh_cache: bool):
     console.print(f"[bold]command:[/bold] {command_line()}")
     console.print(machine_note())
     return console
+
+
+@dataclass
+class Case:
+    """One benchmark problem: a model, one minibatch and its loss."""
+
+    key: str
+    title: str
+    model: nn.Module
+    inputs: tuple
+    target: torch.Tensor
+    loss_fn: object

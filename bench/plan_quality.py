@@ -50,23 +50,13 @@ import stagewise as sw
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from _common import start, tests_models
+from _common import Case, start, tests_models
 from rich.console import Console
 from rich.table import Table
 from stagewise.runtime.executor import StreamExecutor
 
 
 # ---- models -----------------------------------------------------------------------------------------
-@dataclass
-class Case:
-    key: str
-    title: str
-    model: nn.Module
-    inputs: tuple
-    target: torch.Tensor
-    loss_fn: object
-
-
 def gpt_case(args) -> Case:
     gpt = tests_models()
     torch.manual_seed(0)

@@ -43,7 +43,7 @@ import stagewise.passes.planner as planner
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from _common import start, tests_models
+from _common import Case, start, tests_models
 from rich.console import Console
 from rich.table import Table
 from stagewise.passes.analytic import analytic_layers
@@ -119,16 +119,6 @@ class Timers:
 
 
 # ---- the models -------------------------------------------------------------------------------------
-@dataclass
-class Case:
-    key: str  # "gpt" | "chain"
-    title: str
-    model: nn.Module
-    inputs: tuple
-    target: torch.Tensor
-    loss_fn: object
-
-
 def gpt_case(args) -> Case:
     gpt = tests_models()
     torch.manual_seed(0)
