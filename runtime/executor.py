@@ -12,8 +12,11 @@ thread or a silent peer into an error instead of a hang.
 from __future__ import annotations
 
 import math
+import queue
 import threading
 import time
+import weakref
+from collections.abc import Callable
 
 import torch
 from stagewise.compiler.errors import PlanError
@@ -44,6 +47,8 @@ class StreamExecutor:
         self.clip_grad_norm = clip_grad_norm
         self.timeout_s = timeout_s
         self.iteration = 0
+        self.threads = StreamThreads()
+        weakref.finalize(self, self.threads.close)
 
     def run(self, microbatches: int) -> torch.Tensor:
         """One iteration; inputs must already be provided to the workers. Returns the mean loss."""
@@ -54,14 +59,7 @@ class StreamExecutor:
         self.done = {p.device: [False] * len(p.instructions) for p in self.programs}
         self.timeline: list[tuple[int, str, int, float, float]] = []  # measured (device, stream, index, start, end)
         self.started_at = time.perf_counter()
-        threads = [
-            threading.Thread(target=self._stream, args=(program, stream), name=f"dev{program.device}-{stream}", daemon=True)
-            for program, stream in streams
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        self.threads.run([((p.device, s), lambda p=p, s=s: self._stream(p, s)) for p, s in streams])
         if self.sync.error is not None:
             raise self.sync.error
         self.iteration += 1
@@ -149,3 +147,37 @@ class StreamExecutor:
         coefficient = min(self.clip_grad_norm / (math.sqrt(float(total)) + 1e-6), 1.0)
         for w in local:
             w.scale_grads(coefficient)
+
+
+class StreamThreads:
+    """One long-lived thread per (device, stream), started at the first step and reused by every
+    later one: starting a dozen threads per step cost more than a small stage's compute."""
+
+    def __init__(self):
+        self.queues: dict[tuple[int, str], queue.SimpleQueue] = {}
+
+    def run(self, jobs: list[tuple[tuple[int, str], Callable[[], None]]]) -> None:
+        """Run each job on its stream's thread, all at once; return when every job has returned."""
+        finished = threading.Semaphore(0)
+        for key, job in jobs:
+            if key not in self.queues:
+                self.queues[key] = queue.SimpleQueue()
+                threading.Thread(target=_serve, args=(self.queues[key],), name=f"dev{key[0]}-{key[1]}", daemon=True).start()
+            self.queues[key].put((job, finished))
+        for _ in jobs:
+            finished.acquire()
+
+    def close(self) -> None:
+        """Let the threads end (the executor is gone)."""
+        for jobs in self.queues.values():
+            jobs.put(None)
+
+
+def _serve(jobs: queue.SimpleQueue) -> None:
+    while (item := jobs.get()) is not None:
+        job, finished = item
+        try:
+            job()
+        finally:
+            finished.release()
+        del item, job  # hold no reference to the executor between steps
