@@ -12,6 +12,7 @@ whole calibration runs once per process (well under a second on a CPU).
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from stagewise.compiler.topology import Topology
 COPY_BYTES = 8 * 2**20  # large enough to be bandwidth-bound, small enough to stay fast
 MATMUL_N = 256
 REPEATS = 5
+OPTIMIZER_ELEMENTS = 2**20  # one 4 MiB parameter: the per-byte cost of a step
+OPTIMIZER_TENSORS = 64  # small parameters: the per-tensor cost
 
 
 @dataclass(frozen=True)
@@ -131,3 +134,56 @@ def optimizer_state_ratio(optimizer_factory) -> float:
     state = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
                 if isinstance(v, torch.Tensor) and v.dim() > 0)
     return state / (param.numel() * param.element_size())
+
+
+@dataclass(frozen=True)
+class OptimizerCost:
+    """One optimizer step's seconds: a fixed part per parameter tensor plus a part per byte."""
+
+    per_tensor_s: float
+    per_byte_s: float
+
+    def seconds(self, tensors: int, nbytes: int) -> float:
+        return tensors * self.per_tensor_s + nbytes * self.per_byte_s
+
+
+def optimizer_cost(optimizer_factory, device: str | torch.device | Device = "cpu") -> OptimizerCost:
+    """Time the user's optimizer on `device`: one large parameter (bandwidth-bound) and many small
+    ones (per-tensor overhead), so the planner can charge each stage's update (U)."""
+    device = _torch_device(device)
+
+    def step_seconds(params: list[torch.nn.Parameter]) -> float:
+        for p in params:
+            p.grad = torch.full_like(p, 1e-3)
+        return _best(optimizer_factory(params).step, device, repeats=3)
+
+    large = [torch.nn.Parameter(torch.zeros(OPTIMIZER_ELEMENTS, device=device))]
+    small = [torch.nn.Parameter(torch.zeros(64, device=device)) for _ in range(OPTIMIZER_TENSORS)]
+    per_tensor = step_seconds(small) / OPTIMIZER_TENSORS
+    per_byte = max(step_seconds(large) - per_tensor, 0.0) / (OPTIMIZER_ELEMENTS * 4)
+    return OptimizerCost(per_tensor, per_byte)
+
+
+@functools.cache
+def handoff_seconds(rounds: int = 200) -> float:
+    """Seconds one stream thread of the in-process runtime takes to see an event another stream
+    thread sets (a `Sync` wake-up and the GIL hand-off): the simulator charges it per instruction.
+    Measured once per process by two threads passing a counter back and forth."""
+    from stagewise.runtime.sync import Sync
+
+    sync, state = Sync(2, timeout_s=10.0), {"turn": 0}
+
+    def play(parity: int) -> None:
+        for i in range(rounds):
+            sync.wait_until(lambda i=i: state["turn"] == 2 * i + parity, "handoff", ["turn"])
+            with sync.locked():
+                state["turn"] += 1
+                sync.changed("turn")
+        sync.thread_done()
+
+    other = threading.Thread(target=play, args=(1,), daemon=True)
+    start = time.perf_counter()
+    other.start()
+    play(0)
+    other.join()
+    return (time.perf_counter() - start) / (2 * rounds)

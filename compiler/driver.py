@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import time
 
 import torch
 from stagewise.codegen.stages import build_stage_modules
-from stagewise.compiler.calibrate import optimizer_state_ratio, send_bandwidth
+from stagewise.compiler.calibrate import (
+    handoff_seconds,
+    optimizer_cost,
+    optimizer_state_ratio,
+    send_bandwidth,
+)
 from stagewise.compiler.devices import Device, resolve_devices
 from stagewise.compiler.errors import BatchSizeError, ExampleInputsError, PartitionError, PlanError
 from stagewise.compiler.ir import Plan
 from stagewise.compiler.pipeline import Pipeline
 from stagewise.compiler.trace import input_names, trace
 from stagewise.passes.analytic import analytic_layers
+from stagewise.passes.contention import concurrent_speeds
 from stagewise.passes.cutpoints import find_cuts
 from stagewise.passes.layers import build_layers
 from stagewise.passes.layout import choose_layout
@@ -22,6 +29,7 @@ from stagewise.passes.partition import starts_from_split_points
 from stagewise.passes.planner import (
     Assembled,
     Prediction,
+    RuntimeCosts,
     assemble,
     candidates,
     choose,
@@ -32,6 +40,7 @@ from stagewise.passes.planner import (
 from stagewise.passes.profile import costs_at, profile_layers
 from stagewise.passes.schedule import SCHEDULES
 from stagewise.passes.shared import alias_groups
+from stagewise.runtime.launch import distributed_context
 
 DEFAULT_OPTIMIZER = functools.partial(torch.optim.SGD, lr=0.01)
 COST_MODELS = ("profile", "analytic")
@@ -86,6 +95,7 @@ def compile(  # noqa: A001 - the public name of the API
     state_ratio = 2 + optimizer_ratio  # weights + gradients + optimizer state, per weight byte
     costs = _cost_model(cost, analysis, resolved[0], optimizer_ratio)
     costs(analysis.at(first_m)[3])
+    runtime = _runtime_costs(cost, analysis, resolved, optimizer, costs)
     timer.lap(f"costs ({cost})")
 
     partitions: dict[tuple, tuple[list[int], list[int]]] = {}
@@ -122,13 +132,13 @@ def compile(  # noqa: A001 - the public name of the API
     if split_points is not None or (schedule != "auto" and microbatches is not None):
         chosen_name = "gpipe" if schedule == "auto" else schedule
         chosen, layer_costs, size = build(chosen_name, first_m, exact=True)
-        prediction, _ = predict(chosen, layer_costs, specs, size, bandwidth)
+        prediction, _ = predict(chosen, layer_costs, specs, size, bandwidth, runtime)
         considered = ()
     else:
         needs_swap = _needs_swap(analysis, capacities, swap, state_ratio)
         legal = sum(c.legal for c in analysis.at(first_m)[2])
         pairs = candidates(schedule, microbatches, batch, len(resolved), legal, needs_swap)
-        chosen, prediction, tried = choose(pairs, build, specs, bandwidth)
+        chosen, prediction, tried = choose(pairs, build, specs, bandwidth, runtime)
         considered = tuple(_describe(name, m, result) for name, m, result in tried)
     chosen = _agree_across_ranks(chosen, build)
     chosen = _exactly(chosen, build, analysis)
@@ -161,7 +171,7 @@ def compile(  # noqa: A001 - the public name of the API
     )
     modules = build_stage_modules(gm, layers, chosen.stages)
     pipe = Pipeline(plan, modules, optimizer, clip_grad_norm, chosen.swaps.stages)
-    pipe.sim_cost = sim_cost(chosen, costs(size), specs, size, bandwidth)
+    pipe.sim_cost = sim_cost(chosen, costs(size), specs, size, bandwidth, runtime)
     timer.lap("codegen and runtime set-up")
     pipe.compile_times = timer.laps
     return pipe
@@ -213,6 +223,23 @@ def _cost_model(cost: str, analysis: _Analysis, device: Device, optimizer_ratio:
                               optimizer_state_factor=optimizer_ratio)
 
     return lambda u: costs_at(profiles(), u)
+
+
+def _runtime_costs(cost: str, analysis: _Analysis, devices: list[Device], optimizer, costs) -> RuntimeCosts:
+    """What the runtime adds on this machine: per-instruction hand-offs, contention between the
+    in-process CPU devices (measured on the model's costliest layer kind with cost="profile", the
+    cores' share with cost="analytic"), and the optimizer step, timed on the first device."""
+    gm, layers, _, size = analysis.at(analysis.first_m)
+    sharing = sum(d.torch_device.type == "cpu" for d in devices) if distributed_context() is None else 1
+    concurrency: tuple[float, ...] = ()
+    if sharing > 1 and cost == "profile":
+        concurrency = concurrent_speeds(gm, layers, costs(size), size, sharing)
+    elif sharing > 1:
+        cores = len(os.sched_getaffinity(0)) / min(torch.get_num_threads(), os.cpu_count() or 1)
+        concurrency = tuple(min(1.0, cores / k) for k in range(1, sharing + 1))
+    step = optimizer_cost(optimizer, devices[0])
+    update = tuple(step.seconds(len(layer.params), layer.param_bytes) for layer in layers)
+    return RuntimeCosts(instruction_s=handoff_seconds(), concurrency=concurrency, update_s=update)
 
 
 def _needs_swap(analysis: _Analysis, capacities: list[int | None], swap: str, state_ratio: float) -> bool:

@@ -50,6 +50,17 @@ class Assembled:
 
 
 @dataclass(frozen=True)
+class RuntimeCosts:
+    """What executing a plan costs beyond its layers on this machine (measured by compile): the
+    runtime's seconds per instruction, how in-process CPU devices slow each other when they
+    compute at once, and each layer's share of the optimizer step."""
+
+    instruction_s: float = 0.0
+    concurrency: tuple[float, ...] = ()
+    update_s: tuple[float, ...] = ()  # per layer
+
+
+@dataclass(frozen=True)
 class Prediction:
     iteration_s: float
     stage_s: tuple[float, ...]  # forward + backward seconds of one microbatch, per stage instance
@@ -79,25 +90,29 @@ def assemble(
 
 
 def sim_cost(plan: Assembled, costs: Sequence[LayerCost], devices: Sequence[DeviceSpec], microbatch_size: int,
-             bandwidth: float) -> SimCost:
-    """Per-stage seconds and bytes from per-layer costs (measured or analytic), scaled by device speed."""
-    forward, backward, stash, state = [], [], [], []
+             bandwidth: float, runtime: RuntimeCosts = RuntimeCosts()) -> SimCost:
+    """Per-stage seconds and bytes from per-layer costs (measured or analytic), scaled by device speed,
+    plus what the runtime adds."""
+    forward, backward, update, stash, state = [], [], [], [], []
     for stage in sorted(plan.stages, key=lambda s: s.index):
         speed = devices[stage.device].speed
         mine = [costs[i] for i in stage.layers]
         forward.append(sum(c.fwd_s for c in mine) / speed)
         backward.append(sum(c.bwd_s for c in mine) / speed)
+        update.append(sum(runtime.update_s[i] for i in stage.layers if i < len(runtime.update_s)) / speed)
         stash.append(sum(c.stash_bytes for c in mine))
         state.append(0 if stage.index in plan.swaps.stages else sum(c.state_bytes for c in mine))
     return SimCost(
-        forward_s=tuple(forward), backward_s=tuple(backward), stash_bytes=tuple(stash),
+        forward_s=tuple(forward), backward_s=tuple(backward), update_s=tuple(update), stash_bytes=tuple(stash),
         state_bytes=tuple(state), value_bytes=transfer_bytes(plan.transfers, microbatch_size), bandwidth=bandwidth,
-        host_bandwidth=bandwidth,
+        host_bandwidth=bandwidth, instruction_s=runtime.instruction_s, concurrency=runtime.concurrency,
+        shared_devices=frozenset(d for d, spec in enumerate(devices) if spec.kind == "cpu"),
     )
 
 
-def predict(plan: Assembled, costs, devices, microbatch_size: int, bandwidth: float) -> tuple[Prediction, SimResult]:
-    cost = sim_cost(plan, costs, devices, microbatch_size, bandwidth)
+def predict(plan: Assembled, costs, devices, microbatch_size: int, bandwidth: float,
+            runtime: RuntimeCosts = RuntimeCosts()) -> tuple[Prediction, SimResult]:
+    cost = sim_cost(plan, costs, devices, microbatch_size, bandwidth, runtime)
     result = simulate(plan.programs, cost)
     peaks = tuple(int(result.peak_bytes.get(d, 0)) for d in range(len(devices)))
     fits = all(d.memory is None or peak <= d.memory for d, peak in zip(devices, peaks, strict=True))
@@ -215,6 +230,7 @@ def choose(
     build: Callable[[str, int], tuple[Assembled, Sequence[LayerCost], int]],
     devices: Sequence[DeviceSpec],
     bandwidth: float,
+    runtime: RuntimeCosts = RuntimeCosts(),
 ) -> tuple[Assembled, Prediction, list[tuple[str, int, Prediction | str]]]:
     """The candidate with the lowest predicted iteration time that fits; the table of all tried."""
     tried: list[tuple[str, int, Prediction | str]] = []
@@ -225,7 +241,7 @@ def choose(
         except StagewiseError as error:
             tried.append((name, m, str(error).splitlines()[0]))
             continue
-        prediction, _ = predict(plan, costs, devices, size, bandwidth)
+        prediction, _ = predict(plan, costs, devices, size, bandwidth, runtime)
         tried.append((name, m, prediction))
         key = (not prediction.fits, prediction.iteration_s)
         if best is None or key < best[0]:
@@ -248,4 +264,4 @@ def choose(
     return plan, prediction, tried
 
 
-__all__ = ["Assembled", "Prediction", "assemble", "candidates", "choose", "choose_layout", "partition", "predict"]
+__all__ = ["Assembled", "Prediction", "RuntimeCosts", "assemble", "candidates", "choose", "choose_layout", "partition", "predict"]

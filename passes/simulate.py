@@ -21,6 +21,12 @@ Rules, one per instruction kind:
   recomputed whenever a transfer starts or ends (Srifty §4.3's fair-share simulator).
 - `allreduce` starts when every member of its group has reached it and costs a ring
   all-reduce, 2 (n - 1) / n * bytes over the slowest link of the ring.
+- Every instruction also costs the runtime's own `instruction_s` (dispatch and the wake-up of
+  the stream thread that runs it): added to computes and swaps, and to a transfer's latency.
+- Devices that share a host (CPU devices of one process: threads on its cores, under one GIL)
+  slow each other down the way concurrent transfers share a link: with k of them computing at
+  once each computes at `concurrency[k - 1]` of its speed alone (measured), recomputed
+  whenever a compute starts or ends.
 
 Memory per device is the static state of its stages plus the activations each stage stashes
 from the start of a forward to the end of its backward; the peak over the timeline is what
@@ -57,7 +63,8 @@ class SimCost:
     entries cost nothing. `value_bytes` gives each transferred value's bytes per microbatch
     (its gradient has the same size); `tensor_bytes` each all-reduced shared gradient.
     A link from device a to b has `links[(a, b)]` bytes/s, else `bandwidth`; with
-    `duplex=False` both directions share one link.
+    `duplex=False` both directions share one link. `instruction_s`, `concurrency` and
+    `shared_devices`: the runtime's per-instruction cost and host contention (module docstring).
     """
 
     forward_s: tuple[float, ...]
@@ -72,6 +79,9 @@ class SimCost:
     latency_s: float = 0.0
     duplex: bool = True
     host_bandwidth: float = math.inf  # bytes/s between a device and host memory (swaps)
+    instruction_s: float = 0.0  # the runtime's own seconds per instruction
+    concurrency: tuple[float, ...] = ()  # speed of each of k computes of `shared_devices` at once
+    shared_devices: frozenset[int] = frozenset()  # devices whose compute shares the host
 
     @classmethod
     def uniform(cls, n_stages: int, forward_s: float, backward_s: float, **kwargs) -> SimCost:
@@ -81,6 +91,16 @@ class SimCost:
     def compute_s(self, ins: Instruction) -> float:
         table = {"F": self.forward_s, "R": self.forward_s, "B": self.backward_s, "U": self.update_s}[ins.phase]
         return _at(table, ins.stage)
+
+    def speed_with(self, computing: int) -> float:
+        """Each shared-host compute's speed while `computing` of them run (beyond the measured
+        counts, the last measured throughput split further)."""
+        known = len(self.concurrency)
+        if computing <= 1 or not known:
+            return 1.0
+        if computing <= known:
+            return self.concurrency[computing - 1]
+        return self.concurrency[-1] * known / computing
 
     def link(self, src: int, dst: int) -> tuple[int, int]:
         """The key of the link a transfer from src to dst occupies."""
@@ -180,12 +200,15 @@ def simulate(programs: Iterable[Program], cost: SimCost) -> SimResult:
 class _Flow:
     """A transfer in flight: the bytes still to move on its link."""
 
-    key: tuple
+    key: tuple | None  # the message a transfer carries (None for a compute)
     link: tuple[int, int]
     bandwidth: float
     remaining: float
     start: float
-    send: tuple[int, int]
+    send: tuple[int, int]  # the instruction that ends when the flow has drained
+
+
+_HOST = ("host",)  # the link key of computes sharing one host
 
 
 class _Simulation:
@@ -273,13 +296,18 @@ class _Simulation:
             self.memory[device].append((self.now, -self.resident_swap.get((ins.stage, ins.what), 0)))
         if ins.kind == "swap_in":
             self.resident_swap[(ins.stage, ins.what)] = ins.nbytes
-        self._after(ins.nbytes / self.cost.host_bandwidth if ins.nbytes else 0.0, op)
+        moving = ins.nbytes / self.cost.host_bandwidth if ins.nbytes else 0.0
+        self._after(moving + self.cost.instruction_s, op)
 
     def _start_compute(self, op: tuple[int, int], ins: Instruction) -> None:
         stashes = (ins.phase == "F" and ins.what != "no-stash") or ins.phase == "R"
         if stashes:
             self.memory[op[0]].append((self.now, _at(self.cost.stash_bytes, ins.stage)))
-        self._after(self.cost.compute_s(ins), op)
+        seconds = self.cost.compute_s(ins) + self.cost.instruction_s
+        if op[0] in self.cost.shared_devices and self.cost.concurrency:
+            self.flows.append(_Flow(None, _HOST, 1.0, seconds, self.now, op))
+        else:
+            self._after(seconds, op)
 
     def _start_send(self, op: tuple[int, int], ins: Instruction) -> None:
         src, dst = op[0], ins.peer
@@ -348,11 +376,13 @@ class _Simulation:
 
     # -- time
     def _rates(self) -> list[float]:
-        """Fair share: each flow gets its link's bandwidth divided by the flows on that link."""
-        count: dict[tuple[int, int], int] = defaultdict(int)
+        """Fair share: each flow gets its link's bandwidth divided by the flows on that link; a
+        compute on a shared host gets its speed with as many computes running."""
+        count: dict[tuple, int] = defaultdict(int)
         for flow in self.flows:
             count[flow.link] += 1
-        return [flow.bandwidth / count[flow.link] for flow in self.flows]
+        share = self.cost.speed_with(count[_HOST])
+        return [share if flow.link == _HOST else flow.bandwidth / count[flow.link] for flow in self.flows]
 
     def _next_time(self) -> float | None:
         times = [self.timers[0][0]] if self.timers else []
@@ -374,7 +404,11 @@ class _Simulation:
                 moving.append(flow)
         self.now, self.flows = t, moving
         for flow in drained:  # a drained flow's data is usable after the link latency
-            self._later(self.cost.latency_s, lambda flow=flow: self._deliver(flow))
+            if flow.link == _HOST:
+                self._finish(flow.send)
+            else:
+                latency = self.cost.latency_s + self.cost.instruction_s
+                self._later(latency, lambda flow=flow: self._deliver(flow))
         while self.timers and self.timers[0][0] <= t + _EPS * max(1.0, abs(t)):
             heapq.heappop(self.timers)[2]()
 

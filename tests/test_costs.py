@@ -1,12 +1,21 @@
 """Cost models: the profiler (Harmony §4.2, Srifty §3), analytic roofline costs, calibration, topology."""
 
+import functools
+import itertools
 import json
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
-from stagewise.compiler.calibrate import calibrate, local_topology, relative_speeds, send_bandwidth
+from stagewise.compiler.calibrate import (
+    calibrate,
+    handoff_seconds,
+    local_topology,
+    optimizer_cost,
+    relative_speeds,
+    send_bandwidth,
+)
 from stagewise.compiler.devices import Device, parse_bandwidth, parse_flops
 from stagewise.compiler.errors import DeviceError
 from stagewise.compiler.ir import DeviceSpec, LayerCost
@@ -14,15 +23,18 @@ from stagewise.compiler.topology import Topology
 from stagewise.compiler.trace import trace
 from stagewise.passes import profile as prof
 from stagewise.passes.analytic import analytic_layers, roofline
+from stagewise.passes.contention import concurrent_speeds, costliest_layer
 from stagewise.passes.layers import build_layers
 from stagewise.passes.profile import (
     LayerProfile,
     PiecewiseLinear,
     ProfileError,
+    costs_at,
     probe_sizes,
     profile_layers,
     shapes_at,
     slow_start,
+    traced_microbatch_size,
 )
 
 from tests.models.gpt import TinyGPT, lm_loss
@@ -274,6 +286,20 @@ def test_calibration_returns_positive_numbers():
     assert relative_speeds(["cpu", "cpu"]) == [1.0, 1.0]
     topology = local_topology(2)
     assert topology.n_devices == 2 and topology.link(0, 1) > 0
+
+
+def test_runtime_calibration_optimizer_handoff_and_contention(gpt_graph):
+    """What the simulator charges beyond the layers: each is measured, positive and bounded."""
+    sgd = optimizer_cost(functools.partial(torch.optim.SGD, lr=0.1))
+    assert sgd.per_tensor_s > 0 and sgd.per_byte_s >= 0
+    assert sgd.seconds(10, 4_000_000) > sgd.seconds(1, 4_000) > 0
+    assert 0 < handoff_seconds() < 0.05
+    _, gm, layers = gpt_graph
+    costs = costs_at(profile_layers(gm, layers, "cpu", quiet=True, repeats=1, cache=False), 2)
+    assert costliest_layer(gm, layers, costs).name.startswith("blocks.")  # the repeated blocks dominate
+    speeds = concurrent_speeds(gm, layers, costs, traced_microbatch_size(gm), threads=3)
+    assert len(speeds) == 3 and speeds[0] == 1.0
+    assert all(0 < b <= a for a, b in itertools.pairwise(speeds))
 
 
 def test_two_level_topology_is_fast_within_and_slow_across_servers():

@@ -155,6 +155,35 @@ def test_allreduce_waits_for_the_group_and_costs_a_ring() -> None:
     assert result.iteration_time == pytest.approx((2 + 3 - 1) * 3 + 3.0)
 
 
+def two_computes(start_second: float, concurrency: tuple[float, ...], instruction_s: float = 0.0) -> dict[int, float]:
+    """Device 0 computes 1 s at t = 0; device 1 computes 1 s after a transfer that takes `start_second`."""
+    dev0 = Program(0, (Instruction("send", "p2p_out", 0, None, 0, "act", 1, ("y",)),
+                       Instruction("compute", "compute", 0, "F", 0)))
+    dev1 = Program(1, (Instruction("recv", "p2p_in", 1, None, 0, "act", 0, ("y",)),
+                       Instruction("compute", "compute", 1, "F", 0, waits=(0,))))
+    cost = SimCost((1.0, 1.0), (0.0, 0.0), value_bytes={"y": start_second * 100.0}, bandwidth=100.0,
+                   concurrency=concurrency, shared_devices=frozenset({0, 1}), instruction_s=instruction_s)
+    result = simulate((dev0, dev1), cost)
+    return {s.device: s.end for s in result.timeline if s.instruction.kind == "compute"}
+
+
+def test_devices_sharing_a_host_slow_each_other_while_both_compute() -> None:
+    """Processor sharing, as for links: each compute's speed follows how many compute at once."""
+    assert two_computes(0.0, ()) == pytest.approx({0: 1.0, 1: 1.0})  # no contention model
+    assert two_computes(0.0, (1.0, 0.5)) == pytest.approx({0: 2.0, 1: 2.0})  # half speed each, throughout
+    # device 1 starts at 0.5: device 0 has 0.5 s left, done at 0.5 + 0.5 / 0.5 = 1.5; device 1 then
+    # has 1 - 0.5 = 0.5 s left at full speed, done at 2.0
+    assert two_computes(0.5, (1.0, 0.5)) == pytest.approx({0: 1.5, 1: 2.0})
+    # beyond the measured counts the last throughput is split further: 3 computes at 2 * 0.5 / 3
+    assert SimCost((1.0,), (1.0,), concurrency=(1.0, 0.5)).speed_with(3) == pytest.approx(1 / 3)
+
+
+def test_runtime_overhead_is_charged_per_instruction() -> None:
+    ends = two_computes(0.0, (), instruction_s=0.25)
+    # device 0: its compute 1 s + 0.25; device 1: the transfer's 0.25 latency, then 1.25 s of compute
+    assert ends == pytest.approx({0: 1.25, 1: 1.5})
+
+
 def test_deadlock_is_reported() -> None:
     never = Program(0, (Instruction("recv", "p2p_in", 0, None, 0, "act", 1, ("x",)),))
     with pytest.raises(PlanError, match="deadlock"):
