@@ -211,7 +211,7 @@ def profile_layers(
     request = dict(sizes=list(microbatch_sizes or ()), capacity=capacity, traced=traced, repeats=repeats,
                    optim=optimizer_state_factor, limit=max_microbatch)
     key = cache_key(gm, layers, signatures, device, request)
-    if cache and (hit := _load(key)) is not None:
+    if cache and (hit := _load(key)) is not None and not _measured_under_load(hit, gm, layers, traced, device):
         return hit
 
     shapes = _ShapeCache(gm, layers, traced)
@@ -722,6 +722,26 @@ def _probe(module, layer: Layer, u: int, shapes: _Shapes, state: LayerState, dev
 
 
 # ---- cache ------------------------------------------------------------------------------------------------
+STALE_RATIO = 2.0  # a cached layer this much slower than a fresh measurement was timed under load
+SPOT_CHECK_REPEATS = 5
+
+
+def _measured_under_load(cached: Sequence[LayerProfile], gm: fx.GraphModule, layers: Sequence[Layer], traced: int,
+                         device: Device) -> bool:
+    """A profile taken while other jobs loaded the machine keeps its inflated times in the cache
+    for good. Re-time the costliest layer at the traced size (a fraction of a second); if the
+    cache says it is STALE_RATIO times slower than it runs now, the cache is not trusted."""
+    at_traced = [(p.fwd_s(traced) + p.bwd_s(traced), p) for p in cached]
+    seconds, costliest = max(at_traced, key=lambda pair: pair[0])
+    layer = layers[costliest.layer]
+    where = device.torch_device
+    inputs = real_inputs([shapes_at(gm, layers, traced, traced).values[name] for name in layer.inputs], where,
+                         seed=layer.index)
+    with torch.random.fork_rng(devices=[where.index or 0] if where.type == "cuda" else []):
+        fresh = measure_layer(layer_module(gm, layer).to(where), inputs, where, repeats=SPOT_CHECK_REPEATS)
+    return seconds > STALE_RATIO * (fresh.fwd_s + fresh.bwd_s)
+
+
 def cache_dir() -> Path:
     """$STAGEWISE_CACHE/profiles, default ~/.cache/stagewise/profiles."""
     root = os.environ.get("STAGEWISE_CACHE") or Path.home() / ".cache" / "stagewise"
