@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 import torch.fx as fx
-from stagewise.compiler.errors import BatchSizeError, ExampleInputsError, PlanError
+from stagewise.compiler.errors import BatchSizeError, ExampleInputsError
 from stagewise.compiler.ir import Plan, Program, SharedTensor
 from stagewise.runtime.distributed import DistributedTransport
 from stagewise.runtime.executor import DEFAULT_TIMEOUT_S, StreamExecutor
@@ -178,13 +178,20 @@ class Pipeline:
         return simulate(self.plan.programs, cost)
 
     def save(self, directory) -> None:
+        """Write the pipeline to `directory` for `sw.load`: plan.json, programs.txt, stage_<i>.py (the
+        generated source), each stage's weights and optimizer state, and the optimizer factory.
+
+        The checkpoint is complete or absent: it is written beside `directory` and renamed into
+        place, replacing an earlier one only once finished. Under torch.distributed every rank
+        must call save (each holds only its own stages' weights and optimizer state): the ranks
+        gather their stages to rank 0, which writes the same checkpoint a single process would, and
+        every rank returns once it is in place (or raises the same failure, leaving an earlier
+        checkpoint intact). Rank 0's machine holds the files: a single process loads them as they
+        are; `sw.load` under torchrun reads them on every rank, so across machines put
+        `directory` on a shared filesystem (or copy it to each machine first).
+        """
         from stagewise.compiler.checkpoint import save
 
-        if self.context is not None:
-            raise PlanError(
-                "save under torch.distributed is not supported yet: call pipe.state_dict() (gathered on every "
-                "rank) and torch.save it from rank 0"
-            )
         save(self, directory)
 
     # ---- helpers --------------------------------------------------------------------------

@@ -9,7 +9,28 @@ import torch
 from tests.hf import gpt2, lm_batches
 from tests.models.cnn import ResNet
 from tests.models.gpt import TinyGPT, lm_loss
-from tests.reference import ADAMW, assert_state_equal, pipeline_train
+from tests.reference import ADAMW, assert_state_equal, pipeline_train, token_batches
+
+
+def optimizer_state(pipe) -> dict[tuple[int, str, str], torch.Tensor]:
+    """Every stage's optimizer state as (stage, parameter name, key) -> tensor; a swapped stage's
+    state read from the host memory where it lives between steps."""
+    found = {}
+    for worker in pipe.workers:
+        names = {id(p): n for n, p in worker.params.items()}
+        for param, values in (worker.optimizer.state.items() if worker.optimizer else ()):
+            for key, value in values.items():
+                if value.numel() == 0:
+                    value = worker.host[("optimizer", f"{names[id(param)]}.{key}")]
+                found[(worker.stage.index, names[id(param)], key)] = value
+    return found
+
+
+def assert_optimizer_state_equal(got: dict, want: dict, exact: bool = False) -> None:
+    assert set(got) == set(want) and want, f"optimizer state keys differ: {set(got) ^ set(want)}"
+    for key, tensor in want.items():
+        tol = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-5, "atol": 1e-6}
+        torch.testing.assert_close(got[key], tensor, **tol, msg=lambda m, k=key: f"{k}: {m}")
 
 
 def test_save_load_trains_on_identically(tmp_path):
@@ -21,11 +42,31 @@ def test_save_load_trains_on_identically(tmp_path):
     pipe.save(tmp_path / "ck")
     loaded = sw.load(tmp_path / "ck")
     assert_state_equal(loaded.state_dict(), pipe.state_dict())
+    assert_optimizer_state_equal(optimizer_state(loaded), optimizer_state(pipe), exact=True)
     more = [((torch.randint(0, 64, (8, 8)),), torch.randint(0, 64, (8, 8))) for _ in range(2)]
     torch.testing.assert_close(torch.stack(pipeline_train(loaded, more)), torch.stack(pipeline_train(pipe, more)),
                                rtol=0, atol=0)
     assert_state_equal(loaded.state_dict(), pipe.state_dict())
     assert loaded.plan.to_json() == pipe.plan.to_json()
+
+
+def test_save_load_of_a_swapping_pipeline_holds_the_swapped_state(tmp_path):
+    """Swapped stages keep weights and optimizer state in host memory between steps: the checkpoint
+    holds those values (not the empty device placeholders), and the loaded pipeline swaps alike."""
+    batches = token_batches(2)
+    pipe = sw.compile(TinyGPT(), 2, batches[0][0], loss_fn=lm_loss, example_target=batches[0][1], optimizer=ADAMW,
+                      microbatches=2, schedule="harmony-pp", swap="on", cost="analytic")
+    pipeline_train(pipe, batches)
+    assert any(w.swapped for w in pipe.workers)
+    pipe.save(tmp_path / "ck")
+    loaded = sw.load(tmp_path / "ck")
+    assert [w.swapped for w in loaded.workers] == [w.swapped for w in pipe.workers]
+    assert_state_equal(loaded.state_dict(), pipe.state_dict())
+    assert_optimizer_state_equal(optimizer_state(loaded), optimizer_state(pipe), exact=True)
+    more = token_batches(2)
+    torch.testing.assert_close(torch.stack(pipeline_train(loaded, more)), torch.stack(pipeline_train(pipe, more)),
+                               rtol=0, atol=0)
+    assert loaded.stats[0]["swap_in_bytes"] > 0
 
 
 def test_saved_stage_files_are_importable_python(tmp_path):
