@@ -54,7 +54,9 @@ def load_stage(path: str, class_name: str, attrs: dict[str, object]) -> fx.Graph
     instance = getattr(source, class_name)()
     for target, value in attrs.items():
         _assign(instance, target, value)
-    graph = fx.Tracer().trace(instance)
+    tracer = fx.Tracer()
+    tracer.proxy_buffer_attributes = True  # buffers stay get_attr of their FQN, not anonymous constants
+    graph = tracer.trace(instance)
     return fx.GraphModule(instance, graph, class_name=class_name)
 
 

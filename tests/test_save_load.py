@@ -69,6 +69,22 @@ def test_save_load_of_a_swapping_pipeline_holds_the_swapped_state(tmp_path):
     assert loaded.stats[0]["swap_in_bytes"] > 0
 
 
+def test_save_load_keeps_buffers_shared_across_stages(tmp_path):
+    """Harmony DP puts every pack on every device, so TinyGPT's causal-mask buffer is held by several
+    stages; the reloaded stages must keep it a named buffer (not an anonymous constant)."""
+    batches = token_batches(2)
+    pipe = sw.compile(TinyGPT(), 2, batches[0][0], loss_fn=lm_loss, example_target=batches[0][1],
+                      microbatches=2, schedule="harmony-dp", cost="analytic")
+    assert any(t.kind == "buffer" for t in pipe.plan.shared)
+    pipeline_train(pipe, batches)
+    pipe.save(tmp_path / "ck")
+    loaded = sw.load(tmp_path / "ck")
+    more = token_batches(2)
+    torch.testing.assert_close(torch.stack(pipeline_train(loaded, more)), torch.stack(pipeline_train(pipe, more)),
+                               rtol=0, atol=0)
+    assert_state_equal(loaded.state_dict(), pipe.state_dict())
+
+
 def test_saved_stage_files_are_importable_python(tmp_path):
     batches = lm_batches(1)
     pipe = sw.compile(gpt2(), 2, batches[0][0], microbatches=2)
