@@ -311,7 +311,7 @@ def _read(root: Path, rank: int | None):
 
 def _park_optimizer_state(worker) -> None:
     """A swapped stage keeps its optimizer state in host memory between steps, as after its update."""
-    for name, tensor in worker._tensors("optimizer").items():
+    for name, tensor in worker.tensors("optimizer").items():
         host = tensor.detach().to("cpu", copy=True)
         worker.host[("optimizer", name)] = host.pin_memory() if worker.device.type == "cuda" else host
         worker._set("optimizer", name, torch.empty(0, dtype=tensor.dtype, device=worker.device))

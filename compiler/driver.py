@@ -61,6 +61,7 @@ def compile(  # noqa: A001 - the public name of the API
     clip_grad_norm: float | None = None,
     swap: str = "auto",
     replicas: int = 1,
+    optimizer_on_host: bool = False,
 ) -> Pipeline:
     """Compile `model` into a pipeline over `devices` that trains exactly like eager training.
 
@@ -70,6 +71,10 @@ def compile(  # noqa: A001 - the public name of the API
     peak rates. `swap`: "auto" swaps state to host memory only where a device's capacity
     requires it, "on" forces Harmony-style swapping, "per-device" the per-GPU baseline, "off"
     never. `replicas`: data-parallel copies of the pipeline (P x D, P = devices / replicas).
+    `optimizer_on_host`: run the optimizer step on the host (Harmony's CPU update, ZeRO-Offload):
+    each update copies the stage's gradients to host memory, steps fp32 master weights there with
+    the optimizer state kept beside them, and copies the weights back to the device, so no device
+    ever holds optimizer state and its memory goes to weights, gradients and activations.
     """
     if not isinstance(model, torch.nn.Module):
         raise ExampleInputsError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -91,7 +96,7 @@ def compile(  # noqa: A001 - the public name of the API
     bandwidth = send_bandwidth(resolved[0], resolved[-1]) if len(resolved) > 1 else float("inf")
     clip = clip_grad_norm is not None
     optimizer = optimizer or DEFAULT_OPTIMIZER
-    optimizer_ratio = optimizer_state_ratio(optimizer)
+    optimizer_ratio = 0.0 if optimizer_on_host else optimizer_state_ratio(optimizer)  # on the devices
     state_ratio = 2 + optimizer_ratio  # weights + gradients + optimizer state, per weight byte
     costs = _cost_model(cost, analysis, resolved[0], optimizer_ratio)
     costs(analysis.at(first_m)[3])
@@ -126,7 +131,8 @@ def compile(  # noqa: A001 - the public name of the API
             if key not in partitions:
                 partitions[key] = partition(name, layers, cuts, layer_costs, layout, specs, size, bandwidth)
             starts, stage_devices = partitions[key]
-        plan = assemble(gm, layers, cuts, size, name, m, starts, stage_devices, layout, swap, capacities, clip, state_ratio)
+        plan = assemble(gm, layers, cuts, size, name, m, starts, stage_devices, layout, swap, capacities, clip, state_ratio,
+                        optimizer_on_host=optimizer_on_host)
         return plan, layer_costs, size
 
     if split_points is not None or (schedule != "auto" and microbatches is not None):

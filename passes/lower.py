@@ -5,6 +5,19 @@ and followed by the sends of its outputs (p2p_out); each backward task mirrors t
 gradients. The update is preceded by one all-reduce per group of stages that hold replicas
 of the same tensors (Varuna §5.2) and, with gradient clipping, an all-reduce of the squared
 gradient norm over every device so the norm is the whole model's, as eager clipping sees it.
+
+Clipping defers every update until that norm is known. Where a device swaps (Harmony §4.4)
+it cannot hold every stage's gradients for it, so the deferred updates run in stages: each
+stage's gradients come in once they are final (after its shared tensors' all-reduce), its
+part of the squared norm is counted (`allreduce grad-norm-part`, a group of that one stage)
+and they go back out; one `allreduce grad-norm` sums the parts across devices; then each
+stage in turn brings in its weights, gradients and optimizer state, scales its gradients
+(`compute U clip`), updates, and writes back.
+
+With the optimizer on the host (Harmony's CPU update, ZeRO-Offload) an update sends the
+stage's gradients to host memory (`swap_out grads`), steps the host master weights there
+(`compute U host`, on the swap-out stream: the device computes on meanwhile) and copies them
+back (`swap_in weights`) to a stage that keeps its weights on the device.
 """
 
 from __future__ import annotations
@@ -23,6 +36,7 @@ def lower(
     tasks: list[list[Task]],
     clip_grad_norm: bool,
     swap: SwapPlan | None = None,
+    optimizer_on_host: bool = False,
 ) -> tuple[Program, ...]:
     """`tasks[d]` is device d's task list; each task names its stage (several may share a device)."""
     swap = swap or SwapPlan()
@@ -37,16 +51,24 @@ def lower(
         residency = Residency(swap, code)
         emitted: set[tuple[int, ...]] = set()
         deferred: list[int] = []
+        updated: set[int] = set()  # stages whose device weights an update changed
         runs = _runs(device_tasks)
+        later = [t.stage for t in device_tasks if t.kind == "U" and not _jit(t.stage, groups, by_index, clip_grad_norm)]
+        staged = bool(later) and (optimizer_on_host or (clip_grad_norm and any(swap.swaps(s) for s in later)))
+        last_work = max((r for r, run in enumerate(runs) if any(t.kind != "U" for t in run)), default=-1)
         for r, run in enumerate(runs):
             for task in run:
                 s = task.stage
                 if task.kind == "U":
-                    if _jit(s, groups, by_index, clip_grad_norm):
-                        code += _all_reduces([s], groups, emitted, residency)
-                        _update(s, residency, code, write_back=swap.mode == "per-device")
-                    else:
+                    if not _jit(s, groups, by_index, clip_grad_norm):
                         deferred.append(s)
+                        continue
+                    code += _all_reduces([s], groups, emitted, residency)
+                    if optimizer_on_host:
+                        _host_update(s, residency, code, clip=False)
+                    else:
+                        _update(s, residency, code, write_back=swap.mode == "per-device")
+                        updated.add(s)
                     continue
                 residency.need(s, "weights")
                 if task.kind == "B":
@@ -57,8 +79,12 @@ def lower(
                     if task.kind == "B":
                         residency.evict(s, "grads", write=True)
             if swap.mode == "harmony" and (r + 1 == len(runs) or runs[r + 1][0].stage != run[0].stage):
-                _end_of_run(run, residency)
-        if deferred:
+                if not (staged and r >= last_work):  # the staged updates may start with the last run's state
+                    _end_of_run(run, residency, run[0].stage in updated)
+        if staged:
+            everyone = tuple(st.index for st in stages)
+            _staged_updates(deferred, residency, code, groups, emitted, clip_grad_norm, optimizer_on_host, everyone)
+        elif deferred:
             for s in deferred:
                 residency.need(s, "grads")
             code += _all_reduces(deferred, groups, emitted, residency)
@@ -101,24 +127,85 @@ def _runs(tasks: list[Task]) -> list[list[Task]]:
     return runs
 
 
-def _end_of_run(run: list[Task], residency: Residency) -> None:
-    """Harmony: after a pack's run, write back what changed and free what did not."""
+def _end_of_run(run: list[Task], residency: Residency, updated: bool) -> None:
+    """Harmony: after a pack's run, write back what changed and free what did not (the weights
+    changed only if the run updated them on the device: a deferred or host update leaves them)."""
     s = run[0].stage
     if any(t.kind == "B" for t in run) and not any(t.kind == "U" for t in run):
         residency.evict(s, "grads", write=True)  # the update comes later (deferred)
-    residency.evict(s, "weights", write=any(t.kind == "U" for t in run))
+    residency.evict(s, "weights", write=updated)
     residency.evict(s, "optimizer", write=True)
 
 
-def _update(stage: int, residency: Residency, code: list, write_back: bool) -> None:
+def _update(stage: int, residency: Residency, code: list, write_back: bool, clip: bool = False) -> None:
+    """The optimizer step on the device; with `clip` it scales the gradients by the clip coefficient
+    first (their norm was counted ahead, part by part)."""
     residency.need(stage, "weights")
     residency.need(stage, "grads")
     residency.need(stage, "optimizer")
-    code.append(Instruction("compute", "compute", stage, "U"))
+    code.append(Instruction("compute", "compute", stage, "U", what="clip" if clip else None))
     residency.consumed(stage, "grads")
     if write_back:
         residency.evict(stage, "weights", write=True)
         residency.evict(stage, "optimizer", write=True)
+
+
+def _host_update(stage: int, residency: Residency, code: list, clip: bool) -> None:
+    """The optimizer step on the host: gradients out, the host steps its masters (on the swap-out
+    stream, after the gradients' copy), the device copy of the weights refreshed or freed."""
+    residency.grads_to_host(stage)
+    code.append(Instruction("compute", "swap_out", stage, "U", what="host-clip" if clip else "host"))
+    residency.consumed(stage, "grads")
+    residency.refresh(stage)
+
+
+def _staged_updates(deferred: list[int], residency: Residency, code: list, groups, emitted: set, clip: bool,
+                    on_host: bool, everyone: tuple[int, ...]) -> None:
+    """Deferred updates that hold one stage's (or one shared group's) gradients at a time.
+
+    Shared groups are summed in the same (sorted) order on every device; a stage's gradients are
+    final once every group it belongs to is summed: then its norm part is counted and they leave
+    the device (to the host optimizer, or written back until the update needs them; the last
+    stage counted keeps its state and updates first). The grad-norm all-reduce of the parts is
+    the one every device joins, as without swapping.
+    """
+    settled: set[int] = set()
+
+    def settle(s: int, keep: bool = False) -> None:
+        if clip:
+            code.append(Instruction("allreduce", "compute", s, what="grad-norm-part", group=(s,)))
+        if on_host:
+            residency.grads_to_host(s)
+        elif not keep:
+            residency.evict(s, "weights", write=False)  # gradients written back, weights unchanged
+        settled.add(s)
+
+    for group, names in sorted(groups.items()):
+        members = [s for s in deferred if s in group]
+        if group in emitted or not members:
+            continue
+        residency.keep_only(members)
+        code.extend(_all_reduces(members, {group: names}, emitted, residency))
+        for s in members:
+            if all(g in emitted for g in groups if s in g):
+                settle(s)
+            else:
+                residency.evict(s, "weights", write=False)  # until its other groups are summed
+    rest = [s for s in deferred if s not in settled]
+    for s in rest:
+        residency.keep_only([s])
+        if clip and not on_host:
+            residency.need(s, "grads")  # the part is counted on the device
+        settle(s, keep=s == rest[-1])
+    kept = rest[-1:] if not on_host else []
+    residency.keep_only(kept)
+    if clip:
+        code.append(Instruction("allreduce", "compute", deferred[0], None, None, "grad-norm", None, (), everyone))
+    for s in kept + [s for s in deferred if s not in kept]:
+        if on_host:
+            _host_update(s, residency, code, clip)
+        else:
+            _update(s, residency, code, write_back=True, clip=clip)
 
 
 def _groups(shared: tuple[SharedTensor, ...]) -> dict[tuple[int, ...], list[str]]:
@@ -185,7 +272,8 @@ def _waits_for(ins: Instruction, prev: Instruction) -> bool:
     if ins.kind in ("swap_out", "free"):  # evict after the work that used or changed it
         return prev.stream == "compute" or (prev.kind == "swap_in" and prev.stage == ins.stage)
     if ins.kind == "swap_in":  # after this stage's earlier evictions (and the buffering-depth event)
-        return prev.kind in ("swap_out", "free") and prev.stage == ins.stage
+        updated_on_host = prev.kind == "compute" and prev.phase == "U"  # the master it copies in
+        return (prev.kind in ("swap_out", "free") or updated_on_host) and prev.stage == ins.stage
     if ins.kind == "compute" and ins.phase in ("F", "B"):  # R re-runs F on inputs it already has
         received = {"F": "act", "B": "grad"}[ins.phase]
         return same and prev.kind == "recv" and prev.what == received

@@ -13,6 +13,11 @@ compute that needs state not on the device, and the evictions the policy asks fo
 A swap-in waits until the state of the same kind evicted `depth` evictions earlier is gone, so
 at most `depth` packs' state is resident: 2 is double buffering (prefetch the next pack while
 the current one computes), 1 when the device holds only one pack's state at a time.
+
+With the optimizer on the host (Harmony's CPU update, ZeRO-Offload) the device never holds
+optimizer state: an update sends the gradients to host memory, the host steps its fp32 master
+copy of the weights, and a stage whose weights stay on the device gets them back (`refresh`);
+a swapped stage's next swap-in reads the updated master, so its device copy is only freed.
 """
 
 from __future__ import annotations
@@ -79,6 +84,29 @@ class Residency:
             self.on_host.add(key)
         self.code.append(Instruction(kind, "swap_out", stage, what=what, nbytes=self._bytes(stage, what) if write else 0))
         self.evictions[what].append(len(self.code) - 1)
+
+    def grads_to_host(self, stage: int) -> None:
+        """Host optimizer: the gradients go to host memory for the update. A swapped stage's weights
+        leave with them unchanged (freed: the host master is the copy the update changes)."""
+        if self.plan.swaps(stage):
+            self.evict(stage, "weights", write=False)
+        elif (stage, "grads") not in self.on_host:
+            self.on_host.add((stage, "grads"))
+            self.code.append(Instruction("swap_out", "swap_out", stage, what="grads", nbytes=self._bytes(stage, "grads")))
+
+    def keep_only(self, stages) -> None:
+        """Before the deferred updates bring in the next stages' state: evict every other swapped
+        stage still resident (so at most `depth` stages' state is on the device). Nothing has
+        updated weights yet at that point: gradients are written, weights freed."""
+        for stage in sorted({s for s, what in self.resident if what == "weights"} - set(stages)):
+            self.evict(stage, "weights", write=False)
+            self.evict(stage, "optimizer", write=True)
+
+    def refresh(self, stage: int) -> None:
+        """Host optimizer: after the host update, a stage whose weights live on the device copies the
+        updated master back (a swapped stage's next swap-in reads it anyway)."""
+        if not self.plan.swaps(stage):
+            self.code.append(Instruction("swap_in", "swap_in", stage, what="weights", nbytes=self._bytes(stage, "weights")))
 
     def consumed(self, stage: int, what: str) -> None:
         """The update used up the gradients: nothing to keep on the host."""

@@ -4,6 +4,12 @@ Everything the stage holds is registered in its device's memory pool: weights at
 gradients from the first backward to the update, optimizer state from the first update,
 per microbatch the activations autograd saves (counted with saved_tensors_hooks) until that
 microbatch's backward, and the transfer buffers its inputs arrived in.
+
+With the optimizer on the host (an update instruction that says "host") the optimizer steps an
+fp32 master copy of each parameter in host memory, with the gradients the program copied there,
+and keeps its state there: the device pool never holds optimizer state. The optimizer stays the
+one built over the stage's parameters (so its state_dict keeps its layout): for the step each
+parameter points at its master and host gradient, and back at its device copy after.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 import torch.fx as fx
+from stagewise.compiler.errors import PlanError
 from stagewise.compiler.ir import Stage
 from stagewise.runtime.pool import MemoryPool, nbytes
 
@@ -34,11 +41,16 @@ class StageWorker:
         self.device = pool.device
         self.swapped = swapped  # parameters live in host memory between uses (Harmony swapping)
         self.host: dict[tuple[str, str], torch.Tensor] = {}
+        self.norm_part: torch.Tensor | None = None  # this stage's squared gradient norm, counted ahead
+        self.clip_coefficient: float | None = None  # for an update that scales the gradients itself
+        self.on_host = False  # the optimizer steps host masters (set by the first host update)
+        self.versions: dict[str, int] = {}  # device parameters' versions when their master was current
         self.params = dict(module.named_parameters())
         self.aliases = dict(module.named_parameters(remove_duplicate=False))  # every name, ties included
         if swapped:
             self._start_on_host(module)
         self.module = module.to(self.device)
+        self.dtypes = {n: p.dtype for n, p in self.params.items()}
         self.owned = owned  # parameter names whose gradient counts in global reductions
         self.grad_inputs = grad_inputs  # received values whose gradient goes back to their sender
         self.is_last = is_last
@@ -104,7 +116,7 @@ class StageWorker:
         pairs = [(t, g) for t, g in zip(tensors, grads, strict=True) if t.requires_grad]
         if pairs:
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-        self.pool.allocate("grads", ("grads", self.stage.index), nbytes(self._tensors("grads").values()), instruction)
+        self.pool.allocate("grads", ("grads", self.stage.index), nbytes(self.tensors("grads").values()), instruction)
         inputs = self.inputs.get(microbatch, {})
         self.input_grads[microbatch] = {
             name: inputs[name].grad.clone() if inputs[name].grad is not None else torch.zeros_like(inputs[name])
@@ -136,12 +148,19 @@ class StageWorker:
             self.aliases[name].grad = grad
 
     def grad_square_sum(self) -> torch.Tensor:
-        """Sum of squared gradient entries over the parameters this stage counts in the norm."""
+        """Sum of squared gradient entries over the parameters this stage counts in the norm, where
+        the gradients are: on the device, or in host memory (swapped out, or sent to a host optimizer)."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for name, param in self.module.named_parameters():
-            if name in self.owned and param.grad is not None:
-                total += param.grad.detach().double().pow(2).sum()
+            grad = param.grad if param.grad is not None else self.host.get(("grads", name))
+            if name in self.owned and grad is not None:
+                total += grad.detach().double().pow(2).sum().to(self.device)
         return total
+
+    def count_grad_norm(self) -> None:
+        """Count this stage's part of the global norm now (its gradients are final, and may leave the
+        device before the all-reduce of the parts): the update then applies the clip coefficient."""
+        self.norm_part = self.grad_square_sum()
 
     def scale_grads(self, factor: float) -> None:
         for param in self.module.parameters():
@@ -159,7 +178,7 @@ class StageWorker:
     def _note_resident(self) -> None:
         self.resident = {t.untyped_storage().data_ptr() for t in list(self.module.parameters()) + list(self.module.buffers())}
 
-    def _tensors(self, what: str) -> dict[str, torch.Tensor]:
+    def tensors(self, what: str) -> dict[str, torch.Tensor]:
         if what == "weights":
             return {n: p.data for n, p in self.params.items()}
         if what == "grads":
@@ -181,7 +200,7 @@ class StageWorker:
     def swap_out(self, what: str, write: bool, instruction: str) -> None:
         """Take `what` off the device; copy it to host memory first when it changed (`write`)."""
         moved = 0
-        for name, tensor in self._tensors(what).items():
+        for name, tensor in self.tensors(what).items():
             if write:
                 host = self.host.get((what, name))
                 if host is None or host.shape != tensor.shape:
@@ -205,7 +224,7 @@ class StageWorker:
         size = sum(h.numel() * h.element_size() for h in parts.values())
         self.pool.allocate(what, (what, self.stage.index), size, instruction)
         for name, host in parts.items():
-            self._set(what, name, host.to(self.device, non_blocking=True))
+            self._set(what, name, self._device_copy(what, name, host))
         if what == "grads":
             for name in parts:
                 del self.host[(what, name)]
@@ -213,6 +232,17 @@ class StageWorker:
         self.pool.swapped[what] += size
         if what == "weights":
             self._note_resident()
+
+    def _device_copy(self, what: str, name: str, host: torch.Tensor) -> torch.Tensor:
+        """A device copy of a host tensor, of its own even where the device is the CPU; weights in
+        their parameter's dtype (a host master is fp32), into the device copy if one is resident."""
+        if what != "weights":
+            return host.to(self.device, non_blocking=True, copy=True)
+        current = self.params[name].data
+        if current.shape == host.shape and current.numel() > 0:
+            current.copy_(host, non_blocking=True)  # a refresh after a host update: in place
+            return current
+        return host.to(self.device, self.dtypes[name], non_blocking=True, copy=True)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The stage's state under its names, host copies standing in for swapped-out parameters."""
@@ -222,10 +252,85 @@ class StageWorker:
                 state[name] = self.host[("weights", name)]
         return state
 
-    def update(self, instruction: str) -> None:
+    def update(self, instruction: str, on_host: bool = False, clip: bool = False) -> None:
+        """The optimizer step: on the device, or `on_host` (gradients already copied to host memory).
+        With `clip` the gradients are first scaled by the coefficient of the norm counted ahead."""
+        coefficient = self.clip_coefficient
+        self.clip_coefficient = None
+        if clip and coefficient is None:
+            raise PlanError(f"`{instruction}` clips, but no grad-norm all-reduce of this stage's part came first")
         if self.optimizer is None:
             return
+        if on_host:
+            self._host_step(coefficient if clip else None)
+            return
+        if clip:
+            self.scale_grads(coefficient)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.pool.release(("grads", self.stage.index))
-        self.pool.allocate("optimizer", ("optimizer", self.stage.index), nbytes(self._tensors("optimizer").values()), instruction)
+        self.pool.allocate("optimizer", ("optimizer", self.stage.index), nbytes(self.tensors("optimizer").values()), instruction)
+
+    # ---- the optimizer on the host (Harmony's CPU update, ZeRO-Offload) ------------------------
+    def _host_step(self, coefficient: float | None) -> None:
+        """Step the fp32 host masters with the host gradients; the state the optimizer makes lives
+        beside them. The device copies are refreshed by the program's next swap-in (or, swapped,
+        by the next use's)."""
+        masters = self._host_masters()
+        device_data = {}
+        with torch.no_grad():
+            for name, param in self.params.items():
+                grad = self.host.pop(("grads", name), None)
+                device_data[name] = param.data
+                param.grad = None
+                param.data = masters[name]
+                if grad is not None:
+                    param.grad = grad.to(masters[name].dtype)
+                    if coefficient is not None:
+                        param.grad.mul_(coefficient)
+        try:
+            self.optimizer.step()
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+            for name, param in self.params.items():
+                param.data = device_data[name]
+                self.versions[name] = param._version
+        self.pool.release(("grads", self.stage.index))
+
+    def _host_masters(self) -> dict[str, torch.Tensor]:
+        """Each parameter's fp32 master in host memory (`host["weights", name]`, which a swap-in
+        copies to the device). Made at the first host step from the current copy: the host copy of
+        a swapped-out parameter, else the device's. A device copy written since (load_state_dict)
+        is current again, and so is copied over its master."""
+        masters = {}
+        for name, param in self.params.items():
+            host = self.host.get(("weights", name))
+            resident = param.data.numel() > 0
+            if host is None or (resident and self.on_host and param._version != self.versions.get(name)):
+                host = self._to_host(param.data, torch.float32, copy=True)
+            elif host.dtype != torch.float32:
+                host = self._to_host(host, torch.float32, copy=True)
+            elif not self.on_host and resident:
+                host.copy_(param.data)  # before the first host step the device copy is the current one
+            self.host[("weights", name)] = masters[name] = host
+        if not self.on_host:
+            self.on_host = True
+            self._state_to_host()
+        return masters
+
+    def _state_to_host(self) -> None:
+        """Optimizer state that sits elsewhere (loaded from a checkpoint onto the device, or parked
+        in `host` by it) joins the masters in host memory."""
+        names = {id(p): n for n, p in self.params.items()}
+        for param, state in self.optimizer.state.items():
+            for key, value in state.items():
+                parked = self.host.pop(("optimizer", f"{names[id(param)]}.{key}"), None)
+                if parked is not None:
+                    value = parked
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    state[key] = self._to_host(value, value.dtype, copy=False)
+
+    def _to_host(self, tensor: torch.Tensor, dtype: torch.dtype, copy: bool) -> torch.Tensor:
+        """`tensor` in host memory (pinned on CUDA), as a tensor of its own when `copy`."""
+        host = tensor.detach().to("cpu", dtype, copy=copy)
+        return host.pin_memory() if self.device.type == "cuda" and not host.is_pinned() else host

@@ -92,3 +92,47 @@ def test_swap_volume_per_device_dp_is_4m_plus_2_n_times_the_weights():
     assert moved == (4 * (m // n) + 2) * n * w
     harmony = _weight_swap_volume("harmony-dp", "on", n, m)[1]
     assert moved > 2 * harmony
+
+
+def _norm_parts(pipe) -> list:
+    return [i for p in pipe.programs for i in p.instructions if i.kind == "allreduce" and i.what == "grad-norm-part"]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "harmony-pp", "harmony-dp"])
+def test_clip_grad_norm_with_swapping_trains_like_eager(schedule):
+    """The global norm is counted stage by stage (gradients in, part counted, out), summed across
+    devices once, and each stage's update scales by it: eager clip_grad_norm_ (the norm ~9, clipped to 0.1)."""
+    pipe = check_equal_training(TinyGPT(layers=4), token_batches(), 2, loss_fn=lm_loss, optimizer=ADAMW,
+                                microbatches=4, schedule=schedule, swap="on", clip_grad_norm=0.1)
+    parts = _norm_parts(pipe)
+    assert sorted(i.stage for i in parts) == sorted(s.index for s in pipe.plan.stages)
+    assert all(i.group == (i.stage,) for i in parts)
+    updates = [i for p in pipe.programs for i in p.instructions if i.kind == "compute" and i.phase == "U"]
+    assert updates and all(i.what == "clip" for i in updates)
+    pipe.simulate()
+
+
+def test_clip_grad_norm_with_per_device_swapping_trains_like_eager():
+    check_equal_training(TinyGPT(layers=2), token_batches(), 2, loss_fn=lm_loss, optimizer=SGD, microbatches=2,
+                         schedule="gpipe", swap="per-device", clip_grad_norm=0.5)
+
+
+def test_hf_gpt2_clip_grad_norm_with_swapping():
+    check_equal_training(gpt2(layers=4), lm_batches(), 2, optimizer=ADAMW, microbatches=2, schedule="harmony-pp",
+                         swap="on", clip_grad_norm=0.5)
+
+
+@pytest.mark.parametrize("schedule", ["harmony-pp", "harmony-dp"])
+def test_clip_grad_norm_with_one_pack_at_a_time_stays_within_capacity(schedule):
+    """The devices hold a quarter of the training state: packs come in one at a time (no double
+    buffering), and so does every stage's norm part and update."""
+    model = TinyGPT(layers=6, dim=96)
+    capacity = weight_bytes(model)  # a quarter of weights + gradients + AdamW moments
+    devices = [sw.Device("cpu", memory=capacity) for _ in range(2)]
+    pipe = check_equal_training(model, token_batches(batch=4), devices, loss_fn=lm_loss, optimizer=ADAMW,
+                                microbatches=2, schedule=schedule, clip_grad_norm=0.1)
+    assert len(_norm_parts(pipe)) == len(pipe.plan.stages) > 4
+    for stats in pipe.stats:
+        assert 0 < stats["peak_bytes"] <= capacity
+        assert stats["swap_grads_bytes"] > 0 and stats["swap_optimizer_bytes"] > 0
+    pipe.simulate()
