@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 from stagewise.compiler.errors import PlanError
 from stagewise.compiler.ir import STREAMS, Instruction, Program
+from stagewise.runtime.streams import DeviceStreams
 from stagewise.runtime.sync import Aborted, Sync
 from stagewise.runtime.transport import LocalTransport
 from stagewise.runtime.worker import StageWorker
@@ -49,6 +50,8 @@ class StreamExecutor:
         self.iteration = 0
         self.threads = StreamThreads()
         weakref.finalize(self, self.threads.close)
+        torch_devices = {w.stage.device: w.device for w in workers}
+        self.streams = {p.device: DeviceStreams(torch_devices.get(p.device, torch.device("cpu"))) for p in programs}
 
     def run(self, microbatches: int) -> torch.Tensor:
         """One iteration; inputs must already be provided to the workers. Returns the mean loss."""
@@ -59,7 +62,11 @@ class StreamExecutor:
         self.done = {p.device: [False] * len(p.instructions) for p in self.programs}
         self.timeline: list[tuple[int, str, int, float, float]] = []  # measured (device, stream, index, start, end)
         self.started_at = time.perf_counter()
+        for device_streams in self.streams.values():
+            device_streams.begin_step()
         self.threads.run([((p.device, s), lambda p=p, s=s: self._stream(p, s)) for p, s in streams])
+        for device_streams in self.streams.values():
+            device_streams.end_step()
         if self.sync.error is not None:
             raise self.sync.error
         self.iteration += 1
@@ -72,22 +79,26 @@ class StreamExecutor:
         return self.transport.total_loss(partial) / microbatches
 
     def _stream(self, program: Program, stream: str) -> None:
-        done = self.done[program.device]
+        """Run this stream's instructions in order; on CUDA each waits for its events on the GPU too."""
+        done, streams = self.done[program.device], self.streams[program.device]
         try:
-            for index, ins in enumerate(program.instructions):
-                if ins.stream != stream:
-                    continue
-                label = f"dev{program.device} #{index} {ins}"
-                if ins.waits:
-                    self.sync.wait_until(lambda ins=ins: all(done[j] for j in ins.waits), label,
-                                         [("done", program.device, j) for j in ins.waits])
-                start = time.perf_counter()
-                self._execute(program.device, ins, label)
-                end = time.perf_counter()
-                self.timeline.append((program.device, stream, index, start - self.started_at, end - self.started_at))
-                with self.sync.locked():
-                    done[index] = True
-                    self.sync.changed(("done", program.device, index))
+            with streams.running(stream):
+                for index, ins in enumerate(program.instructions):
+                    if ins.stream != stream:
+                        continue
+                    label = f"dev{program.device} #{index} {ins}"
+                    if ins.waits:
+                        self.sync.wait_until(lambda ins=ins: all(done[j] for j in ins.waits), label,
+                                             [("done", program.device, j) for j in ins.waits])
+                        streams.wait(stream, ins.waits)
+                    start = time.perf_counter()
+                    self._execute(program.device, ins, label)
+                    end = time.perf_counter()
+                    streams.record(stream, index)
+                    self.timeline.append((program.device, stream, index, start - self.started_at, end - self.started_at))
+                    with self.sync.locked():
+                        done[index] = True
+                        self.sync.changed(("done", program.device, index))
         except Aborted:
             pass
         except BaseException as error:  # noqa: BLE001 - handed to the caller of run()
@@ -102,8 +113,8 @@ class StreamExecutor:
                 worker.forward(ins.microbatch, label, stash=ins.what != "no-stash")
             elif ins.phase == "B":
                 worker.backward(ins.microbatch, 1.0 / self.microbatches, label)
-            else:
-                worker.update(label)
+            else:  # U; what: None, "clip" (scale by the clip coefficient first), "host", "host-clip"
+                worker.update(label, on_host=ins.what in ("host", "host-clip"), clip=ins.what in ("clip", "host-clip"))
         elif ins.kind == "send":
             for value in ins.values:
                 if ins.what == "act":
@@ -111,11 +122,13 @@ class StreamExecutor:
                 else:
                     tensor = worker.take_input_grad(ins.microbatch, value)
                 key = (ins.what, value, ins.microbatch, ins.stage, ins.peer_stage)
+                self.streams[device].hand_to([tensor], "p2p_out")
                 self.transport.send(key, device, ins.peer, tensor, label)
         elif ins.kind == "recv":
             for value in ins.values:
                 key = (ins.what, value, ins.microbatch, ins.peer_stage, ins.stage)
                 tensor = self.transport.recv(key, label)
+                self.streams[device].hand_to([tensor], "compute")
                 if ins.what == "act":
                     worker.provide(ins.microbatch, value, tensor, ("buffer",) + key)
                 else:
@@ -124,13 +137,24 @@ class StreamExecutor:
             self._all_reduce(device, worker, ins, label)
         elif ins.kind == "swap_in":
             worker.swap_in(ins.what, label)
+            self.streams[device].hand_to(worker.tensors(ins.what).values(), "compute")
         elif ins.kind in ("swap_out", "free"):
+            self.streams[device].hand_to(worker.tensors(ins.what).values(), "swap_out")
             worker.swap_out(ins.what, ins.kind == "swap_out", label)
         else:
             raise PlanError(f"the runtime cannot execute {ins}")
 
     def _all_reduce(self, device: int, worker: StageWorker, ins: Instruction, label: str) -> None:
-        """Sum over the group's stages: this device contributes the sum over its member stages."""
+        """Sum over the group's stages: this device contributes the sum over its member stages.
+
+        "grad-norm-part" (a group of one stage) counts that stage's squared gradient norm ahead of
+        the "grad-norm" all-reduce, while its gradients are at hand (swapping: they leave the
+        device after): the grad-norm then sums the parts, and the stage's update ("clip") scales.
+        Stages counted live are scaled right away, as without swapping.
+        """
+        if ins.what == "grad-norm-part":
+            worker.count_grad_norm()
+            return
         local = [self.workers[s] for s in ins.group if self.device_of[s] == device]
         devices = tuple(sorted({self.device_of[s] for s in ins.group}))
         tag = (self.iteration, ins.what, ins.values, ins.group)
@@ -142,11 +166,14 @@ class StreamExecutor:
             for w, n in zip(local, names, strict=True):
                 w.set_grads(n, [r.clone() for r in result])
             return
-        square_sum = sum(w.grad_square_sum() for w in local)
+        square_sum = sum(w.grad_square_sum() if w.norm_part is None else w.norm_part for w in local)
         (total,) = self.transport.all_reduce(tag, devices, device, [square_sum], label)
         coefficient = min(self.clip_grad_norm / (math.sqrt(float(total)) + 1e-6), 1.0)
         for w in local:
-            w.scale_grads(coefficient)
+            if w.norm_part is None:
+                w.scale_grads(coefficient)
+            else:
+                w.norm_part, w.clip_coefficient = None, coefficient
 
 
 class StreamThreads:

@@ -33,7 +33,8 @@ class MemoryPool:
         self.swap_out_bytes = 0
         self.swapped: dict[str, int] = defaultdict(int)  # bytes moved per kind: weights, grads, optimizer
         self.p2p_bytes = 0
-        self.free_buffers: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+        # (buffer, on CUDA the event after its last use); reused only once that use is done
+        self.free_buffers: dict[tuple, list[tuple[torch.Tensor, torch.cuda.Event | None]]] = defaultdict(list)
         self.reused_buffers = 0
 
     def allocate(self, kind: str, key: tuple, nbytes: int, instruction: str) -> None:
@@ -69,13 +70,21 @@ class MemoryPool:
             free = self.free_buffers[(tuple(like.shape), like.dtype)]
             if free:
                 self.reused_buffers += 1
-                return free.pop()
+                buffer, last_use = free.pop()
+                if last_use is not None:  # the caller's stream writes only after the last reader is done
+                    torch.cuda.current_stream(self.device).wait_event(last_use)
+                return buffer
         return torch.empty(like.shape, dtype=like.dtype, device=self.device)
 
     def give_back_buffer(self, buffer: torch.Tensor, key: tuple) -> None:
+        """`buffer` may be reused; on CUDA after the work the calling stream issued on it so far."""
         self.release(key)
+        last_use = None
+        if buffer.is_cuda:
+            last_use = torch.cuda.Event()
+            last_use.record(torch.cuda.current_stream(buffer.device))
         with self.lock:
-            self.free_buffers[(tuple(buffer.shape), buffer.dtype)].append(buffer.detach())
+            self.free_buffers[(tuple(buffer.shape), buffer.dtype)].append((buffer.detach(), last_use))
 
     def stats(self) -> dict[str, int]:
         return {

@@ -1,8 +1,10 @@
 """Moving tensors between the stages of one process: mailboxes and all-reduce.
 
 A send copies the tensor into a transfer buffer taken from the receiver's memory pool
-(the device-to-device copy), and never blocks; a receive and an all-reduce wait, through the
-shared `Sync` monitor, until their partner has arrived. Messages are keyed by stage, so two
+(the device-to-device copy), and never blocks on its receiver; a receive and an all-reduce
+wait, through the shared `Sync` monitor, until their partner has arrived. On CUDA a message
+or a contribution is published only once its copy has finished on the GPU (the sending
+stream's thread waits, not its compute), so the partner may use it on any of its streams. Messages are keyed by stage, so two
 stages on one device (interleaved schedules) exchange through the same mechanism.
 """
 
@@ -27,6 +29,7 @@ class LocalTransport:
         buffer = pool.take_buffer(tensor, ("buffer",) + key, instruction)
         with torch.no_grad():
             buffer.copy_(tensor.detach(), non_blocking=True)
+        _finish_on_gpu(tensor, buffer)
         self.pools[src_device].p2p_bytes += tensor.numel() * tensor.element_size()
         with self.sync.locked():
             self.mailbox[key] = buffer
@@ -44,6 +47,7 @@ class LocalTransport:
     def all_reduce(self, tag: tuple, group: tuple[int, ...], rank: int, tensors: list[torch.Tensor], instruction: str) -> list[torch.Tensor]:
         """Sum `tensors` over the group members (in group order, so every member gets the same bits)."""
         key = (tag, group)
+        _finish_on_gpu(*tensors)
         with self.sync.locked():
             self.reductions.setdefault(key, {}).setdefault(rank, [t.detach() for t in tensors])
             self.sync.changed(("all-reduce", key))
@@ -57,3 +61,9 @@ class LocalTransport:
             if taken == set(group):
                 del self.reductions[key], self.taken[key]
         return result
+
+
+def _finish_on_gpu(*tensors: torch.Tensor) -> None:
+    """Block this thread until the work its streams issued on these tensors' devices is done."""
+    for device in {t.device for t in tensors if t.is_cuda}:
+        torch.cuda.current_stream(device).synchronize()

@@ -1,0 +1,62 @@
+"""The five streams of one device as the accelerator sees them (Harmony §4.4).
+
+On CUDA each of compute, swap_in, swap_out, p2p_in and p2p_out is a CUDA stream, and the
+program's events become CUDA events: an instruction's stream waits (on the GPU, without
+blocking its thread) for the events of the instructions it depends on, so copies and
+transfers overlap compute. A tensor made on one stream and used on another is marked with
+`record_stream`, so the caching allocator does not hand its memory out again while the other
+stream may still read it. On a CPU the stream threads are the streams: every call here does
+nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from stagewise.compiler.ir import STREAMS
+
+
+class DeviceStreams:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.streams = {name: torch.cuda.Stream(device) for name in STREAMS} if self.cuda else {}
+        self.events: dict[int, torch.cuda.Event] = {}  # instruction index -> its event, this step
+
+    def begin_step(self) -> None:
+        """Every stream starts after what the caller's stream issued (the step's inputs)."""
+        self.events.clear()
+        if self.cuda:
+            caller = torch.cuda.current_stream(self.device)
+            for stream in self.streams.values():
+                stream.wait_stream(caller)
+
+    def end_step(self) -> None:
+        """The step's work is finished on the GPU when `step` returns (its loss, the trained state)."""
+        for stream in self.streams.values():
+            stream.synchronize()
+
+    def running(self, stream: str):
+        """Make `stream` the current stream of the calling thread."""
+        return torch.cuda.stream(self.streams[stream]) if self.cuda else contextlib.nullcontext()
+
+    def wait(self, stream: str, indices: tuple[int, ...]) -> None:
+        """`stream` waits for the events of instructions `indices` (their threads recorded them)."""
+        if self.cuda:
+            for index in indices:
+                self.streams[stream].wait_event(self.events[index])
+
+    def record(self, stream: str, index: int) -> None:
+        """Instruction `index`'s event: set when the work it issued on `stream` is done."""
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record(self.streams[stream])
+            self.events[index] = event
+
+    def hand_to(self, tensors, stream: str) -> None:
+        """`tensors`, made on another stream, are used on `stream` from now on."""
+        if self.cuda:
+            for tensor in tensors:
+                if isinstance(tensor, torch.Tensor) and tensor.is_cuda and tensor.numel():
+                    tensor.record_stream(self.streams[stream])

@@ -1,0 +1,61 @@
+"""The CUDA paths: five CUDA streams per device ordered by CUDA events, pinned-memory swaps,
+recycled transfer buffers. Skipped where no GPU is present (the CPU paths are tested elsewhere)."""
+
+import copy
+
+import pytest
+import stagewise as sw
+import torch
+
+from tests.hf import gpt2, lm_batches
+from tests.models.gpt import TinyGPT, lm_loss
+from tests.reference import ADAMW, ATOL, RTOL, eager_train, pipeline_train, token_batches
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def check_on_gpu(model, batches, devices, *, loss_fn=lm_loss, **compile_kwargs):
+    """Train on the GPU(s) and eagerly on the CPU; equal losses and parameters (fp32, no TF32)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    reference = copy.deepcopy(model)
+    inputs, target = batches[0]
+    pipe = sw.compile(model, devices, inputs, loss_fn=loss_fn, example_target=target, optimizer=ADAMW,
+                      **compile_kwargs)
+    got = torch.stack([loss.cpu() for loss in pipeline_train(pipe, batches)])
+    want = torch.stack(eager_train(reference, batches, loss_fn=loss_fn, optimizer=ADAMW,
+                                   microbatches=compile_kwargs.get("microbatches", 1)))
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    state = reference.state_dict()
+    for name, tensor in pipe.state_dict().items():
+        torch.testing.assert_close(tensor.cpu(), state[name], rtol=RTOL, atol=ATOL)
+    return pipe
+
+
+def gpus(n: int) -> list[str]:
+    """n logical devices over the GPUs present (several on one GPU when there are fewer)."""
+    return [f"cuda:{i % torch.cuda.device_count()}" for i in range(n)]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "harmony-pp"])
+@pytest.mark.parametrize("swap", ["off", "on"])
+def test_schedules_on_cuda_streams_train_like_eager(schedule, swap):
+    if schedule == "interleaved" and swap == "on":
+        pytest.skip("interleaved does not swap")
+    pipe = check_on_gpu(TinyGPT(layers=4), token_batches(), gpus(2), microbatches=4, schedule=schedule, swap=swap)
+    assert all(w.device.type == "cuda" for w in pipe.workers)
+    assert (sum(s["swap_in_bytes"] for s in pipe.stats) > 0) == (swap == "on")
+
+
+def test_hf_gpt2_on_cuda_with_clipping_and_swapping():
+    check_on_gpu(gpt2(layers=4), lm_batches(), gpus(2), loss_fn=None, microbatches=2, schedule="1f1b", swap="on",
+                 clip_grad_norm=0.5)
+
+
+def test_stream_work_overlaps_on_the_gpu():
+    """Swap-ins are issued on their own CUDA stream: the executor gives every device five streams."""
+    pipe = sw.compile(TinyGPT(layers=4), gpus(2), token_batches()[0][0], loss_fn=lm_loss,
+                      example_target=token_batches()[0][1], microbatches=4, schedule="harmony-pp", swap="on")
+    streams = pipe.executor.streams[0].streams
+    assert len({s.cuda_stream for s in streams.values()}) == 5
+    assert torch.cuda.default_stream().cuda_stream not in {s.cuda_stream for s in streams.values()}
