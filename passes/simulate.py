@@ -288,14 +288,17 @@ class _Simulation:
     def _start_swap(self, op: tuple[int, int], ins: Instruction) -> None:
         """A swap moves its planned bytes over the host link; device memory follows it."""
         device = op[0]
+        # a stage whose state stays on the device (counted static) only refreshes it in place
+        # (updated weights back from a host optimizer): link time, no memory
+        resident = _at(self.cost.state_bytes, ins.stage) > 0
         if ins.kind == "swap_in":
             self.swapped_in[device] += ins.nbytes
-            self.memory[device].append((self.now, ins.nbytes))
+            if not resident:
+                self.memory[device].append((self.now, ins.nbytes))
+                self.resident_swap[(ins.stage, ins.what)] = ins.nbytes
         else:
             self.swapped_out[device] += ins.nbytes
-            self.memory[device].append((self.now, -self.resident_swap.get((ins.stage, ins.what), 0)))
-        if ins.kind == "swap_in":
-            self.resident_swap[(ins.stage, ins.what)] = ins.nbytes
+            self.memory[device].append((self.now, -self.resident_swap.pop((ins.stage, ins.what), 0)))
         moving = ins.nbytes / self.cost.host_bandwidth if ins.nbytes else 0.0
         self._after(moving + self.cost.instruction_s, op)
 

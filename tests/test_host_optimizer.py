@@ -81,6 +81,9 @@ def test_weights_and_gradients_fit_where_the_optimizer_state_would_not():
                                 optimizer_on_host=True)
     assert_optimizer_on_host(pipe)
     assert all(0 < s["peak_bytes"] <= capacity for s in pipe.stats)
+    # the simulator sees the refreshed weights overwrite the resident ones: no growth over the step
+    memory = pipe.simulate().memory
+    assert all(steps[-1][1] == steps[0][1] for steps in memory.values())
 
 
 @pytest.mark.parametrize("swap", ["off", "on"])
