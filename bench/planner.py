@@ -6,15 +6,19 @@
 What is timed is the real `sw.compile(..., cost="analytic", schedule="auto", microbatches=None)`:
 every candidate (schedule x microbatch count) is partitioned, assembled, lowered and simulated,
 the fastest is kept and its stage modules are generated. The library is not changed: the script
-wraps the functions the driver and the planner call (trace, build_layers, find_cuts,
+wraps the functions the driver and the planner call (capture, Capture.at, build_layers, find_cuts,
 analytic_layers, costs_at, partition -> plan_pipeline / partition_and_bind / balanced packing,
 assemble -> build_stages, find_shared, plan_swaps, instance_tasks, lower, predict -> simulate,
 build_stage_modules, Pipeline) in timers, and reports the seconds spent in each, summed over
 calls, with the number of calls.
 
 Phases reported:
-- analysis: trace (torch.fx, else torch.export + fake-tensor shape/FLOP propagation), layers and
-  cut-points. The driver traces once to plan and once more at the chosen microbatch size.
+- analysis: capture (torch.fx, else torch.export with a symbolic batch dimension), the graph at
+  a microbatch size (node values and FLOPs: evaluated from the export's symbolic values, or
+  fake-tensor propagation for fx graphs), layers and cut-points. The driver captures once, and
+  takes the graph at the first microbatch size to plan and at the chosen one for the stages;
+  the torch.export.export calls are counted (one, but for models that cannot keep their batch
+  symbolic).
 - planning, the figure compared with Harmony's planner (0.7 s GPT-2, 31.6 s ResNet1K) and with our
   targets (< 0.5 s and < 3 s): per-layer costs (analytic), search (partition), binding and lowering
   (assemble), simulation (predict), codegen (build_stage_modules), and the rest of compile ("glue").
@@ -39,6 +43,7 @@ from dataclasses import dataclass
 
 import stagewise as sw
 import stagewise.compiler.driver as driver
+import stagewise.compiler.trace as trace_module
 import stagewise.passes.planner as planner
 import torch
 import torch.nn as nn
@@ -57,7 +62,9 @@ TARGET = {"gpt": 0.5, "chain": 3.0}
 
 # (module, attribute, label): wrapped in timers. Labels with a "." are parts of the phase before the dot.
 HOOKS = [
-    (driver, "trace", "analysis.trace"),
+    (driver, "capture", "analysis.capture"),
+    (trace_module.Capture, "at", "analysis.at"),
+    (torch.export, "export", "exports"),  # inside capture (or at): counted, not summed again
     (driver, "build_layers", "analysis.layers"),
     (driver, "find_cuts", "analysis.cuts"),
     (driver, "send_bandwidth", "costs.calibration"),
@@ -212,8 +219,10 @@ def summary(run: Run) -> dict[str, float]:
 
 
 ROWS = [
-    ("analysis", "analysis: trace + layers + cut-points"),
-    ("analysis.trace", "  trace (fx / torch.export + fake-tensor props)"),
+    ("analysis", "analysis: capture + graph per size + layers + cut-points"),
+    ("analysis.capture", "  capture (fx trace / torch.export, symbolic batch)"),
+    ("exports", "    torch.export.export calls"),
+    ("analysis.at", "  graph at a microbatch size (values, FLOPs, sizes)"),
     ("analysis.layers", "  build_layers"),
     ("analysis.cuts", "  find_cuts"),
     ("costs", "per-layer costs (analytic_layers, costs_at, calibration)"),
@@ -237,6 +246,8 @@ ROWS = [
 
 
 def cell(run: Run, key: str, totals: dict[str, float]) -> str:
+    if key == "exports":
+        return str(run.timers.calls.get("exports", 0))
     if key in totals:
         value, calls = totals[key], None
         if key in run.timers.calls:
@@ -246,8 +257,8 @@ def cell(run: Run, key: str, totals: dict[str, float]) -> str:
         if not calls:
             return "-"
     if key == "analysis":
-        calls = run.timers.calls.get("analysis.trace", 0)
-        return f"{value:.3f} ({calls} trace{'s' if calls != 1 else ''})"
+        sizes = run.timers.calls.get("analysis.at", 0)
+        return f"{value:.3f} ({sizes} size{'s' if sizes != 1 else ''})"
     return f"{value:.3f}" + (f" ({calls}x)" if calls and calls > 1 else "")
 
 
@@ -334,9 +345,10 @@ def main() -> None:
             cpsat = cpsat_seconds(case, 4)
     report(console, args, runs, profiles, cpsat)
     console.print(
-        "Notes: 'planning' excludes tracing and profiling. The driver plans every candidate on its first trace "
-        "and traces again only at the chosen microbatch size (torch.export bakes shapes into the graph); "
-        "'analysis' counts both. One partition serves gpipe, 1f1b and varuna at a microbatch size.")
+        "Notes: 'planning' excludes tracing and profiling. The driver captures the model once and plans every "
+        "candidate on the graph at the first microbatch size, then takes the graph at the chosen size from the "
+        "same capture (torch.export: one export with a symbolic batch); 'analysis' counts both sizes. One "
+        "partition serves gpipe, 1f1b and varuna at a microbatch size.")
 
 
 if __name__ == "__main__":

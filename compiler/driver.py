@@ -19,7 +19,7 @@ from stagewise.compiler.devices import Device, resolve_devices
 from stagewise.compiler.errors import BatchSizeError, ExampleInputsError, PartitionError, PlanError
 from stagewise.compiler.ir import Plan
 from stagewise.compiler.pipeline import Pipeline
-from stagewise.compiler.trace import input_names, trace
+from stagewise.compiler.trace import capture, input_names
 from stagewise.passes.analytic import analytic_layers
 from stagewise.passes.contention import concurrent_speeds
 from stagewise.passes.cutpoints import find_cuts
@@ -68,9 +68,15 @@ def compile(  # noqa: A001 - the public name of the API
     With `schedule="auto"` and `microbatches=None` the planner simulates candidate plans and
     keeps the fastest that fits every device's memory. `cost`: "profile" measures each layer
     on this machine (cached on disk), "analytic" derives times from FLOPs and the devices'
-    peak rates. `swap`: "auto" swaps state to host memory only where a device's capacity
-    requires it, "on" forces Harmony-style swapping, "per-device" the per-GPU baseline, "off"
-    never. `replicas`: data-parallel copies of the pipeline (P x D, P = devices / replicas).
+    peak rates. `swap`: "auto" swaps state (weights, gradients, optimizer state) to host memory
+    only where a device's capacity requires it, "on" forces Harmony-style swapping of state,
+    "per-device" the per-GPU baseline, "off" never swaps anything. Stashed activations (what
+    autograd keeps from a microbatch's forward for its backward) go to host memory between the
+    two where a device cannot hold the stashes its schedule keeps in flight beside its state, in
+    every mode but "off"; "all" is "on" plus swapping every stage's stashed activations
+    (Harmony's sX; the least device memory, the most host traffic; a stash whose backward is the
+    device's next task stays). `replicas`: data-parallel copies of the pipeline (P x D, P =
+    devices / replicas).
     `optimizer_on_host`: run the optimizer step on the host (Harmony's CPU update, ZeRO-Offload):
     each update copies the stage's gradients to host memory, steps fp32 master weights there with
     the optimizer state kept beside them, and copies the weights back to the device, so no device
@@ -89,7 +95,9 @@ def compile(  # noqa: A001 - the public name of the API
     if microbatches is not None:
         check_microbatches(batch, microbatches)
     first_m = microbatches or max(d for d in range(1, len(resolved) + 1) if batch % d == 0)
-    analysis = _Analysis(model, example_inputs, example_target, loss_fn, batch, first_m)
+    # one microbatch count known in advance: a static export (about half the time of a symbolic one)
+    analysis = _Analysis(model, example_inputs, example_target, loss_fn, batch, first_m,
+                         dynamic=microbatches is None and split_points is None)
     timer.lap("trace")
     specs = [d.spec() for d in resolved]
     capacities = [d.memory for d in resolved]
@@ -132,7 +140,7 @@ def compile(  # noqa: A001 - the public name of the API
                 partitions[key] = partition(name, layers, cuts, layer_costs, layout, specs, size, bandwidth)
             starts, stage_devices = partitions[key]
         plan = assemble(gm, layers, cuts, size, name, m, starts, stage_devices, layout, swap, capacities, clip, state_ratio,
-                        optimizer_on_host=optimizer_on_host)
+                        optimizer_on_host=optimizer_on_host, stash_bytes=[c.stash_bytes for c in layer_costs])
         return plan, layer_costs, size
 
     if split_points is not None or (schedule != "auto" and microbatches is not None):
@@ -197,23 +205,36 @@ class _PhaseTimer:
 
 
 class _Analysis:
-    """The traced graph, its layers and cut-points at a given microbatch count (traced once per size:
-    torch.export bakes shapes into the graph, and transfer buffers are sized from them)."""
+    """The model captured once, and per microbatch count the graph at that microbatch size with its
+    layers and cut-points (node values, transfer shapes and the literal sizes in the stage code are
+    per size). `dynamic` (the planner weighs several counts): torch.export is asked once for a graph
+    with a symbolic batch, which every size is evaluated from; a model that cannot keep its batch
+    symbolic is exported again at each size (compiler/trace.Capture). fx graphs are traced once
+    either way. With one count known in advance, `dynamic=False` exports statically: about half
+    the time of a symbolic export."""
 
-    def __init__(self, model, example_inputs, example_target, loss_fn, batch: int, first_m: int):
+    def __init__(self, model, example_inputs, example_target, loss_fn, batch: int, first_m: int, *,
+                 dynamic: bool = True):
         self.model, self.inputs, self.target, self.loss_fn, self.batch = model, example_inputs, example_target, loss_fn, batch
         self.cache: dict[int, tuple] = {}
+        # Export at a size of at least 2 where the batch allows: export fixes a size of 1 (0/1 specialisation).
+        example_m = first_m
+        if dynamic and batch // first_m < 2 and batch > 1:
+            example_m = max(m for m in range(1, batch) if batch % m == 0 and batch // m >= 2)
+        self.capture = capture(model, split_batch(example_inputs, example_m)[0], _first(example_target, example_m),
+                               loss_fn, dynamic=dynamic)
+        self.tracer, self.target_name = self.capture.tracer, self.capture.target_name
         self.at(first_m)
         self.first_m = first_m
 
     def at(self, m: int):
         if m not in self.cache:
             size = self.batch // m
-            traced = trace(self.model, split_batch(self.inputs, m)[0], _first(self.target, m), self.loss_fn)
+            traced = self.capture.at(split_batch(self.inputs, m)[0], _first(self.target, m))
             gm = traced.graph_module
             layers = build_layers(gm, self.model)
             self.cache[m] = (gm, layers, find_cuts(gm, layers, size), size)
-            self.tracer, self.target_name, self.graph_inputs = traced.tracer, traced.target_name, traced.graph_inputs
+            self.graph_inputs = traced.graph_inputs
         return self.cache[m]
 
 
@@ -249,7 +270,7 @@ def _runtime_costs(cost: str, analysis: _Analysis, devices: list[Device], optimi
 
 
 def _needs_swap(analysis: _Analysis, capacities: list[int | None], swap: str, state_ratio: float) -> bool:
-    if swap in ("on", "per-device"):
+    if swap in ("on", "all", "per-device"):
         return True
     if swap == "off" or all(c is None for c in capacities):
         return False
@@ -266,7 +287,9 @@ def _describe(name: str, m: int, result: Prediction | str) -> str:
 
 
 def _exactly(chosen: Assembled, build, analysis: _Analysis) -> Assembled:
-    """The chosen plan rebuilt on a trace at its own microbatch size (transfer shapes, export graphs)."""
+    """The chosen plan rebuilt on the graph at its own microbatch size (transfer shapes, the sizes in
+    export graphs' stage code); the same capture, evaluated at that size (no new trace, but where
+    the model could not keep its batch symbolic)."""
     if chosen.microbatches == analysis.first_m:
         return chosen
     layers = analysis.at(chosen.microbatches)[1]
