@@ -126,8 +126,9 @@ class Instruction:
     kind: "compute" (phase F, R, B or U; an F with what="no-stash" keeps only its inputs for a
     later R), "send", "recv" (what: "act" or "grad"), "allreduce" (what: "shared-grad" or
     "grad-norm"; `group` lists the member stages), "swap_in" / "swap_out" (what: "weights",
-    "grads" or "optimizer", between the device pool and host memory) and "free" (drop a
-    device copy whose host copy is current: unchanged weights need no write-back).
+    "grads" or "optimizer", between the device pool and host memory; or "stash": the activations
+    `microbatch`'s forward saved for its backward) and "free" (drop a device copy whose host
+    copy is current: unchanged weights need no write-back).
     """
 
     kind: str

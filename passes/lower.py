@@ -18,6 +18,12 @@ With the optimizer on the host (Harmony's CPU update, ZeRO-Offload) an update se
 stage's gradients to host memory (`swap_out grads`), steps the host master weights there
 (`compute U host`, on the swap-out stream: the device computes on meanwhile) and copies them
 back (`swap_in weights`) to a stage that keeps its weights on the device.
+
+A stage whose stashed activations are swapped (Harmony's sX, passes/swap.py) writes each
+microbatch's stash out after its forward (`swap_out stash`, after the sends that read its
+outputs) and reads it back before the backward (`swap_in stash`); the swap-in depends only on
+that swap-out and on the stash-residency bound, so the swap-in stream prefetches it while the
+compute stream runs the tasks before the backward.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ def lower(
         deferred: list[int] = []
         updated: set[int] = set()  # stages whose device weights an update changed
         runs = _runs(device_tasks)
+        adjacent = _adjacent(device_tasks)
         later = [t.stage for t in device_tasks if t.kind == "U" and not _jit(t.stage, groups, by_index, clip_grad_norm)]
         staged = bool(later) and (optimizer_on_host or (clip_grad_norm and any(swap.swaps(s) for s in later)))
         last_work = max((r for r, run in enumerate(runs) if any(t.kind != "U" for t in run)), default=-1)
@@ -71,9 +78,16 @@ def lower(
                         updated.add(s)
                     continue
                 residency.need(s, "weights")
+                stashes = task.kind == "R" or (task.kind == "F" and not task.recompute)
+                waits = residency.stash_arrives(s, task.microbatch) if stashes else ()
                 if task.kind == "B":
                     residency.need(s, "grads")
-                _emit_task(task, code, incoming, outgoing, transfers, device_of)
+                    residency.stash_in(s, task.microbatch)
+                compute = _emit_task(task, code, incoming, outgoing, transfers, device_of, waits)
+                if task.kind == "B":
+                    residency.stash_ends_at(s, task.microbatch, compute)
+                elif task.kind == "F" and stashes and swap.swaps_stash(s) and (s, task.microbatch) not in adjacent:
+                    residency.stash_out(s, task.microbatch)
                 if swap.mode == "per-device":
                     residency.evict(s, "weights", write=True)
                     if task.kind == "B":
@@ -97,23 +111,35 @@ def lower(
     return tuple(with_events(p) for p in programs)
 
 
-def _emit_task(task: Task, code: list, incoming, outgoing, transfers, device_of) -> None:
-    """A forward, recompute or backward with its receives before and its sends after."""
+def _emit_task(task: Task, code: list, incoming, outgoing, transfers, device_of, waits: tuple[int, ...] = ()) -> int:
+    """A forward, recompute or backward with its receives before and its sends after; returns the
+    compute's index (`waits`: events the compute waits for beyond its receives)."""
     s, mb = task.stage, task.microbatch
     if task.kind == "F":
         for src, values in incoming[s].items():
             code.append(_p2p("recv", s, mb, "act", src, device_of[src], values))
-        code.append(Instruction("compute", "compute", s, "F", mb, "no-stash" if task.recompute else None))
+        code.append(Instruction("compute", "compute", s, "F", mb, "no-stash" if task.recompute else None, waits=waits))
+        compute = len(code) - 1
         for dst, values in outgoing[s].items():
             code.append(_p2p("send", s, mb, "act", dst, device_of[dst], values))
     elif task.kind == "R":
-        code.append(Instruction("compute", "compute", s, "R", mb))
+        code.append(Instruction("compute", "compute", s, "R", mb, waits=waits))
+        compute = len(code) - 1
     elif task.kind == "B":
         for dst, values in _with_grad(outgoing[s], transfers, s, "src").items():
             code.append(_p2p("recv", s, mb, "grad", dst, device_of[dst], values))
-        code.append(Instruction("compute", "compute", s, "B", mb))
+        code.append(Instruction("compute", "compute", s, "B", mb, waits=waits))
+        compute = len(code) - 1
         for src, values in _with_grad(incoming[s], transfers, s, "dst").items():
             code.append(_p2p("send", s, mb, "grad", src, device_of[src], values))
+    return compute
+
+
+def _adjacent(tasks: list[Task]) -> set[tuple[int, int]]:
+    """(stage, microbatch) whose backward is the device's next task after its forward: a stash that
+    would come straight back from host memory stays on the device."""
+    return {(t.stage, t.microbatch) for t, after in zip(tasks, tasks[1:], strict=False)
+            if t.kind == "F" and after.kind == "B" and (after.stage, after.microbatch) == (t.stage, t.microbatch)}
 
 
 def _runs(tasks: list[Task]) -> list[list[Task]]:
@@ -252,9 +278,10 @@ def with_events(program: Program) -> Program:
     """State each instruction's intra-device dependencies as events (indices it waits for).
 
     A forward waits for its activations' receives, a backward for its forward and its
-    gradients' receives, a send for the compute that made what it sends; all-reduces and the
-    update wait for everything before them. Only waits across streams are listed: a stream
-    runs its own instructions in order.
+    gradients' receives (and its stash's swap-in), a send for the compute that made what it
+    sends, a stash's swap-out for its forward and sends, its swap-in for that swap-out;
+    all-reduces and the update wait for everything before them but stash swaps. Only waits
+    across streams are listed: a stream runs its own instructions in order.
     """
     code = program.instructions
     events = []
@@ -267,6 +294,13 @@ def with_events(program: Program) -> Program:
 
 def _waits_for(ins: Instruction, prev: Instruction) -> bool:
     same = prev.stage == ins.stage and prev.microbatch == ins.microbatch
+    if ins.kind in ("swap_in", "swap_out") and ins.what == "stash":
+        if ins.kind == "swap_out":  # after the forward that stashed it and the sends that read its outputs
+            return same and ((prev.kind == "compute" and prev.phase in ("F", "R"))
+                             or (prev.kind == "send" and prev.what == "act"))
+        return same and prev.kind == "swap_out" and prev.what == "stash"  # back only once it is out
+    if prev.kind in ("swap_in", "swap_out") and prev.what == "stash":  # (the residency bound is explicit)
+        return prev.kind == "swap_in" and ins.kind == "compute" and ins.phase == "B" and same
     if prev.kind == "swap_in" and ins.kind in ("compute", "allreduce"):
         return prev.stage == ins.stage or ins.kind == "allreduce"  # state must be on the device
     if ins.kind in ("swap_out", "free"):  # evict after the work that used or changed it

@@ -71,15 +71,16 @@ class Prediction:
 def assemble(
     gm: fx.GraphModule, layers, cuts, microbatch_size: int, schedule: str, microbatches: int, starts: Sequence[int],
     stage_devices: Sequence[int], layout: Layout, swap: str, capacities: list[int | None], clip: bool,
-    state_per_param_byte: float, optimizer_on_host: bool = False,
+    state_per_param_byte: float, optimizer_on_host: bool = False, stash_bytes: Sequence[float] = (),
 ) -> Assembled:
-    """Stages, replicas, shared tensors, swaps and programs of one plan."""
+    """Stages, replicas, shared tensors, swaps and programs of one plan (`stash_bytes`: what each
+    layer stashes per microbatch at this size, for deciding where stashed activations are swapped)."""
     stages, transfers = build_stages(gm, layers, list(starts), microbatch_size, device_of=list(stage_devices))
     stages, transfers = replicate(stages, transfers, layout.replicas, microbatches, layout.device_of)
     shared = find_shared(gm, stages)
-    swaps = plan_swaps(swap, stages, layers, capacities, state_per_param_byte)
     # clipping with swapping: lower counts the norm stage by stage (passes/lower.py)
     tasks = instance_tasks(schedule, stages, microbatches, len(capacities), jit_update=not clip)
+    swaps = plan_swaps(swap, stages, layers, capacities, state_per_param_byte, tasks, stash_bytes)
     programs = lower(stages, transfers, shared, tasks, clip, swaps, optimizer_on_host)
     return Assembled(schedule, microbatches, tuple(starts), tuple(stage_devices), layout, stages, transfers, shared,
                      swaps, programs)

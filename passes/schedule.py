@@ -10,7 +10,8 @@ A schedule returns one task list per device; with virtual stages a device runs s
 - Interleaved 1F1B (Megatron, Narayanan §4.2.2, Fig. 4.4 bottom): v model chunks per device,
   stage s on device s mod p; the bubble shrinks to (1/v)(p - 1)/m.
 - Varuna (Varuna §3.2, Fig. 4): recompute instead of stash on every stage but the last, with
-  the static order produced by rules 1-3.
+  the static order produced by rules 1-3; at run time a forward that is ready runs ahead of a
+  recompute whose gradient is late (the opportunistic policy, runtime/executor.py).
 - Harmony PP (Harmony §3, Fig. 5, Alg. 3): many packs bound wrap-around (pack k on device
   k mod N); input-batch grouping runs all microbatches through a pack before the next, so a
   pack's weights are swapped in once per pass; jit-update steps a pack right after its last
@@ -94,6 +95,13 @@ def varuna(n_stages: int, microbatches: int) -> list[list[Task]]:
     microbatch's backward. Rule 3: of tasks ready at once, backward (and its recompute) goes
     first. The last stage keeps its activations: it runs each backward right after its
     forward. The task that can start earliest on any stage is scheduled next.
+
+    This is the offline order; at run time Varuna deviates from it opportunistically (§3.2):
+    when a stage's next task is a recompute R(m) but m's gradient has not arrived from the
+    next stage, the next forward runs first if its activations are there (and one more stash
+    fits in the device's memory). Only forwards move, so backwards and gradient accumulation
+    keep this order. The runtime (runtime/executor.py) and the simulator (passes/simulate.py)
+    both apply it to programs that recompute.
     """
     p, m = n_stages, microbatches
     end = {kind: [[None] * m for _ in range(p)] for kind in "FRB"}

@@ -27,6 +27,14 @@ Rules, one per instruction kind:
   slow each other down the way concurrent transfers share a link: with k of them computing at
   once each computes at `concurrency[k - 1]` of its speed alone (measured), recomputed
   whenever a compute starts or ends.
+- Varuna's opportunistic policy (§3.2), as the runtime applies it to programs that recompute:
+  when a device's next compute is a recompute R(m), or a backward B(m) no recompute precedes,
+  whose gradient has not arrived, and the first later forward F(k) is ready (its activations
+  arrived, its other dependencies done; no update, all-reduce or swap between the two), F(k)
+  starts first; its receives complete at once and its sends start as it ends, outside
+  p2p_out's order. The simulator has no memory capacity, so the runtime's headroom check (one
+  more stash must fit in the pool) has no counterpart here. `simulate(..., opportunistic=False)`
+  predicts the static order.
 
 Memory per device is the static state of its stages plus the activations each stage stashes
 from the start of a forward to the end of its backward; the peak over the timeline is what
@@ -191,9 +199,13 @@ class SimResult:
 
 
 # ---- the simulation ----------------------------------------------------------------------------
-def simulate(programs: Iterable[Program], cost: SimCost) -> SimResult:
-    """Play `programs` (one per device) forward in time under `cost`."""
-    return _Simulation(tuple(programs), cost).run()
+def simulate(programs: Iterable[Program], cost: SimCost, opportunistic: bool | None = None) -> SimResult:
+    """Play `programs` (one per device) forward in time under `cost`.
+
+    `opportunistic`: Varuna's run-time deviation (module docstring), as the runtime applies it:
+    for programs that recompute (None), every program (True) or none (False: the static order).
+    """
+    return _Simulation(tuple(programs), cost, opportunistic).run()
 
 
 @dataclass
@@ -212,7 +224,7 @@ _HOST = ("host",)  # the link key of computes sharing one host
 
 
 class _Simulation:
-    def __init__(self, programs: tuple[Program, ...], cost: SimCost):
+    def __init__(self, programs: tuple[Program, ...], cost: SimCost, opportunistic: bool | None = None):
         devices = [p.device for p in programs]
         if len(set(devices)) != len(devices):
             raise PlanError(f"simulate expects one program per device, got devices {devices}")
@@ -242,6 +254,9 @@ class _Simulation:
         self.resident_swap: dict[tuple, float] = {}  # (stage, what) -> bytes brought in by its last swap-in
         self.now = 0.0
         self._seq = 0
+        plans = {} if opportunistic is False else {d: _Deviations(p) for d, p in self.programs.items()}
+        self.deviations = {d: plan for d, plan in plans.items() if plan.heads and (opportunistic or plan.recomputes)}
+        self.adopted: list[tuple[int, int]] = []  # sends a forward run early issues itself, off p2p_out's queue
 
     def run(self) -> SimResult:
         total = sum(len(p.instructions) for p in self.programs.values())
@@ -256,17 +271,68 @@ class _Simulation:
 
     # -- starting instructions
     def _start_ready(self) -> None:
-        """Start every stream head whose dependencies are met, until nothing more can start now."""
+        """Start every stream head whose dependencies are met, until nothing more can start now; a
+        compute head that Varuna's policy overtakes lets a later forward start first."""
         progressed = True
         while progressed:
             progressed = False
-            for (device, _), queue in self.queues.items():
+            for (device, stream), queue in self.queues.items():
+                if stream == "compute" and device in self.deviations and self._start_early(device, queue):
+                    progressed = True
                 if queue and (device, queue[0]) not in self.started and self._ready(device, queue[0]):
                     self._start(device, queue[0])
                     progressed = True
+            for op in [op for op in self.adopted if self._ready(*op)]:
+                self.adopted.remove(op)
+                self._start(*op)
+                progressed = True
 
     def _ready(self, device: int, index: int) -> bool:
         return all((device, j) in self.finished for j in self.deps[device][index])
+
+    # -- Varuna's opportunistic policy (§3.2), as runtime/executor.py applies it
+    def _start_early(self, device: int, queue: deque[int]) -> bool:
+        """If the compute head is a recompute, or a backward no recompute precedes, whose gradient has
+        not arrived, and the first later forward is ready, start that forward now: it goes to the head
+        of the compute queue, its activations' receives (arrived, not yet posted) complete at once,
+        and its sends leave p2p_out's queue to start when it finishes, as the runtime's compute
+        thread takes them over."""
+        if not queue or (device, queue[0]) in self.started:
+            return False
+        plan, code = self.deviations[device], self.programs[device].instructions
+        head = queue[0]
+        early = plan.candidate(list(queue))
+        if early is None or self._grad_arrived(device, plan, head) or not self._ready_early(device, plan, early):
+            return False
+        queue.remove(early)
+        queue.appendleft(early)
+        for r in plan.act_recvs[early]:
+            if (device, r) not in self.started:
+                self.queues[(device, "p2p_in")].remove(r)
+                self._start(device, r)
+        out = self.queues[(device, "p2p_out")]
+        for s in plan.act_sends[early]:
+            if out[0] != s:  # p2p_out has not reached it (the runtime's thread would own it)
+                out.remove(s)
+                self.adopted.append((device, s))
+        assert self._ready(device, early), code[early]
+        self._start(device, early)
+        return True
+
+    def _grad_arrived(self, device: int, plan: _Deviations, head: int) -> bool:
+        code = self.programs[device].instructions
+        return all((device, g) in self.finished or self.arrived[_message_key(code[g], code[g].peer, device)]
+                   for g in plan.grad_recvs[head])
+
+    def _ready_early(self, device: int, plan: _Deviations, early: int) -> bool:
+        """Its other dependencies are done and each activation receive is done or, not yet posted, has
+        its message (a posted receive completes the moment its message arrives)."""
+        code, recvs = self.programs[device].instructions, plan.act_recvs[early]
+        if not all((device, j) in self.finished for j in self.deps[device][early] if j not in recvs):
+            return False
+        return all((device, r) in self.finished
+                   or ((device, r) not in self.started and self.arrived[_message_key(code[r], code[r].peer, device)])
+                   for r in recvs)
 
     def _start(self, device: int, index: int) -> None:
         ins = self.programs[device].instructions[index]
@@ -291,7 +357,13 @@ class _Simulation:
         # a stage whose state stays on the device (counted static) only refreshes it in place
         # (updated weights back from a host optimizer): link time, no memory
         resident = _at(self.cost.state_bytes, ins.stage) > 0
-        if ins.kind == "swap_in":
+        if ins.what == "stash":  # one microbatch's stash (sX): back in now, out once copied (_finish)
+            if ins.kind == "swap_in":
+                self.swapped_in[device] += ins.nbytes
+                self.memory[device].append((self.now, _at(self.cost.stash_bytes, ins.stage)))
+            else:
+                self.swapped_out[device] += ins.nbytes
+        elif ins.kind == "swap_in":
             self.swapped_in[device] += ins.nbytes
             if not resident:
                 self.memory[device].append((self.now, ins.nbytes))
@@ -358,11 +430,18 @@ class _Simulation:
         device, index = op
         ins = self.programs[device].instructions[index]
         self.finished[op] = self.now
-        queue = self.queues[(device, ins.stream)]
-        assert queue[0] == index
-        queue.popleft()
-        if ins.kind == "compute" and ins.phase == "B":
+        self._dequeue(device, ins.stream, index)
+        if (ins.kind == "compute" and ins.phase == "B") or (ins.kind == "swap_out" and ins.what == "stash"):
             self.memory[device].append((self.now, -_at(self.cost.stash_bytes, ins.stage)))
+
+    def _dequeue(self, device: int, stream: str, index: int) -> None:
+        """A finished instruction leaves its stream's queue: the head, or one taken out of the queue
+        when it started out of order (Varuna's early forward, its receives and sends)."""
+        queue = self.queues[(device, stream)]
+        if queue and queue[0] == index:
+            queue.popleft()
+        else:
+            assert index not in queue, (device, stream, index)
 
     def _deliver(self, flow: _Flow) -> None:
         """The data of a send has arrived: the send finishes, and so does a recv waiting for it."""
@@ -461,6 +540,55 @@ def _message_key(ins: Instruction, sender: int, receiver: int) -> tuple:
     if ins.peer_stage is not None and ins.stage is not None:
         sender, receiver = (ins.stage, ins.peer_stage) if ins.kind == "send" else (ins.peer_stage, ins.stage)
     return (ins.what, ins.values, ins.microbatch, sender, receiver)
+
+
+class _Deviations:
+    """Where one program may run a later forward early (Varuna §3.2); runtime/executor.py's
+    `_Opportunities`, read the same way from the same instructions.
+
+    `grad_recvs`: the heads (recomputes, and backwards no recompute precedes) whose gradient
+    comes in, with those receives; `act_recvs` / `act_sends`: each forward's activation
+    receives and sends; `barriers[i]`: updates, all-reduces and swaps before instruction i.
+    """
+
+    def __init__(self, program: Program):
+        code = program.instructions
+        messages: dict[tuple, list[int]] = defaultdict(list)
+        for i, ins in enumerate(code):
+            if ins.kind in ("recv", "send"):
+                messages[(ins.kind, ins.what, ins.stage, ins.microbatch)].append(i)
+        phases = {i: ins.phase for i, ins in enumerate(code) if ins.stream == "compute" and ins.kind == "compute"}
+        self.recomputes = "R" in phases.values()
+        self.backward = {i for i, p in phases.items() if p in ("R", "B")}
+        recomputed = {(code[i].stage, code[i].microbatch) for i, p in phases.items() if p == "R"}
+        self.grad_recvs = {
+            i: tuple(messages[("recv", "grad", code[i].stage, code[i].microbatch)])
+            for i in self.backward
+            if (code[i].phase == "R" or (code[i].stage, code[i].microbatch) not in recomputed)
+            and messages[("recv", "grad", code[i].stage, code[i].microbatch)]
+        }
+        self.heads = set(self.grad_recvs)
+        self.act_recvs = {i: tuple(j for j in messages[("recv", "act", code[i].stage, code[i].microbatch)] if j < i)
+                          for i, p in phases.items() if p == "F"}
+        self.act_sends = {i: tuple(j for j in messages[("send", "act", code[i].stage, code[i].microbatch)] if j > i)
+                          for i in self.act_recvs}
+        self.barriers, count = [], 0
+        for ins in code:
+            self.barriers.append(count)
+            count += ins.kind in ("allreduce", "swap_in", "swap_out", "free") or (ins.kind == "compute" and ins.phase == "U")
+
+    def candidate(self, pending: list[int]) -> int | None:
+        """The forward that may run before `pending[0]`: the first later one, if the head may be
+        overtaken and only recomputes and backwards lie between them (no update, all-reduce or swap)."""
+        head = pending[0]
+        if head not in self.grad_recvs:
+            return None
+        for index in pending[1:]:
+            if index in self.act_recvs:
+                return index if self.barriers[index] == self.barriers[head] else None
+            if index not in self.backward:
+                return None
+        return None
 
 
 def _dependencies(program: Program) -> list[tuple[int, ...]]:

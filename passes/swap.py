@@ -18,16 +18,32 @@ With the optimizer on the host (Harmony's CPU update, ZeRO-Offload) the device n
 optimizer state: an update sends the gradients to host memory, the host steps its fp32 master
 copy of the weights, and a stage whose weights stay on the device gets them back (`refresh`);
 a swapped stage's next swap-in reads the updated master, so its device copy is only freed.
+
+Stashed activations (Table 3's sX row): a stage in `SwapPlan.stash` writes each microbatch's
+stash to host memory right after the forward that made it (`swap_out stash`, once its outputs
+are sent) and brings it back for that microbatch's backward (`swap_in stash`, issued on the
+swap-in stream so that it overlaps the compute before the backward). A stash whose backward is
+the device's very next task stays (it would come straight back). Every stash of such a stage that
+is on the device is one residency: a forward that stashes or a swap-in waits until the residency
+`stash_depth` earlier has ended (swapped out, or its backward done), so at most `stash_depth`
+of them are on the device at once: 2 overlaps one's copy with the next one's compute.
+
+`plan_swaps` decides. State: Harmony-style where the device cannot hold its stages' training
+state ("auto"), everywhere ("on"), per task ("per-device"), never ("off"). Stashes: where the
+device cannot hold the stashes its schedule keeps in flight beside the state it keeps resident
+(every mode but "off"), or every stage's ("all": state as "on", and every stash).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from stagewise.compiler.errors import PlanError
-from stagewise.compiler.ir import Instruction
+from stagewise.compiler.ir import Instruction, Task
 
 MODES = ("off", "harmony", "per-device")
+CHOICES = ("auto", "on", "all", "off", "per-device")  # compile's `swap=`
 
 
 @dataclass(frozen=True)
@@ -38,9 +54,15 @@ class SwapPlan:
     grad_bytes: dict[int, int] = field(default_factory=dict)
     optimizer_bytes: dict[int, int] = field(default_factory=dict)
     depth: int = 2
+    stash: frozenset[int] = frozenset()  # stage instances whose stashed activations wait in host memory (sX)
+    stash_bytes: dict[int, int] = field(default_factory=dict)  # planned stash of one microbatch, per stage
+    stash_depth: int = 2  # swapped stashes on a device at once
 
     def swaps(self, stage: int) -> bool:
         return self.mode != "off" and stage in self.stages
+
+    def swaps_stash(self, stage: int) -> bool:
+        return stage in self.stash
 
 
 class Residency:
@@ -52,6 +74,9 @@ class Residency:
         self.resident: set[tuple[int, str]] = set()
         self.on_host: set[tuple[int, str]] = set()
         self.evictions: dict[str, list[int]] = {"weights": [], "grads": [], "optimizer": []}
+        self.stash_ends: list[int | None] = []  # per residency of a swapped stage's stash: the instruction ending it
+        self.open_stash: dict[tuple[int, int], int] = {}  # (stage, microbatch) -> its residency, while on the device
+        self.stash_on_host: set[tuple[int, int]] = set()
 
     def need(self, stage: int, what: str) -> None:
         """Make `what` of `stage` resident before the next compute that uses it (gradients and
@@ -113,16 +138,64 @@ class Residency:
         self.resident.discard((stage, what))
         self.on_host.discard((stage, what))
 
+    # ---- stashed activations (sX) ---------------------------------------------------------------
+    def stash_arrives(self, stage: int, microbatch: int) -> tuple[int, ...]:
+        """A forward (or recompute) of `stage` is about to stash `microbatch`: the events it waits
+        for so that at most `stash_depth` swapped stashes are on the device (none if the stage keeps
+        its stashes)."""
+        if not self.plan.swaps_stash(stage):
+            return ()
+        return self._open_stash(stage, microbatch)
+
+    def stash_out(self, stage: int, microbatch: int) -> None:
+        """After the forward and the sends of its outputs: the stash to host memory."""
+        self.code.append(Instruction("swap_out", "swap_out", stage, microbatch=microbatch, what="stash",
+                                     nbytes=self.plan.stash_bytes.get(stage, 0)))
+        self.stash_ends_at(stage, microbatch, len(self.code) - 1)
+        self.stash_on_host.add((stage, microbatch))
+
+    def stash_in(self, stage: int, microbatch: int) -> None:
+        """Before the microbatch's backward: its stash back from host memory, if it went there."""
+        if (stage, microbatch) not in self.stash_on_host:
+            return
+        self.stash_on_host.discard((stage, microbatch))
+        waits = self._open_stash(stage, microbatch)
+        self.code.append(Instruction("swap_in", "swap_in", stage, microbatch=microbatch, what="stash", waits=waits,
+                                     nbytes=self.plan.stash_bytes.get(stage, 0)))
+
+    def stash_ends_at(self, stage: int, microbatch: int, index: int) -> None:
+        """Instruction `index` ends the residency of the stash (its swap-out, or the backward)."""
+        residency = self.open_stash.pop((stage, microbatch), None)
+        if residency is not None:
+            self.stash_ends[residency] = index
+
+    def _open_stash(self, stage: int, microbatch: int) -> tuple[int, ...]:
+        waits = ()
+        depth = self.plan.stash_depth
+        if len(self.stash_ends) >= depth and self.stash_ends[-depth] is not None:
+            waits = (self.stash_ends[-depth],)
+        self.stash_ends.append(None)
+        self.open_stash[(stage, microbatch)] = len(self.stash_ends) - 1
+        return waits
+
     def _bytes(self, stage: int, what: str) -> int:
         table = {"weights": self.plan.weight_bytes, "grads": self.plan.grad_bytes, "optimizer": self.plan.optimizer_bytes}
         return table[what].get(stage, 0)
 
 
-def plan_swaps(mode: str, stages, layers, capacities: list[int | None], state_per_param_byte: float) -> SwapPlan:
-    """The swap plan for `swap=`: "off", "on" (Harmony-style everywhere), "per-device" (baseline),
-    or "auto": Harmony-style swapping only on devices whose stages' training state exceeds their capacity."""
+def plan_swaps(mode: str, stages, layers, capacities: list[int | None], state_per_param_byte: float,
+               tasks: Sequence[Sequence[Task]] = (), stash_bytes: Sequence[float] = ()) -> SwapPlan:
+    """The swap plan for `swap=`: "off", "on" (Harmony-style everywhere), "all" ("on", and every stage's
+    stashed activations), "per-device" (baseline), or "auto": Harmony-style swapping only on devices
+    whose stages' training state exceeds their capacity. In every mode but "off" and "all", a device's
+    stashes are swapped where they do not fit beside the state it keeps (`tasks[d]`: device d's
+    schedule, which says how many stashes are in flight; `stash_bytes`: one microbatch's per layer)."""
+    if mode not in CHOICES:
+        raise PlanError(f"unknown swap={mode!r}; choose 'auto', 'on', 'all', 'off' or 'per-device'")
     weights = {s.index: sum(layers[i].param_bytes for i in s.layers) for s in stages}
     state = {k: v * state_per_param_byte for k, v in weights.items()}
+    stash = {s.index: round(sum(stash_bytes[i] for i in s.layers if i < len(stash_bytes))) for s in stages}
+    requested = mode
     if mode == "auto":
         heavy = set()
         for device, capacity in enumerate(capacities):
@@ -130,20 +203,76 @@ def plan_swaps(mode: str, stages, layers, capacities: list[int | None], state_pe
             if capacity is not None and sum(state[s] for s in mine) > capacity:
                 heavy |= set(mine)
         mode, chosen = ("harmony", frozenset(heavy)) if heavy else ("off", frozenset())
-    elif mode == "on":
+    elif mode in ("on", "all"):
         mode, chosen = "harmony", frozenset(weights)
-    elif mode in ("off", "per-device"):
-        chosen = frozenset(weights) if mode == "per-device" else frozenset()
     else:
-        raise PlanError(f"unknown swap={mode!r}; choose 'auto', 'on', 'off' or 'per-device'")
+        chosen = frozenset(weights) if mode == "per-device" else frozenset()
     largest = max((state[s] for s in chosen), default=0)
     # double buffering needs two packs' state, and activations need room beside them
     tight = any(c is not None and 4 * largest > c for c in capacities)
+    depth = 1 if tight else 2
+    device_of = {s.index: s.device for s in stages}
+    resident = [_resident_state(state, chosen, depth, [s for s in state if device_of[s] == d]) for d in range(len(capacities))]
+    if requested == "all":
+        swapped_stash = frozenset(s for s, b in stash.items() if b > 0)
+    elif requested == "off":
+        swapped_stash = frozenset()
+    else:
+        swapped_stash = frozenset().union(*(
+            _stashes_to_swap(tasks[d] if d < len(tasks) else (), stash, resident[d], capacity)
+            for d, capacity in enumerate(capacities) if capacity is not None))
+    stash_depth = 2
+    for d, capacity in enumerate(capacities):
+        mine = [stash[s] for s in swapped_stash if device_of[s] == d]
+        if capacity is not None and mine and resident[d] + 2 * max(mine) > capacity:
+            stash_depth = 1
     return SwapPlan(
         mode=mode,
         stages=chosen,
         weight_bytes=weights,
         grad_bytes=weights,
         optimizer_bytes={k: round(v * (state_per_param_byte - 2)) for k, v in weights.items()},
-        depth=1 if tight else 2,
+        depth=depth,
+        stash=swapped_stash,
+        stash_bytes=stash,
+        stash_depth=stash_depth,
     )
+
+
+def _resident_state(state: dict[int, float], swapped: frozenset[int], depth: int, mine: list[int]) -> float:
+    """Training state a device holds at once: all of its stages' that stay, `depth` of the swapped ones'."""
+    kept = sum(state[s] for s in mine if s not in swapped)
+    moving = sorted((state[s] for s in mine if s in swapped), reverse=True)
+    return kept + sum(moving[:depth])
+
+
+def _stash_in_flight(tasks: Sequence[Task], stash: dict[int, int], swapped=frozenset(), depth: int = 2) -> float:
+    """The most stash bytes a device holds while it runs `tasks` in order: each forward (or recompute)
+    of a stage that keeps its stashes holds one until its backward; the stages that swap theirs
+    hold at most `depth` of them at a time."""
+    live: dict[int, int] = {}
+    most = 0.0
+    for task in tasks:
+        if task.kind in ("F", "R") and not (task.kind == "F" and task.recompute):
+            live[task.stage] = live.get(task.stage, 0) + 1
+        elif task.kind == "B":
+            live[task.stage] = live.get(task.stage, 0) - 1
+        most = max(most, sum(n * stash.get(s, 0) for s, n in live.items() if s not in swapped))
+    window = depth * max((stash.get(s, 0) for s in swapped), default=0)
+    return most + window
+
+
+def _stashes_to_swap(tasks: Sequence[Task], stash: dict[int, int], resident: float, capacity: int) -> frozenset[int]:
+    """A device's stages whose stashes go to host memory: none if its stashes in flight fit beside
+    its resident state, else the stages holding the most stash bytes at once, one by one, until they fit."""
+    swapped: set[int] = set()
+    stages = {t.stage for t in tasks if stash.get(t.stage, 0) > 0}
+
+    def held(stage: int) -> float:
+        return _stash_in_flight([t for t in tasks if t.stage == stage], stash)
+
+    for stage in sorted(stages, key=held, reverse=True):
+        if resident + _stash_in_flight(tasks, stash, frozenset(swapped)) <= capacity:
+            break
+        swapped.add(stage)
+    return frozenset(swapped)

@@ -14,11 +14,12 @@ import hashlib
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
-from stagewise.compiler.errors import PeerError, PlanError
+from stagewise.compiler.errors import CapacityError, PeerError, PlanError
 from stagewise.compiler.ir import Plan, Transfer
 from stagewise.runtime.pool import MemoryPool
 from stagewise.runtime.sync import Aborted, Sync
@@ -42,12 +43,14 @@ class _Pending:
     caller polls its event. Under NCCL `is_completed()` queries the work's CUDA event directly.
     """
 
-    def __init__(self, work: dist.Work, blocking_wait: bool, what: str, peers: str):
+    def __init__(self, work: dist.Work, blocking_wait: bool, what: str, peers: str,
+                 on_done: Callable[[], None] | None = None):
         self.work = work
         self.what = what  # the instruction, for errors
         self.peers = peers  # "rank 1" or "ranks 0,1", for errors
         self.error: BaseException | None = None
         self.event: threading.Event | None = None
+        self.on_done = on_done  # under gloo: called once finished (a receive wakes who waits on its message)
         if blocking_wait:
             self.event = threading.Event()
             threading.Thread(target=self._wait, name=f"wait {what}", daemon=True).start()
@@ -59,6 +62,8 @@ class _Pending:
             self.error = error
         finally:
             self.event.set()
+            if self.on_done is not None:
+                self.on_done()
 
     def done(self, poll_s: float) -> bool:
         """True once the work finished (raising its error as `PeerError`), after waiting up to `poll_s`."""
@@ -96,6 +101,9 @@ class DistributedTransport:
             _check_link_order(plan)
         self.sends: list[_Pending] = []
         self.sends_lock = threading.Lock()
+        self.receives: dict[tuple, tuple[_Pending, torch.Tensor]] = {}  # posted, not yet taken: key -> (work, buffer)
+        self.receives_lock = threading.Lock()
+        self.issue_lock = threading.Lock()  # one thread at a time starts an op (receives come from two threads)
         # dist.new_group is collective: every rank creates the same groups in the same order.
         self.world = dist.new_group(list(range(len(plan.devices))))
         self.groups = {group: dist.new_group(sorted(group)) for group in reduction_groups(plan)}
@@ -125,28 +133,82 @@ class DistributedTransport:
         link = self.links[(src_device, dst_device)]
         work = self._issue(lambda: dist.isend(payload, dst_device, group=link, tag=self._tag(key)), instruction,
                            f"rank {dst_device}")
-        self.pools[src_device].p2p_bytes += payload.numel() * payload.element_size()
-        with self.sends_lock:
+        with self.sends_lock:  # the compute thread may send too (a forward run early)
+            self.pools[src_device].p2p_bytes += payload.numel() * payload.element_size()
             self.sends.append(_Pending(work, self.blocking_wait, instruction, f"rank {dst_device}"))
 
     def recv(self, key: tuple, instruction: str) -> torch.Tensor:
-        """The tensor sent under `key`, in a transfer buffer of this device's pool."""
-        src_device = self.device_of[key[3]]
-        if src_device == self.rank:
+        """The tensor sent under `key`, in a transfer buffer of this device's pool (received into the
+        buffer `poll` posted, if it did)."""
+        if self.device_of[key[3]] == self.rank:
             return self.local.recv(key, instruction)
-        transfer = self._transfer(key)
-        like = torch.empty(transfer.shape, dtype=_dtype(transfer.dtype), device="meta")
-        pool = self.pools[self.rank]
-        buffer = pool.take_buffer(like, ("buffer",) + key, instruction)
-        link = self.links[(src_device, self.rank)]
+        pending, buffer = self._post(key, instruction)
         try:
-            work = self._issue(lambda: dist.irecv(buffer, src_device, group=link, tag=self._tag(key)), instruction,
-                               f"rank {src_device}")
-            self._await(_Pending(work, self.blocking_wait, instruction, f"rank {src_device}"))
+            self._await(pending)
         except BaseException:
-            pool.release(("buffer",) + key)  # not given back for reuse: a late message may still land in it
+            self.pools[self.rank].release(("buffer",) + key)  # not given back for reuse: a late message may still land in it
             raise
+        finally:
+            with self.receives_lock:
+                self.receives.pop(key, None)
         return buffer
+
+    # Varuna's opportunistic policy (executor docstring) takes a receive over from the p2p_in thread.
+    # Gloo matches a message to its receive by tag, so a receive may be posted ahead of its turn and
+    # by another thread; NCCL pairs a link's operations in issue order, so there the policy is off.
+    @property
+    def adopts_receives(self) -> bool:
+        return self.blocking_wait
+
+    def arrived(self, key: tuple) -> bool:
+        """Whether the message under `key` is here: its receive was posted and has finished. Never blocks,
+        posts nothing (the thread that owns the receive posts it)."""
+        if self.device_of[key[3]] == self.rank:
+            return self.local.arrived(key)
+        with self.receives_lock:
+            posted = self.receives.get(key)
+        return posted is not None and posted[0].done(0.0)
+
+    def poll(self, key: tuple, instruction: str) -> bool:
+        """Post the receive of `key` now if it was not (the caller owns that receive; `recv` takes it
+        later) and tell whether its message has arrived. Where the buffer does not fit in the pool
+        yet, nothing is posted: not arrived."""
+        if self.device_of[key[3]] == self.rank:
+            return self.local.poll(key, instruction)
+        try:
+            pending, _ = self._post(key, instruction)
+        except CapacityError:
+            return False
+        return pending.done(0.0)
+
+    def _post(self, key: tuple, instruction: str) -> tuple[_Pending, torch.Tensor]:
+        """The receive of `key`, posted once: an irecv into a transfer buffer of this device's pool."""
+        with self.receives_lock:
+            if key in self.receives:
+                return self.receives[key]
+            src_device = self.device_of[key[3]]
+            transfer = self._transfer(key)
+            like = torch.empty(transfer.shape, dtype=_dtype(transfer.dtype), device="meta")
+            pool = self.pools[self.rank]
+            buffer = pool.take_buffer(like, ("buffer",) + key, instruction)
+            link = self.links[(src_device, self.rank)]
+            try:
+                work = self._issue(lambda: dist.irecv(buffer, src_device, group=link, tag=self._tag(key)), instruction,
+                                   f"rank {src_device}")
+            except BaseException:
+                pool.release(("buffer",) + key)
+                raise
+            pending = _Pending(work, self.blocking_wait, instruction, f"rank {src_device}",
+                               on_done=lambda: self._arrived_now(key))
+            self.receives[key] = (pending, buffer)
+            return pending, buffer
+
+    def _arrived_now(self, key: tuple) -> None:
+        """Wake the threads of this rank that wait on the message (as an in-process send does)."""
+        sync = self._sync
+        if sync is not None:
+            with sync.locked():
+                sync.changed(("message", key))
 
     def all_reduce(self, tag: tuple, group: tuple[int, ...], rank: int, tensors: list[torch.Tensor],
                    instruction: str) -> list[torch.Tensor]:
@@ -211,7 +273,8 @@ class DistributedTransport:
     def _issue(self, start, instruction: str, peers: str) -> dist.Work:
         """Start a torch.distributed op; a peer already known dead makes gloo raise right here."""
         try:
-            return start()
+            with self.issue_lock:
+                return start()
         except RuntimeError as error:
             raise PeerError(f"{instruction}: cannot reach {peers} ({error}); see that rank's log") from error
 

@@ -7,6 +7,29 @@ receives and all-reduces also wait for their partners. PyTorch releases the GIL 
 so one device's copies and sends overlap its compute and devices compute concurrently.
 The executor adds no barrier the programs do not state; `Sync` turns a deadlock, a failed
 thread or a silent peer into an error instead of a hang.
+
+Varuna's opportunistic policy (Varuna §3.2: "the schedule for stage k may indicate that the
+backward pass for micro-batch m must be scheduled, but the gradients for m may not have
+arrived yet from stage k+1; in those cases, Varuna deviates from the schedule and
+opportunistically schedules another ready task"). In programs that recompute (Varuna's
+schedule; `opportunistic` turns it on or off), when the compute stream's next instruction is
+a recompute R(m), or a backward B(m) no recompute precedes, and m's gradient has neither been
+received nor waits in the transport, the first later forward F(k) runs first if it is ready:
+its other events are done, its activations have arrived, and the device's pool has room for
+one more stash of its stage (the last one's size). Varuna's runtime makes the same check at a
+recompute (microsoft/varuna, pipeline.py: "run forward if gradients for backward are not
+ready yet"). Between R(m) and B(m) nothing moves in (rule 2: a forward would hold a second set
+of activations), a forward never moves past an update, all-reduce or swap, and forwards keep
+their order; backwards keep theirs, so gradients accumulate in the same order and training is
+bitwise that of the static order. The p2p_in thread receives in program order and sits in the
+receive of m's gradient while F(k)'s activation waits in the mailbox, so the compute thread
+takes F(k)'s receives over (claimed under the `Sync` lock, `owner`; the p2p_in thread skips
+what the compute thread took) and, as Varuna's separate activation sender does, sends F(k)'s
+outputs right after it (sends never block; the p2p_out thread skips them too), instead of
+behind the gradient sends that precede them in program order. Under torch.distributed the
+compute thread posts the activation's receive itself to learn whether it came: gloo matches
+messages by tag, so that is safe from any thread; with NCCL (issue order) the policy is off.
+`deviations` lists what ran early in the last step.
 """
 
 from __future__ import annotations
@@ -38,9 +61,15 @@ class StreamExecutor:
         clip_grad_norm: float | None,
         device_of: dict[int, int],
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        opportunistic: bool | None = None,
     ):
         """`programs` and `workers`: this process's (all of them in one process, one device's under
-        torch.distributed); `device_of`: every stage's device, for all-reduce groups."""
+        torch.distributed); `device_of`: every stage's device, for all-reduce groups. `opportunistic`:
+        Varuna's run-time deviation (module docstring) for programs that recompute (None, the default),
+        for every program (True) or none (False); it may be changed between steps."""
+        self.opportunistic = opportunistic
+        self._plans: dict[int, _Opportunities] = {}
+        self.stash_bytes: dict[int, int] = {}  # stage -> bytes its last forward stashed
         self.programs = programs
         self.workers = {w.stage.index: w for w in workers}
         self.device_of = device_of
@@ -60,6 +89,8 @@ class StreamExecutor:
         self.sync = Sync(len(streams), self.timeout_s)
         self.transport.sync = self.sync
         self.done = {p.device: [False] * len(p.instructions) for p in self.programs}
+        self.owner: dict[int, dict[int, str]] = {p.device: {} for p in self.programs}  # adoptable index -> stream
+        self.deviations: list[tuple[int, int, int]] = []  # (device, forward run early, the head it overtook)
         self.timeline: list[tuple[int, str, int, float, float]] = []  # measured (device, stream, index, start, end)
         self.started_at = time.perf_counter()
         for device_streams in self.streams.values():
@@ -79,32 +110,162 @@ class StreamExecutor:
         return self.transport.total_loss(partial) / microbatches
 
     def _stream(self, program: Program, stream: str) -> None:
-        """Run this stream's instructions in order; on CUDA each waits for its events on the GPU too."""
-        done, streams = self.done[program.device], self.streams[program.device]
+        """Run this stream's instructions in order; on CUDA each waits for its events on the GPU too.
+
+        Under Varuna's opportunistic policy (module docstring) the compute stream may run a later
+        forward first, taking over its receives and sends: the p2p threads skip what it took."""
+        device_streams = self.streams[program.device]
+        plan = self._opportunities(program)
         try:
-            with streams.running(stream):
+            with device_streams.running(stream):
+                if plan is not None and stream == "compute":
+                    self._compute_opportunistically(program, plan)
+                    return
                 for index, ins in enumerate(program.instructions):
                     if ins.stream != stream:
                         continue
-                    label = f"dev{program.device} #{index} {ins}"
-                    if ins.waits:
-                        self.sync.wait_until(lambda ins=ins: all(done[j] for j in ins.waits), label,
-                                             [("done", program.device, j) for j in ins.waits])
-                        streams.wait(stream, ins.waits)
-                    start = time.perf_counter()
-                    self._execute(program.device, ins, label)
-                    end = time.perf_counter()
-                    streams.record(stream, index)
-                    self.timeline.append((program.device, stream, index, start - self.started_at, end - self.started_at))
-                    with self.sync.locked():
-                        done[index] = True
-                        self.sync.changed(("done", program.device, index))
+                    if plan is not None and index in plan.adoptable and not self._claim(program.device, index, stream):
+                        continue  # the compute stream took it over for a forward it ran early
+                    self._run(program, index, stream)
         except Aborted:
             pass
         except BaseException as error:  # noqa: BLE001 - handed to the caller of run()
             self.sync.fail(error)
         finally:
             self.sync.thread_done()
+
+    def _run(self, program: Program, index: int, stream: str) -> None:
+        """Wait for instruction `index`'s events, execute it on `stream`'s thread, publish that it is done."""
+        done, streams = self.done[program.device], self.streams[program.device]
+        ins = program.instructions[index]
+        label = f"dev{program.device} #{index} {ins}"
+        if ins.waits:
+            self.sync.wait_until(lambda: all(done[j] for j in ins.waits), label,
+                                 [("done", program.device, j) for j in ins.waits])
+            streams.wait(stream, ins.waits)
+        start = time.perf_counter()
+        self._execute(program.device, ins, label)
+        end = time.perf_counter()
+        streams.record(stream, index)
+        self.timeline.append((program.device, ins.stream, index, start - self.started_at, end - self.started_at))
+        with self.sync.locked():
+            done[index] = True
+            self.sync.changed(("done", program.device, index))
+
+    # ---- Varuna's opportunistic policy (§3.2) ------------------------------------------------
+    def _opportunities(self, program: Program) -> _Opportunities | None:
+        """The program's deviation points, if the policy applies to it this step (see `opportunistic`)."""
+        if self.opportunistic is False or not getattr(self.transport, "adopts_receives", True):
+            return None
+        if program.device not in self._plans:
+            self._plans[program.device] = _Opportunities(program)
+        plan = self._plans[program.device]
+        return plan if plan.heads and (self.opportunistic or plan.recomputes) else None
+
+    def _claim(self, device: int, index: int, stream: str) -> bool:
+        """Take instruction `index` for `stream` unless another stream took it first; True if it is `stream`'s."""
+        owner = self.owner[device]
+        with self.sync.locked():
+            return owner.setdefault(index, stream) == stream
+
+    def _compute_opportunistically(self, program: Program, plan: _Opportunities) -> None:
+        """The compute stream in program order, except that when its next instruction is a backward
+        (or the recompute before it) whose gradient has not arrived, a later forward that is ready
+        runs first, with its receives and sends (Varuna §3.2)."""
+        device, code = program.device, program.instructions
+        done, owner = self.done[device], self.owner[device]
+        pending = list(plan.compute)
+        while pending:
+            head = pending[0]
+            for r in plan.act_recvs.get(head, ()):  # receives it took earlier to look at their messages
+                if owner.get(r) == "compute" and not done[r]:
+                    self._run(program, r, "compute")
+            early = self._candidate(plan, pending)
+            keys = [("done", device, j) for j in code[head].waits]
+            if early is not None:
+                keys += [("done", device, j) for j in code[early].waits + plan.act_recvs[early] + plan.grad_recvs[head]]
+                keys += [("message", key) for r in plan.act_recvs[early] + plan.grad_recvs[head] for key in _keys(code[r])]
+            choice = None
+
+            def decide(head=head, early=early) -> bool:
+                nonlocal choice
+                if early is not None and not self._grad_arrived(program, plan, head) and self._ready_early(program, plan, early):
+                    choice = early
+                else:
+                    choice = head if all(done[j] for j in code[head].waits) else None
+                return choice is not None
+
+            self.sync.wait_until(decide, f"dev{device} #{head} {code[head]}", keys)
+            pending.remove(choice)
+            if choice == head:
+                self._run(program, head, "compute")
+            else:
+                self._run_early(program, plan, choice, head)
+            if code[choice].phase == "F":
+                self._note_stash(code[choice])
+
+    def _candidate(self, plan: _Opportunities, pending: list[int]) -> int | None:
+        """The forward that may run before the head of `pending`: the first later one, if the head is a
+        backward not preceded by its recompute (rule 2) or a recompute, and nothing between them is an
+        update, all-reduce or swap (a forward does not move past those)."""
+        head = pending[0]
+        if head not in plan.grad_recvs:
+            return None
+        for index in pending[1:]:
+            if index in plan.act_recvs:  # a forward
+                return None if plan.barriers[index] != plan.barriers[head] else index
+            if index not in plan.backward:
+                return None
+        return None
+
+    def _grad_arrived(self, program: Program, plan: _Opportunities, head: int) -> bool:
+        """Whether the gradient `head`'s backward needs has been received or waits in the transport."""
+        done, code = self.done[program.device], program.instructions
+        return all(done[g] or all(self.transport.arrived(key) for key in _keys(code[g])) for g in plan.grad_recvs[head])
+
+    def _ready_early(self, program: Program, plan: _Opportunities, early: int) -> bool:
+        """Whether forward `early` can run now (under the monitor's lock): its events are done but for
+        its activations' receives, whose messages have arrived (the compute stream takes those receives
+        over, posting them under torch.distributed to see), and its stash fits in the device's pool."""
+        device, code = program.device, program.instructions
+        done, owner = self.done[device], self.owner[device]
+        recvs = plan.act_recvs[early]
+        if not all(done[j] for j in code[early].waits if j not in recvs) or not self._headroom(code[early].stage):
+            return False
+        ready = True
+        for r in recvs:
+            if done[r]:
+                continue
+            if owner.setdefault(r, "compute") != "compute":
+                return False  # the p2p_in thread is receiving it: it has not arrived
+            ready = all([self.transport.poll(key, f"dev{device} #{r} {code[r]}") for key in _keys(code[r])]) and ready
+        return ready
+
+    def _headroom(self, stage: int) -> bool:
+        """An early forward adds one stash: only where the pool has room for the stage's last one."""
+        pool = self.workers[stage].pool
+        if pool.capacity is None:
+            return True
+        need = self.stash_bytes.get(stage)
+        return need is not None and pool.current + need <= pool.capacity
+
+    def _note_stash(self, ins: Instruction) -> None:
+        held = self.workers[ins.stage].pool.held.get(("stash", ins.stage, ins.microbatch))
+        if held is not None:
+            self.stash_bytes[ins.stage] = held[1]
+
+    def _run_early(self, program: Program, plan: _Opportunities, early: int, head: int) -> None:
+        """Forward `early` ahead of `head`: its receives (messages already here), the forward, and its
+        sends right away (they never block), which the p2p_out thread then skips."""
+        done = self.done[program.device]
+        for r in plan.act_recvs[early]:
+            if not done[r]:
+                self._run(program, r, "compute")
+        self._run(program, early, "compute")
+        self.deviations.append((program.device, early, head))
+        for s in plan.act_sends[early]:
+            if self._claim(program.device, s, "compute"):
+                self._run(program, s, "compute")
 
     def _execute(self, device: int, ins: Instruction, label: str) -> None:
         worker = self.workers[ins.stage]
@@ -135,12 +296,12 @@ class StreamExecutor:
                     worker.add_output_grad(ins.microbatch, value, tensor, ("buffer",) + key)
         elif ins.kind == "allreduce":
             self._all_reduce(device, worker, ins, label)
-        elif ins.kind == "swap_in":
-            worker.swap_in(ins.what, label)
-            self.streams[device].hand_to(worker.tensors(ins.what).values(), "compute")
+        elif ins.kind == "swap_in":  # what: weights, grads, optimizer, or one microbatch's stash
+            worker.swap_in(ins.what, label, ins.microbatch)
+            self.streams[device].hand_to(worker.tensors(ins.what, ins.microbatch).values(), "compute")
         elif ins.kind in ("swap_out", "free"):
-            self.streams[device].hand_to(worker.tensors(ins.what).values(), "swap_out")
-            worker.swap_out(ins.what, ins.kind == "swap_out", label)
+            self.streams[device].hand_to(worker.tensors(ins.what, ins.microbatch).values(), "swap_out")
+            worker.swap_out(ins.what, ins.kind == "swap_out", label, ins.microbatch)
         else:
             raise PlanError(f"the runtime cannot execute {ins}")
 
@@ -208,3 +369,52 @@ def _serve(jobs: queue.SimpleQueue) -> None:
         finally:
             finished.release()
         del item, job  # hold no reference to the executor between steps
+
+
+class _Opportunities:
+    """Where one program may deviate from its order (Varuna §3.2), worked out once per program.
+
+    `compute`: the compute stream's instructions in order. `heads`: recomputes, and backwards no
+    recompute of theirs precedes (rule 2 forbids a forward between the two), each with the
+    receives of its gradient (`grad_recvs`); a head without any never waits for a gradient.
+    `act_recvs` / `act_sends`: each forward's activation receives and sends, which the compute
+    stream takes over when it runs the forward early (`adoptable`: the p2p threads check who took
+    them). `barriers[i]`: how many updates, all-reduces and swaps come before instruction i (a
+    forward never moves past one).
+    """
+
+    def __init__(self, program: Program):
+        code = program.instructions
+        self.compute = [i for i, ins in enumerate(code) if ins.stream == "compute"]
+        messages: dict[tuple, list[int]] = {}
+        for i, ins in enumerate(code):
+            if ins.kind in ("recv", "send"):
+                messages.setdefault((ins.kind, ins.what, ins.stage, ins.microbatch), []).append(i)
+        phases = {i: code[i].phase for i in self.compute if code[i].kind == "compute"}
+        self.recomputes = any(p == "R" for p in phases.values())
+        self.backward = {i for i, p in phases.items() if p in ("R", "B")}
+        recomputed = {(code[i].stage, code[i].microbatch) for i, p in phases.items() if p == "R"}
+        self.after_recompute = {i for i in self.backward if code[i].phase == "B" and (code[i].stage, code[i].microbatch) in recomputed}
+        self.grad_recvs: dict[int, tuple[int, ...]] = {}
+        for i in self.backward - self.after_recompute:
+            grads = tuple(messages.get(("recv", "grad", code[i].stage, code[i].microbatch), ()))
+            if grads:
+                self.grad_recvs[i] = grads
+        self.heads = set(self.grad_recvs)
+        self.act_recvs: dict[int, tuple[int, ...]] = {}
+        self.act_sends: dict[int, tuple[int, ...]] = {}
+        for i, p in phases.items():
+            if p == "F":
+                key = (code[i].stage, code[i].microbatch)
+                self.act_recvs[i] = tuple(j for j in messages.get(("recv", "act", *key), ()) if j < i)
+                self.act_sends[i] = tuple(j for j in messages.get(("send", "act", *key), ()) if j > i)
+        self.adoptable = {j for i in self.act_recvs for j in self.act_recvs[i] + self.act_sends[i]}
+        self.barriers, count = [], 0
+        for ins in code:
+            self.barriers.append(count)
+            count += ins.kind in ("allreduce", "swap_in", "swap_out", "free") or (ins.kind == "compute" and ins.phase == "U")
+
+
+def _keys(ins: Instruction) -> list[tuple]:
+    """The transport keys of a receive's messages: (what, value, microbatch, sender stage, receiver stage)."""
+    return [(ins.what, value, ins.microbatch, ins.peer_stage, ins.stage) for value in ins.values]

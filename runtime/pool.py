@@ -96,7 +96,7 @@ class MemoryPool:
             "swap_out_bytes": self.swap_out_bytes,
             "p2p_bytes": self.p2p_bytes,
             "reused_buffers": self.reused_buffers,
-            **{f"swap_{kind}_bytes": self.swapped[kind] for kind in ("weights", "grads", "optimizer")},
+            **{f"swap_{kind}_bytes": self.swapped[kind] for kind in ("weights", "grads", "optimizer", "stash")},
             **{f"{kind}_bytes": self.by_kind[kind] for kind in KINDS},
         }
 

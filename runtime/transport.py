@@ -2,10 +2,12 @@
 
 A send copies the tensor into a transfer buffer taken from the receiver's memory pool
 (the device-to-device copy), and never blocks on its receiver; a receive and an all-reduce
-wait, through the shared `Sync` monitor, until their partner has arrived. On CUDA a message
-or a contribution is published only once its copy has finished on the GPU (the sending
-stream's thread waits, not its compute), so the partner may use it on any of its streams. Messages are keyed by stage, so two
-stages on one device (interleaved schedules) exchange through the same mechanism.
+wait, through the shared `Sync` monitor, until their partner has arrived (`arrived` and `poll`
+tell without waiting: Varuna's opportunistic policy runs a forward early if its message is
+here). On CUDA a message or a contribution is published only once its copy has finished on
+the GPU (the sending stream's thread waits, not its compute), so the partner may use it on any
+of its streams. Messages are keyed by stage, so two stages on one device (interleaved
+schedules) exchange through the same mechanism.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ class LocalTransport:
         with torch.no_grad():
             buffer.copy_(tensor.detach(), non_blocking=True)
         _finish_on_gpu(tensor, buffer)
-        self.pools[src_device].p2p_bytes += tensor.numel() * tensor.element_size()
-        with self.sync.locked():
+        with self.sync.locked():  # the compute thread may send too (a forward run early)
+            self.pools[src_device].p2p_bytes += tensor.numel() * tensor.element_size()
             self.mailbox[key] = buffer
             self.sync.changed(("message", key))
 
@@ -39,6 +41,19 @@ class LocalTransport:
         self.sync.wait_until(lambda: key in self.mailbox, instruction, [("message", key)])
         with self.sync.locked():
             return self.mailbox.pop(key)
+
+    # Varuna's opportunistic policy looks at messages before their receive's turn (executor docstring).
+    adopts_receives = True  # any thread may receive a message, and may look first
+
+    def arrived(self, key: tuple) -> bool:
+        """Whether the message under `key` is here (a receive would not wait). Never blocks, takes no
+        lock (the executor asks under the monitor's), changes nothing."""
+        return key in self.mailbox
+
+    def poll(self, key: tuple, instruction: str) -> bool:
+        """`arrived`, asked by the thread that will receive `key` (under torch.distributed this posts the
+        receive ahead of its turn, to learn whether the message came)."""
+        return key in self.mailbox
 
     def total_loss(self, partial: torch.Tensor | None) -> torch.Tensor:
         """In one process every last stage is local: the partial sum is the total."""

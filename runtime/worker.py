@@ -2,8 +2,10 @@
 
 Everything the stage holds is registered in its device's memory pool: weights at start,
 gradients from the first backward to the update, optimizer state from the first update,
-per microbatch the activations autograd saves (counted with saved_tensors_hooks) until that
-microbatch's backward, and the transfer buffers its inputs arrived in.
+per microbatch the activations autograd saves (held through saved_tensors_hooks) until that
+microbatch's backward, and the transfer buffers its inputs arrived in. A program may move a
+microbatch's stash to host memory between its forward and its backward (`swap_out stash`,
+`swap_in stash`: Harmony's sX); the pool then holds it only while it is on the device.
 
 With the optimizer on the host (an update instruction that says "host") the optimizer steps an
 fp32 master copy of each parameter in host memory, with the gradients the program copied there,
@@ -14,6 +16,7 @@ parameter points at its master and host gradient, and back at its device copy af
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
@@ -68,6 +71,9 @@ class StageWorker:
         self.output_grads: dict[int, dict[str, torch.Tensor]] = {}
         self.input_grads: dict[int, dict[str, torch.Tensor]] = {}
         self.losses: dict[int, torch.Tensor] = {}
+        self.stashes: dict[int, Stash] = {}  # per microbatch, from its forward to its backward
+        self.stash_bytes: dict[int, int] = {}  # per microbatch: the stash its last forward counted
+        self.host_bytes = HostBuffers(self.device)  # recycled host memory for stashes
 
     def provide(self, microbatch: int, name: str, value, buffer_key: tuple | None = None) -> None:
         """An input of the stage for one microbatch: a graph input or a received activation."""
@@ -81,15 +87,23 @@ class StageWorker:
 
     def forward(self, microbatch: int, instruction: str, stash: bool = True) -> None:
         """Run the stage on one microbatch. Without `stash` autograd records nothing and only the
-        inputs stay (a recompute, the same call with stash=True, rebuilds the graph before B)."""
-        args = [self.inputs[microbatch][name] for name in self.stage.inputs]
-        saved: list[torch.Tensor] = []
-        with torch.set_grad_enabled(stash), torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        inputs stay (a recompute, the same call with stash=True, rebuilds the graph before B).
+
+        What autograd saves goes through saved_tensors_hooks into a `Stash`, by handle, so that a
+        `swap_out stash` can move it to host memory and a `swap_in stash` bring it back before B.
+        The stash counted in the pool is that and the outputs, less the stage's state and the
+        microbatch's inputs (received transfer buffers, counted as such, or the caller's tensors)."""
+        inputs = self.inputs[microbatch]
+        args = [inputs[name] for name in self.stage.inputs]
+        kept = self.resident | {_storage(t) for t in inputs.values() if isinstance(t, torch.Tensor)}
+        saved = Stash(self.device, kept)
+        with torch.set_grad_enabled(stash), torch.autograd.graph.saved_tensors_hooks(saved.pack, _unpack):
             outputs = self.module(*args)
         self.outputs[microbatch] = outputs
-        stashed = [t for t in saved + list(outputs) if isinstance(t, torch.Tensor)
-                   and t.untyped_storage().data_ptr() not in self.resident]
-        self.pool.allocate("stash", ("stash", self.stage.index, microbatch), nbytes(stashed), instruction)
+        saved.add_outputs(outputs)
+        self.stashes[microbatch] = saved
+        self.stash_bytes[microbatch] = saved.nbytes()
+        self.pool.allocate("stash", ("stash", self.stage.index, microbatch), saved.nbytes(), instruction)
         if self.is_last:
             self.losses[microbatch] = outputs[0]
         if stash and not any(isinstance(o, torch.Tensor) and o.requires_grad for o in outputs):
@@ -104,6 +118,10 @@ class StageWorker:
         grads[name] = grad if name not in grads else grads[name] + grad
 
     def backward(self, microbatch: int, loss_scale: float, instruction: str) -> None:
+        stash = self.stashes.pop(microbatch, None)
+        if stash is not None and stash.on_host:
+            raise PlanError(f"`{instruction}` runs while microbatch {microbatch}'s stash of stage {self.stage.index} is "
+                            "in host memory: the program lacks its `swap_in stash`")
         tensors, grads = [], []
         outputs = self.outputs.pop(microbatch)
         for name, grad in self.output_grads.pop(microbatch, {}).items():
@@ -178,7 +196,11 @@ class StageWorker:
     def _note_resident(self) -> None:
         self.resident = {t.untyped_storage().data_ptr() for t in list(self.module.parameters()) + list(self.module.buffers())}
 
-    def tensors(self, what: str) -> dict[str, torch.Tensor]:
+    def tensors(self, what: str, microbatch: int | None = None) -> dict[str, torch.Tensor]:
+        """The device tensors of `what` (a microbatch's for "stash"), e.g. to hand them to another stream."""
+        if what == "stash":
+            stash = self.stashes.get(microbatch)
+            return dict(enumerate(stash.device_tensors())) if stash is not None else {}
         if what == "weights":
             return {n: p.data for n, p in self.params.items()}
         if what == "grads":
@@ -197,8 +219,11 @@ class StageWorker:
             param_name, key = name.rsplit(".", 1)
             self.optimizer.state[self.params[param_name]][key] = tensor
 
-    def swap_out(self, what: str, write: bool, instruction: str) -> None:
+    def swap_out(self, what: str, write: bool, instruction: str, microbatch: int | None = None) -> None:
         """Take `what` off the device; copy it to host memory first when it changed (`write`)."""
+        if what == "stash":
+            self._stash_out(microbatch, instruction)
+            return
         moved = 0
         for name, tensor in self.tensors(what).items():
             if write:
@@ -216,8 +241,11 @@ class StageWorker:
         self.pool.swapped[what] += moved
         self.pool.release((what, self.stage.index))
 
-    def swap_in(self, what: str, instruction: str) -> None:
+    def swap_in(self, what: str, instruction: str, microbatch: int | None = None) -> None:
         """Bring `what` from host memory into the device pool (before the compute that needs it)."""
+        if what == "stash":
+            self._stash_in(microbatch, instruction)
+            return
         parts = {n: h for (w, n), h in self.host.items() if w == what}
         if what == "grads":
             parts = {n: h for n, h in parts.items() if self.params[n].grad is None}
@@ -232,6 +260,28 @@ class StageWorker:
         self.pool.swapped[what] += size
         if what == "weights":
             self._note_resident()
+
+    def _stash_out(self, microbatch: int, instruction: str) -> None:
+        """Harmony's sX: microbatch's stashed activations to host memory, released from the pool."""
+        stash = self.stashes.get(microbatch)
+        if stash is None or stash.on_host:
+            raise PlanError(f"`{instruction}`: stage {self.stage.index} holds no stash of microbatch {microbatch} on the device")
+        moved = stash.to_host(self.host_bytes)  # complete (on CUDA: synchronized) when it returns
+        self.pool.allocate("stash", ("stash", self.stage.index, microbatch), stash.nbytes() - moved, instruction)
+        with self.pool.lock:  # the swap-in stream counts too
+            self.pool.swap_out_bytes += moved
+            self.pool.swapped["stash"] += moved
+
+    def _stash_in(self, microbatch: int, instruction: str) -> None:
+        """The stash back into the pool and onto the device, before the microbatch's backward."""
+        stash = self.stashes.get(microbatch)
+        if stash is None or not stash.on_host:
+            raise PlanError(f"`{instruction}`: stage {self.stage.index} has no stash of microbatch {microbatch} in host memory")
+        self.pool.allocate("stash", ("stash", self.stage.index, microbatch), stash.nbytes(), instruction)
+        moved = stash.to_device(self.host_bytes)
+        with self.pool.lock:  # the swap-out stream counts too
+            self.pool.swap_in_bytes += moved
+            self.pool.swapped["stash"] += moved
 
     def _device_copy(self, what: str, name: str, host: torch.Tensor) -> torch.Tensor:
         """A device copy of a host tensor, of its own even where the device is the CPU; weights in
@@ -334,3 +384,151 @@ class StageWorker:
         """`tensor` in host memory (pinned on CUDA), as a tensor of its own when `copy`."""
         host = tensor.detach().to("cpu", dtype, copy=copy)
         return host.pin_memory() if self.device.type == "cuda" and not host.is_pinned() else host
+
+
+# ---- stashed activations: by handle, so that they can move to host memory (Harmony's sX) ------
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def _unpack(saved):
+    return saved.get() if isinstance(saved, _Saved) else saved
+
+
+class _Saved:
+    """One tensor autograd saved for the backward, held by handle: a swap changes what it holds."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor: torch.Tensor | None = tensor
+
+    def get(self) -> torch.Tensor:
+        if self.tensor is None:
+            raise PlanError("the backward reached a stashed activation still in host memory (no swap_in stash before it)")
+        return self.tensor
+
+
+class Stash:
+    """What one microbatch's forward keeps for its backward: the tensors autograd saved (packed by
+    saved_tensors_hooks into `_Saved` handles) and the stage's outputs, less the storages in `kept`
+    (the stage's state and the microbatch's inputs, which stay where they are).
+
+    `to_host` copies each distinct storage once to host memory (pinned on CUDA) and drops every
+    device reference to it: handles are emptied, outputs point at an empty tensor (the backward
+    needs only their autograd history, and gets their data back first). `to_device` copies the
+    storages back and rebuilds each member as the same view (dtype, size, stride, offset) of its
+    storage, so views that shared memory before share it again. The swap moves exactly the bytes
+    the pool counted for the stash (less any storage that cannot move: not on this device, or not
+    a plain strided tensor).
+    """
+
+    def __init__(self, device: torch.device, kept: set[int]):
+        self.device = device
+        self.kept = kept
+        self.saved: list[_Saved] = []
+        self.outputs: list[torch.Tensor] = []
+        self.host: dict[int, torch.Tensor] | None = None  # while swapped out: storage -> its bytes on the host
+        self.layouts: list[tuple] = []  # while swapped out: (handle or output, storage, dtype, size, stride, offset)
+        self._nbytes: int | None = None
+
+    def pack(self, tensor: torch.Tensor):
+        if _storage(tensor) in self.kept:
+            return tensor
+        handle = _Saved(tensor)
+        self.saved.append(handle)
+        return handle
+
+    def add_outputs(self, outputs) -> None:
+        self.outputs = [o for o in outputs if isinstance(o, torch.Tensor) and _storage(o) not in self.kept]
+        self._nbytes = nbytes([h.tensor for h in self.saved] + self.outputs)
+
+    @property
+    def on_host(self) -> bool:
+        return self.host is not None
+
+    def nbytes(self) -> int:
+        return self._nbytes or 0
+
+    def device_tensors(self) -> list[torch.Tensor]:
+        if self.on_host:
+            return []
+        return [h.tensor for h in self.saved if h.tensor is not None] + self.outputs
+
+    def _movable(self, tensor: torch.Tensor) -> bool:
+        on_device = tensor.device.type == self.device.type and self.device.index in (None, tensor.device.index)
+        return (on_device and type(tensor) is torch.Tensor and tensor.layout == torch.strided
+                and not (tensor.is_quantized or tensor.is_conj() or tensor.is_neg())
+                and tensor.untyped_storage().nbytes() > 0)
+
+    def to_host(self, buffers: HostBuffers) -> int:
+        """Copy the stash to host memory and release it on the device; returns the bytes moved."""
+        members: dict[int, list[tuple[object, torch.Tensor]]] = {}
+        for target, tensor in [(h, h.tensor) for h in self.saved] + [(o, o) for o in self.outputs]:
+            members.setdefault(_storage(tensor), []).append((target, tensor))
+        self.host, self.layouts, moved = {}, [], 0
+        for key, group in members.items():
+            if not all(self._movable(t) for _, t in group):
+                continue
+            storage = group[0][1].untyped_storage()
+            host = buffers.take(storage.nbytes())
+            host.copy_(torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage), non_blocking=True)
+            self.host[key] = host
+            moved += storage.nbytes()
+            self.layouts += [(target, key, t.dtype, tuple(t.shape), t.stride(), t.storage_offset()) for target, t in group]
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # copied before the device memory is let go
+        for target, _, dtype, *_ in self.layouts:
+            if isinstance(target, _Saved):
+                target.tensor = None
+            else:  # an output: keeps its autograd history, gives up its data until the swap-in
+                target.data = torch.empty(0, dtype=dtype, device=self.device)
+        return moved
+
+    def to_device(self, buffers: HostBuffers) -> int:
+        """Copy the stash back from host memory (on the calling stream); returns the bytes moved."""
+        storages, moved = {}, 0
+        for key, host in self.host.items():
+            device_bytes = torch.empty(host.numel(), dtype=torch.uint8, device=self.device)
+            device_bytes.copy_(host, non_blocking=True)
+            storages[key] = device_bytes.untyped_storage()
+            buffers.give_back(host)
+            moved += host.numel()
+        for target, key, dtype, size, stride, offset in self.layouts:
+            tensor = torch.empty(0, dtype=dtype, device=self.device).set_(storages[key], offset, size, stride)
+            if isinstance(target, _Saved):
+                target.tensor = tensor
+            else:
+                target.data = tensor
+        self.host, self.layouts = None, []
+        return moved
+
+
+class HostBuffers:
+    """Host memory for swapped stashes (pinned on CUDA), recycled: a stage's microbatches stash
+    storages of the same sizes, so steady-state swaps allocate no new host memory. On CUDA a
+    buffer is reused only after the copy that last read it (an event on that copy's stream)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pinned = device.type == "cuda"
+        self.lock = threading.Lock()
+        self.free: dict[int, list[tuple[torch.Tensor, torch.cuda.Event | None]]] = {}
+
+    def take(self, size: int) -> torch.Tensor:
+        with self.lock:
+            free = self.free.get(size)
+            buffer, last_read = free.pop() if free else (None, None)
+        if buffer is None:
+            return torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
+        if last_read is not None:
+            last_read.synchronize()
+        return buffer
+
+    def give_back(self, buffer: torch.Tensor) -> None:
+        last_read = None
+        if self.pinned:
+            last_read = torch.cuda.Event()
+            last_read.record(torch.cuda.current_stream(self.device))
+        with self.lock:
+            self.free.setdefault(buffer.numel(), []).append((buffer, last_read))

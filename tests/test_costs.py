@@ -170,8 +170,8 @@ def test_a_cache_entry_timed_under_load_is_measured_again(mlp_graph, monkeypatch
     path.write_text(json.dumps(data))
     calls = count_measurements(monkeypatch)
     again = profile_layers(gm, layers, "cpu", quiet=True, repeats=1)
-    assert len(calls) > 1
-    assert sum(p.fwd_s(8) for p in again) < 5 * sum(p.fwd_s(8) for p in first)
+    assert len(calls) > 1  # profiled again, not read back
+    assert sum(p.fwd_s(8) for p in again) < 0.5 * 20 * sum(p.fwd_s(8) for p in first)  # not the inflated entry
 
 
 def test_layer_profile_round_trips_through_json(mlp_graph):

@@ -35,7 +35,7 @@ def test_hf_gpt2_harmony_pp_with_swapping():
 
 def test_model_larger_than_the_devices_trains_within_capacity():
     """Training state (weights, grads, AdamW moments) is 4x the weights; the devices hold half of it.
-    (Stashed activations are not swapped yet, so they must fit beside one pack's state.)"""
+    (The stashed activations fit beside a pack's state here; tests/test_activation_swap.py swaps them.)"""
     model = TinyGPT(layers=6, dim=96)
     state = 4 * weight_bytes(model)
     capacity = state // 4  # two devices together hold half of the training state
