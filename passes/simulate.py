@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from stagewise.compiler.deviations import DeviationPoints
 from stagewise.compiler.errors import PlanError
 from stagewise.compiler.ir import STREAMS, Instruction, Program, Transfer
 
@@ -254,7 +255,7 @@ class _Simulation:
         self.resident_swap: dict[tuple, float] = {}  # (stage, what) -> bytes brought in by its last swap-in
         self.now = 0.0
         self._seq = 0
-        plans = {} if opportunistic is False else {d: _Deviations(p) for d, p in self.programs.items()}
+        plans = {} if opportunistic is False else {d: DeviationPoints(p) for d, p in self.programs.items()}
         self.deviations = {d: plan for d, plan in plans.items() if plan.heads and (opportunistic or plan.recomputes)}
         self.adopted: list[tuple[int, int]] = []  # sends a forward run early issues itself, off p2p_out's queue
 
@@ -319,12 +320,12 @@ class _Simulation:
         self._start(device, early)
         return True
 
-    def _grad_arrived(self, device: int, plan: _Deviations, head: int) -> bool:
+    def _grad_arrived(self, device: int, plan: DeviationPoints, head: int) -> bool:
         code = self.programs[device].instructions
         return all((device, g) in self.finished or self.arrived[_message_key(code[g], code[g].peer, device)]
                    for g in plan.grad_recvs[head])
 
-    def _ready_early(self, device: int, plan: _Deviations, early: int) -> bool:
+    def _ready_early(self, device: int, plan: DeviationPoints, early: int) -> bool:
         """Its other dependencies are done and each activation receive is done or, not yet posted, has
         its message (a posted receive completes the moment its message arrives)."""
         code, recvs = self.programs[device].instructions, plan.act_recvs[early]
@@ -540,55 +541,6 @@ def _message_key(ins: Instruction, sender: int, receiver: int) -> tuple:
     if ins.peer_stage is not None and ins.stage is not None:
         sender, receiver = (ins.stage, ins.peer_stage) if ins.kind == "send" else (ins.peer_stage, ins.stage)
     return (ins.what, ins.values, ins.microbatch, sender, receiver)
-
-
-class _Deviations:
-    """Where one program may run a later forward early (Varuna §3.2); runtime/executor.py's
-    `_Opportunities`, read the same way from the same instructions.
-
-    `grad_recvs`: the heads (recomputes, and backwards no recompute precedes) whose gradient
-    comes in, with those receives; `act_recvs` / `act_sends`: each forward's activation
-    receives and sends; `barriers[i]`: updates, all-reduces and swaps before instruction i.
-    """
-
-    def __init__(self, program: Program):
-        code = program.instructions
-        messages: dict[tuple, list[int]] = defaultdict(list)
-        for i, ins in enumerate(code):
-            if ins.kind in ("recv", "send"):
-                messages[(ins.kind, ins.what, ins.stage, ins.microbatch)].append(i)
-        phases = {i: ins.phase for i, ins in enumerate(code) if ins.stream == "compute" and ins.kind == "compute"}
-        self.recomputes = "R" in phases.values()
-        self.backward = {i for i, p in phases.items() if p in ("R", "B")}
-        recomputed = {(code[i].stage, code[i].microbatch) for i, p in phases.items() if p == "R"}
-        self.grad_recvs = {
-            i: tuple(messages[("recv", "grad", code[i].stage, code[i].microbatch)])
-            for i in self.backward
-            if (code[i].phase == "R" or (code[i].stage, code[i].microbatch) not in recomputed)
-            and messages[("recv", "grad", code[i].stage, code[i].microbatch)]
-        }
-        self.heads = set(self.grad_recvs)
-        self.act_recvs = {i: tuple(j for j in messages[("recv", "act", code[i].stage, code[i].microbatch)] if j < i)
-                          for i, p in phases.items() if p == "F"}
-        self.act_sends = {i: tuple(j for j in messages[("send", "act", code[i].stage, code[i].microbatch)] if j > i)
-                          for i in self.act_recvs}
-        self.barriers, count = [], 0
-        for ins in code:
-            self.barriers.append(count)
-            count += ins.kind in ("allreduce", "swap_in", "swap_out", "free") or (ins.kind == "compute" and ins.phase == "U")
-
-    def candidate(self, pending: list[int]) -> int | None:
-        """The forward that may run before `pending[0]`: the first later one, if the head may be
-        overtaken and only recomputes and backwards lie between them (no update, all-reduce or swap)."""
-        head = pending[0]
-        if head not in self.grad_recvs:
-            return None
-        for index in pending[1:]:
-            if index in self.act_recvs:
-                return index if self.barriers[index] == self.barriers[head] else None
-            if index not in self.backward:
-                return None
-        return None
 
 
 def _dependencies(program: Program) -> list[tuple[int, ...]]:

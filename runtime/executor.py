@@ -42,6 +42,7 @@ import weakref
 from collections.abc import Callable
 
 import torch
+from stagewise.compiler.deviations import DeviationPoints
 from stagewise.compiler.errors import PlanError
 from stagewise.compiler.ir import STREAMS, Instruction, Program
 from stagewise.runtime.streams import DeviceStreams
@@ -68,7 +69,7 @@ class StreamExecutor:
         Varuna's run-time deviation (module docstring) for programs that recompute (None, the default),
         for every program (True) or none (False); it may be changed between steps."""
         self.opportunistic = opportunistic
-        self._plans: dict[int, _Opportunities] = {}
+        self._plans: dict[int, DeviationPoints] = {}
         self.stash_bytes: dict[int, int] = {}  # stage -> bytes its last forward stashed
         self.programs = programs
         self.workers = {w.stage.index: w for w in workers}
@@ -153,12 +154,12 @@ class StreamExecutor:
             self.sync.changed(("done", program.device, index))
 
     # ---- Varuna's opportunistic policy (§3.2) ------------------------------------------------
-    def _opportunities(self, program: Program) -> _Opportunities | None:
+    def _opportunities(self, program: Program) -> DeviationPoints | None:
         """The program's deviation points, if the policy applies to it this step (see `opportunistic`)."""
         if self.opportunistic is False or not getattr(self.transport, "adopts_receives", True):
             return None
         if program.device not in self._plans:
-            self._plans[program.device] = _Opportunities(program)
+            self._plans[program.device] = DeviationPoints(program)
         plan = self._plans[program.device]
         return plan if plan.heads and (self.opportunistic or plan.recomputes) else None
 
@@ -168,7 +169,7 @@ class StreamExecutor:
         with self.sync.locked():
             return owner.setdefault(index, stream) == stream
 
-    def _compute_opportunistically(self, program: Program, plan: _Opportunities) -> None:
+    def _compute_opportunistically(self, program: Program, plan: DeviationPoints) -> None:
         """The compute stream in program order, except that when its next instruction is a backward
         (or the recompute before it) whose gradient has not arrived, a later forward that is ready
         runs first, with its receives and sends (Varuna §3.2)."""
@@ -180,7 +181,7 @@ class StreamExecutor:
             for r in plan.act_recvs.get(head, ()):  # receives it took earlier to look at their messages
                 if owner.get(r) == "compute" and not done[r]:
                     self._run(program, r, "compute")
-            early = self._candidate(plan, pending)
+            early = plan.candidate(pending)
             keys = [("done", device, j) for j in code[head].waits]
             if early is not None:
                 keys += [("done", device, j) for j in code[early].waits + plan.act_recvs[early] + plan.grad_recvs[head]]
@@ -204,26 +205,12 @@ class StreamExecutor:
             if code[choice].phase == "F":
                 self._note_stash(code[choice])
 
-    def _candidate(self, plan: _Opportunities, pending: list[int]) -> int | None:
-        """The forward that may run before the head of `pending`: the first later one, if the head is a
-        backward not preceded by its recompute (rule 2) or a recompute, and nothing between them is an
-        update, all-reduce or swap (a forward does not move past those)."""
-        head = pending[0]
-        if head not in plan.grad_recvs:
-            return None
-        for index in pending[1:]:
-            if index in plan.act_recvs:  # a forward
-                return None if plan.barriers[index] != plan.barriers[head] else index
-            if index not in plan.backward:
-                return None
-        return None
-
-    def _grad_arrived(self, program: Program, plan: _Opportunities, head: int) -> bool:
+    def _grad_arrived(self, program: Program, plan: DeviationPoints, head: int) -> bool:
         """Whether the gradient `head`'s backward needs has been received or waits in the transport."""
         done, code = self.done[program.device], program.instructions
         return all(done[g] or all(self.transport.arrived(key) for key in _keys(code[g])) for g in plan.grad_recvs[head])
 
-    def _ready_early(self, program: Program, plan: _Opportunities, early: int) -> bool:
+    def _ready_early(self, program: Program, plan: DeviationPoints, early: int) -> bool:
         """Whether forward `early` can run now (under the monitor's lock): its events are done but for
         its activations' receives, whose messages have arrived (the compute stream takes those receives
         over, posting them under torch.distributed to see), and its stash fits in the device's pool."""
@@ -254,7 +241,7 @@ class StreamExecutor:
         if held is not None:
             self.stash_bytes[ins.stage] = held[1]
 
-    def _run_early(self, program: Program, plan: _Opportunities, early: int, head: int) -> None:
+    def _run_early(self, program: Program, plan: DeviationPoints, early: int, head: int) -> None:
         """Forward `early` ahead of `head`: its receives (messages already here), the forward, and its
         sends right away (they never block), which the p2p_out thread then skips."""
         done = self.done[program.device]
@@ -369,50 +356,6 @@ def _serve(jobs: queue.SimpleQueue) -> None:
         finally:
             finished.release()
         del item, job  # hold no reference to the executor between steps
-
-
-class _Opportunities:
-    """Where one program may deviate from its order (Varuna §3.2), worked out once per program.
-
-    `compute`: the compute stream's instructions in order. `heads`: recomputes, and backwards no
-    recompute of theirs precedes (rule 2 forbids a forward between the two), each with the
-    receives of its gradient (`grad_recvs`); a head without any never waits for a gradient.
-    `act_recvs` / `act_sends`: each forward's activation receives and sends, which the compute
-    stream takes over when it runs the forward early (`adoptable`: the p2p threads check who took
-    them). `barriers[i]`: how many updates, all-reduces and swaps come before instruction i (a
-    forward never moves past one).
-    """
-
-    def __init__(self, program: Program):
-        code = program.instructions
-        self.compute = [i for i, ins in enumerate(code) if ins.stream == "compute"]
-        messages: dict[tuple, list[int]] = {}
-        for i, ins in enumerate(code):
-            if ins.kind in ("recv", "send"):
-                messages.setdefault((ins.kind, ins.what, ins.stage, ins.microbatch), []).append(i)
-        phases = {i: code[i].phase for i in self.compute if code[i].kind == "compute"}
-        self.recomputes = any(p == "R" for p in phases.values())
-        self.backward = {i for i, p in phases.items() if p in ("R", "B")}
-        recomputed = {(code[i].stage, code[i].microbatch) for i, p in phases.items() if p == "R"}
-        self.after_recompute = {i for i in self.backward if code[i].phase == "B" and (code[i].stage, code[i].microbatch) in recomputed}
-        self.grad_recvs: dict[int, tuple[int, ...]] = {}
-        for i in self.backward - self.after_recompute:
-            grads = tuple(messages.get(("recv", "grad", code[i].stage, code[i].microbatch), ()))
-            if grads:
-                self.grad_recvs[i] = grads
-        self.heads = set(self.grad_recvs)
-        self.act_recvs: dict[int, tuple[int, ...]] = {}
-        self.act_sends: dict[int, tuple[int, ...]] = {}
-        for i, p in phases.items():
-            if p == "F":
-                key = (code[i].stage, code[i].microbatch)
-                self.act_recvs[i] = tuple(j for j in messages.get(("recv", "act", *key), ()) if j < i)
-                self.act_sends[i] = tuple(j for j in messages.get(("send", "act", *key), ()) if j > i)
-        self.adoptable = {j for i in self.act_recvs for j in self.act_recvs[i] + self.act_sends[i]}
-        self.barriers, count = [], 0
-        for ins in code:
-            self.barriers.append(count)
-            count += ins.kind in ("allreduce", "swap_in", "swap_out", "free") or (ins.kind == "compute" and ins.phase == "U")
 
 
 def _keys(ins: Instruction) -> list[tuple]:

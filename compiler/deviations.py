@@ -1,0 +1,65 @@
+"""Where a device program may run a later forward early (Varuna §3.2), for the runtime and the simulator.
+
+Varuna keeps to its static schedule except when the next task is a backward whose gradient has
+not arrived: then it runs another ready task, a forward, and never one between a recompute
+and its backward (rule 2). Both the executor and the simulator apply that rule to the same
+instructions, so they read the deviation points from this one analysis.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from stagewise.compiler.ir import Program
+
+
+class DeviationPoints:
+    """`compute`: the compute stream's instructions in order. `grad_recvs` (its keys: the heads):
+    recomputes, and backwards no recompute of theirs precedes, each with the receives of its
+    gradient; a head without any never waits for a gradient. `act_recvs` / `act_sends`: each
+    forward's activation receives and sends, which the compute stream takes over when it runs the
+    forward early (`adoptable`). `barriers[i]`: how many updates, all-reduces and swaps come before
+    instruction i (a forward never moves past one)."""
+
+    def __init__(self, program: Program):
+        code = program.instructions
+        self.compute = [i for i, ins in enumerate(code) if ins.stream == "compute"]
+        messages: dict[tuple, list[int]] = defaultdict(list)
+        for i, ins in enumerate(code):
+            if ins.kind in ("recv", "send"):
+                messages[(ins.kind, ins.what, ins.stage, ins.microbatch)].append(i)
+        phases = {i: code[i].phase for i in self.compute if code[i].kind == "compute"}
+        self.recomputes = "R" in phases.values()
+        self.backward = {i for i, p in phases.items() if p in ("R", "B")}
+        recomputed = {(code[i].stage, code[i].microbatch) for i, p in phases.items() if p == "R"}
+        self.grad_recvs: dict[int, tuple[int, ...]] = {}
+        for i in self.backward:
+            grads = tuple(messages[("recv", "grad", code[i].stage, code[i].microbatch)])
+            if grads and (code[i].phase == "R" or (code[i].stage, code[i].microbatch) not in recomputed):
+                self.grad_recvs[i] = grads
+        self.heads = set(self.grad_recvs)
+        self.act_recvs: dict[int, tuple[int, ...]] = {}
+        self.act_sends: dict[int, tuple[int, ...]] = {}
+        for i, p in phases.items():
+            if p == "F":
+                key = (code[i].stage, code[i].microbatch)
+                self.act_recvs[i] = tuple(j for j in messages[("recv", "act", *key)] if j < i)
+                self.act_sends[i] = tuple(j for j in messages[("send", "act", *key)] if j > i)
+        self.adoptable = {j for i in self.act_recvs for j in self.act_recvs[i] + self.act_sends[i]}
+        self.barriers, count = [], 0
+        for ins in code:
+            self.barriers.append(count)
+            count += ins.kind in ("allreduce", "swap_in", "swap_out", "free") or (ins.kind == "compute" and ins.phase == "U")
+
+    def candidate(self, pending: list[int]) -> int | None:
+        """The forward that may run before `pending[0]`: the first later one, if the head may be
+        overtaken and only recomputes and backwards lie between them (no update, all-reduce or swap)."""
+        head = pending[0]
+        if head not in self.grad_recvs:
+            return None
+        for index in pending[1:]:
+            if index in self.act_recvs:
+                return index if self.barriers[index] == self.barriers[head] else None
+            if index not in self.backward:
+                return None
+        return None
