@@ -37,7 +37,8 @@ Rules, one per instruction kind:
   predicts the static order.
 
 Memory per device is the static state of its stages plus the activations each stage stashes
-from the start of a forward to the end of its backward; the peak over the timeline is what
+from the start of a forward to the end of its backward (less while a stash is swapped out), and
+the transfer buffers its receives fill, held until that stage's backward of the microbatch; the peak over the timeline is what
 GPipe (m stashed microbatches) and 1F1B (at most p) differ in (Narayanan §4.2.2).
 """
 
@@ -252,6 +253,7 @@ class _Simulation:
         self.p2p: dict[int, float] = defaultdict(float)
         self.swapped_in: dict[int, float] = defaultdict(float)
         self.swapped_out: dict[int, float] = defaultdict(float)
+        self.buffers: dict[tuple, float] = defaultdict(float)  # (device, stage, microbatch) -> received bytes held
         self.resident_swap: dict[tuple, float] = {}  # (stage, what) -> bytes brought in by its last swap-in
         self.now = 0.0
         self._seq = 0
@@ -434,6 +436,8 @@ class _Simulation:
         self._dequeue(device, ins.stream, index)
         if (ins.kind == "compute" and ins.phase == "B") or (ins.kind == "swap_out" and ins.what == "stash"):
             self.memory[device].append((self.now, -_at(self.cost.stash_bytes, ins.stage)))
+        if ins.kind == "compute" and ins.phase == "B":
+            self.memory[device].append((self.now, -self.buffers.pop((device, ins.stage, ins.microbatch), 0.0)))
 
     def _dequeue(self, device: int, stream: str, index: int) -> None:
         """A finished instruction leaves its stream's queue: the head, or one taken out of the queue
@@ -453,8 +457,14 @@ class _Simulation:
             self.arrived[flow.key].append(flow.start)
 
     def _complete_recv(self, op: tuple[int, int], flow_start: float) -> None:
-        """The recv's span covers the data moving, not the wait before the sender started."""
+        """The recv's span covers the data moving, not the wait before the sender started. What it
+        received occupies a transfer buffer until the stage's backward of that microbatch is done."""
         self.span_start[op] = min(max(self.started[op], flow_start), self.now)
+        ins = self.programs[op[0]].instructions[op[1]]
+        nbytes = self.cost.bytes_of(ins)
+        if nbytes:
+            self.memory[op[0]].append((self.now, nbytes))
+            self.buffers[(op[0], ins.stage, ins.microbatch)] += nbytes
         self._finish(op)
 
     # -- time

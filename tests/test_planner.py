@@ -1,12 +1,13 @@
 """The planner chooses better plans than a person would and says how long they will take."""
 
+import pytest
 import stagewise as sw
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from tests.models.gpt import TinyGPT, lm_loss
-from tests.reference import SGD, check_equal_training
+from tests.reference import ADAMW, SGD, check_equal_training, pipeline_train, token_batches
 
 
 def _gpt_batch(vocab=64, batch=8, length=8):
@@ -79,3 +80,15 @@ def test_model_larger_than_the_devices_gets_a_swapping_schedule():
     pipe = sw.compile(model, devices, (x,), loss_fn=lm_loss, example_target=y, cost="analytic")
     assert pipe.plan.schedule in ("harmony-pp", "harmony-dp")
     assert any(ins.kind == "swap_in" for p in pipe.programs for ins in p.instructions)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "varuna"])
+def test_predicted_peak_memory_is_the_pools_measured_peak(schedule):
+    """State, stashes and received buffers, as the pool counts them: within 5% on every device."""
+    batches = token_batches(2, batch=8, length=16)
+    pipe = sw.compile(TinyGPT(layers=4, dim=64), 2, batches[0][0], loss_fn=lm_loss, example_target=batches[0][1],
+                      optimizer=ADAMW, microbatches=4, schedule=schedule, cost="analytic")
+    pipeline_train(pipe, batches)
+    predicted = pipe.simulate().peak_bytes
+    for stats in pipe.stats:
+        assert predicted[stats["device"]] == pytest.approx(stats["peak_bytes"], rel=0.05)
