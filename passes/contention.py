@@ -6,13 +6,15 @@ devices computing at once on this 2-core machine each run at about half their sp
 small, Python-heavy layers, and closer to full speed for large matmuls. The simulator needs
 that curve to predict a step (Srifty §3.3 calibrates its simulator on the real cluster for
 the same reason), so it is measured on the model's own costliest layer kind: k threads, each
-with its own copy of the layer, run its forward and backward at the same moment, for
-k = 1 .. the number of devices.
+with its own copy of the layer, loop over its forward and backward at the same time for a
+window of several steps, for k = 1 .. the number of devices; the rate per thread over the rate
+alone is the speed, capped at cores / k (more threads than cores cannot all run).
 """
 
 from __future__ import annotations
 
 import copy
+import os
 import statistics
 import threading
 import time
@@ -25,7 +27,9 @@ from stagewise.compiler.ir import Layer, LayerCost
 from stagewise.passes.profile import layer_module, layer_signature, real_inputs, shapes_at
 from torch.utils._pytree import tree_flatten
 
-REPEATS = 4
+MIN_WINDOW_S = 0.03  # each measurement keeps every thread busy at least this long
+WINDOW_STEPS = 6  # ... and for at least this many steps of one thread alone
+_MEASURED: dict[tuple, tuple[float, ...]] = {}
 
 
 def costliest_layer(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequence[LayerCost]) -> Layer:
@@ -41,43 +45,57 @@ def costliest_layer(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequence
 
 def concurrent_speeds(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequence[LayerCost], traced_microbatch: int,
                       threads: int) -> tuple[float, ...]:
-    """Speed of each of k computing threads relative to one alone, for k = 1 .. threads (non-increasing),
-    at the microbatch size the graph was traced at."""
+    """Speed of each of k computing threads relative to one alone, for k = 1 .. threads (non-increasing,
+    never above cores / k), at the microbatch size the graph was traced at. Measured once per process
+    for a layer kind and size, so plans compiled side by side are charged alike."""
     layer = costliest_layer(gm, layers, costs)
+    key = (layer_signature(gm, layer), traced_microbatch, threads, torch.get_num_threads())
+    if key not in _MEASURED:
+        _MEASURED[key] = _measure(gm, layers, layer, traced_microbatch, threads)
+    return _MEASURED[key]
+
+
+def _measure(gm: fx.GraphModule, layers: Sequence[Layer], layer: Layer, traced_microbatch: int,
+             threads: int) -> tuple[float, ...]:
     shapes = shapes_at(gm, layers, traced_microbatch, traced_microbatch)
     module = layer_module(gm, layer)
     copies = [copy.deepcopy(module) for _ in range(threads)]
     inputs = [real_inputs([shapes.values[name] for name in layer.inputs], torch.device("cpu"), seed=i)
               for i in range(threads)]
-    alone = statistics.median(_run_together(copies[:1], inputs[:1]))
+    alone = _rate(copies[:1], inputs[:1], MIN_WINDOW_S)
+    window = max(MIN_WINDOW_S, WINDOW_STEPS / alone)
+    alone = _rate(copies[:1], inputs[:1], window)
+    cores = len(os.sched_getaffinity(0)) / min(torch.get_num_threads(), os.cpu_count() or 1)
     speeds = [1.0]
     for k in range(2, threads + 1):
-        together = statistics.median(_run_together(copies[:k], inputs[:k]))
-        speeds.append(min(speeds[-1], alone / together))
+        speeds.append(min(speeds[-1], cores / k, _rate(copies[:k], inputs[:k], window) / alone))
     return tuple(speeds)
 
 
-def _run_together(modules: list[torch.nn.Module], inputs: list[list]) -> list[float]:
-    """Each module's forward + backward, REPEATS times, all threads starting each repeat together."""
+def _rate(modules: list[torch.nn.Module], inputs: list[list], window: float) -> float:
+    """Forward + backward steps per second of each thread while len(modules) threads loop for `window`
+    seconds at once (a rate over whole steps: the last one may end after the window)."""
     start = threading.Barrier(len(modules))
-    times: list[float] = []
+    rates: list[float] = []
     lock = threading.Lock()
 
     def work(module: torch.nn.Module, args: list) -> None:
         _step(module, args)  # warm-up
-        for _ in range(REPEATS):
-            start.wait()
-            began = time.perf_counter()
+        start.wait()
+        began = time.perf_counter()
+        steps, now = 0, began
+        while now - began < window:
             _step(module, args)
-            with lock:
-                times.append(time.perf_counter() - began)
+            steps, now = steps + 1, time.perf_counter()
+        with lock:
+            rates.append(steps / (now - began))
 
     workers = [threading.Thread(target=work, args=pair, daemon=True) for pair in zip(modules, inputs, strict=True)]
     for worker in workers:
         worker.start()
     for worker in workers:
         worker.join()
-    return times
+    return statistics.mean(rates)
 
 
 def _step(module: torch.nn.Module, args: list) -> None:
