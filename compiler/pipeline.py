@@ -41,6 +41,8 @@ class Pipeline:
             self.transport = DistributedTransport(plan, self.context.rank, self.pools, DEFAULT_TIMEOUT_S)
         received_with_grad = {(t.dst, t.value) for t in plan.transfers if t.requires_grad}
         last = max(s.position for s in plan.stages)
+        stash_swaps = {(i.stage, i.microbatch) for p in plan.programs for i in p.instructions
+                       if i.kind == "swap_out" and i.what == "stash"}
         self.workers = [
             StageWorker(
                 stage,
@@ -52,6 +54,7 @@ class Pipeline:
                 is_last=stage.position == last,
                 shared_names=self._shared_names(stage.index, module),
                 swapped=stage.index in swapped,
+                swapped_stashes=frozenset(mb for s, mb in stash_swaps if s == stage.index),
             )
             for stage, module in zip(plan.stages, modules, strict=True)
             if stage.device in local

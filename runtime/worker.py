@@ -38,8 +38,10 @@ class StageWorker:
         is_last: bool,
         shared_names: dict[str, str],
         swapped: bool = False,
+        swapped_stashes: frozenset[int] = frozenset(),
     ):
         self.stage = stage
+        self.swapped_stashes = swapped_stashes  # microbatches whose stash the program moves to host memory
         self.pool = pool
         self.device = pool.device
         self.swapped = swapped  # parameters live in host memory between uses (Harmony swapping)
@@ -72,7 +74,7 @@ class StageWorker:
         self.input_grads: dict[int, dict[str, torch.Tensor]] = {}
         self.losses: dict[int, torch.Tensor] = {}
         self.stashes: dict[int, Stash] = {}  # per microbatch, from its forward to its backward
-        self.stash_bytes: dict[int, int] = {}  # per microbatch: the stash its last forward counted
+        self.stash_size: dict[bool, int] = {}  # bytes one microbatch's forward stashes (with / without autograd)
         self.host_bytes = HostBuffers(self.device)  # recycled host memory for stashes
 
     def provide(self, microbatch: int, name: str, value, buffer_key: tuple | None = None) -> None:
@@ -90,20 +92,28 @@ class StageWorker:
         inputs stay (a recompute, the same call with stash=True, rebuilds the graph before B).
 
         What autograd saves goes through saved_tensors_hooks into a `Stash`, by handle, so that a
-        `swap_out stash` can move it to host memory and a `swap_in stash` bring it back before B.
+        `swap_out stash` can move it to host memory and a `swap_in stash` bring it back before B;
+        that happens for the microbatches the program swaps, and once to measure the stash size.
         The stash counted in the pool is that and the outputs, less the stage's state and the
         microbatch's inputs (received transfer buffers, counted as such, or the caller's tensors)."""
         inputs = self.inputs[microbatch]
         args = [inputs[name] for name in self.stage.inputs]
-        kept = self.resident | {_storage(t) for t in inputs.values() if isinstance(t, torch.Tensor)}
-        saved = Stash(self.device, kept)
-        with torch.set_grad_enabled(stash), torch.autograd.graph.saved_tensors_hooks(saved.pack, _unpack):
-            outputs = self.module(*args)
+        size = self.stash_size.get(stash)
+        if size is not None and microbatch not in self.swapped_stashes:
+            # saved_tensors_hooks call Python for every tensor autograd saves (a GPT block's forward
+            # took 1.6x as long): a stash that stays on the device is the size the first one measured
+            with torch.set_grad_enabled(stash):
+                outputs = self.module(*args)
+        else:
+            kept = self.resident | {_storage(t) for t in inputs.values() if isinstance(t, torch.Tensor)}
+            saved = Stash(self.device, kept)
+            with torch.set_grad_enabled(stash), torch.autograd.graph.saved_tensors_hooks(saved.pack, _unpack):
+                outputs = self.module(*args)
+            saved.add_outputs(outputs)
+            self.stashes[microbatch] = saved
+            size = self.stash_size[stash] = saved.nbytes()
         self.outputs[microbatch] = outputs
-        saved.add_outputs(outputs)
-        self.stashes[microbatch] = saved
-        self.stash_bytes[microbatch] = saved.nbytes()
-        self.pool.allocate("stash", ("stash", self.stage.index, microbatch), saved.nbytes(), instruction)
+        self.pool.allocate("stash", ("stash", self.stage.index, microbatch), size, instruction)
         if self.is_last:
             self.losses[microbatch] = outputs[0]
         if stash and not any(isinstance(o, torch.Tensor) and o.requires_grad for o in outputs):

@@ -35,8 +35,7 @@ def stash_bytes(pipe) -> dict[int, int]:
     """What one microbatch of each stage stashes, as its pool counted it (equal for every microbatch)."""
     sizes = {}
     for worker in pipe.workers:
-        (size,) = set(worker.stash_bytes.values())
-        sizes[worker.stage.index] = size
+        sizes[worker.stage.index] = worker.stash_size[True]
     return sizes
 
 
