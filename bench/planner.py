@@ -19,15 +19,18 @@ Phases reported:
   takes the graph at the first microbatch size to plan and at the chosen one for the stages;
   the torch.export.export calls are counted (one, but for models that cannot keep their batch
   symbolic).
+- per-layer costs (analytic here; the measured runtime costs: optimizer step, hand-off), reported
+  apart from planning, as profiling is (the issue: "planning time (search, binding, simulation and
+  codegen, with profiling reported separately)").
 - planning, the figure compared with Harmony's planner (0.7 s GPT-2, 31.6 s ResNet1K) and with our
-  targets (< 0.5 s and < 3 s): per-layer costs (analytic), search (partition), binding and lowering
-  (assemble), simulation (predict), codegen (build_stage_modules), and the rest of compile ("glue").
+  targets (< 0.5 s and < 3 s): search (partition), binding and lowering (assemble), simulation
+  (predict), codegen (build_stage_modules), and the rest of compile ("glue").
 - runtime setup (Pipeline: stage workers, optimizers, memory pools), not planning.
 - profiling (`profile_layers`, what cost="profile" adds), timed separately and uncached.
 
 A CP-SAT row times `partition_and_bind` (the planner's binding for heterogeneous devices) on the
 GPT's layer costs over 4 devices of speeds 1, 1, 2, 2, called directly: the planner itself only
-uses CP-SAT up to 48 layers and falls back to the DP above that.
+uses CP-SAT up to 160 layers (devices that differ) and falls back to the DP above that.
 
 Timing uses one intra-op thread (torch.set_num_threads(1)); planning is single-threaded Python
 except CP-SAT (2 workers).
@@ -89,7 +92,7 @@ HOOKS = [
     (driver, "build_stage_modules", "codegen"),
     (driver, "Pipeline", "runtime setup"),
 ]
-PLANNING = ("costs", "search", "binding", "simulation", "codegen")
+PLANNING = ("search", "binding", "simulation", "codegen")  # costs (analytic or profiled) are reported apart
 
 
 class Timers:
@@ -277,13 +280,13 @@ def report(console: Console, args, runs: list[Run], profiles: dict, cpsat) -> No
                 continue
             table.add_row(label, *[cell(r, key, t) for r, t in zip(mine, totals, strict=True)])
         table.add_section()
-        table.add_row("[bold]planning[/bold] = costs + search + binding + simulation + codegen + glue",
+        table.add_row("[bold]planning[/bold] = search + binding + simulation + codegen + glue",
                       *[f"[bold]{t['planning']:.3f}[/bold]" for t in totals])
         target, harmony = TARGET[case_key], HARMONY[case_key]
         table.add_row(f"target (Harmony's planner: {harmony} s)", *[
             f"< {target} s: {'met' if t['planning'] < target else 'NOT met'} ({t['planning'] / target:.1f}x)"
             for t in totals])
-        table.add_row("compile wall time without runtime setup (analysis + planning)",
+        table.add_row("compile wall time without runtime setup (analysis + costs + planning)",
                       *[f"{t['compile']:.3f}" for t in totals])
         table.add_row("  the same vs target", *[
             f"{'met' if t['compile'] < target else 'NOT met'} ({t['compile'] / target:.1f}x)" for t in totals])
@@ -295,7 +298,7 @@ def report(console: Console, args, runs: list[Run], profiles: dict, cpsat) -> No
                                        f"{len(r.pipe.plan.stages)} stages" for r in mine])
         console.print(table)
         for r, t in zip(mine, totals, strict=True):
-            phases = {k: t[k] for k in ("analysis", *PLANNING, "glue")}
+            phases = {k: t[k] for k in ("analysis", "costs", *PLANNING, "glue")}
             top = max(phases, key=phases.get)
             inner = {k: v for k, v in r.timers.seconds.items() if k.startswith(top + ".")}
             detail = f", mostly {max(inner, key=inner.get).split('.', 1)[1]}" if inner else ""
