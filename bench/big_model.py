@@ -35,9 +35,10 @@ makes 16 packs for 16 blocks + embeddings, one of them two blocks whose state al
 device, and the second step fails). If the requested ratio does not fit, the script lowers it
 step by step and says so.
 
-On CPU the "device" and the "host" are the same memory: a swap-in of a CPU tensor is `.to("cpu")`,
-which does not copy (swap-outs do copy), so the throughput figures show the bookkeeping and copy cost
-of the two policies, not PCIe traffic. The swap volumes are what a GPU would move.
+On CPU the "device" and the "host" are the same memory, but swaps still copy (a swap-in makes a
+device tensor of its own, a swap-out writes the host copy), so the throughput figures show the
+memory-copy and bookkeeping cost of the two policies, not PCIe traffic. The swap volumes are what a
+GPU would move.
 """
 
 from __future__ import annotations
@@ -267,8 +268,8 @@ def report(console, args, results: list[dict], fp: dict[str, int], eager: list[f
         "(4m + 2)|W| (PP) and (4m + 2)N|W| (DP) with m microbatches per device; Harmony's measured weights are a "
         "little below 3|W| because a device's last pack runs forward and backward back to back and stays resident. "
         "'all kinds' = weights + gradients + AdamW state. Every peak is within its device's capacity (the pool "
-        "raises CapacityError otherwise). On CPU device and host share memory: a swap-in is .to('cpu'), which does "
-        "not copy, and only some swap-outs copy, so step times show each policy's bookkeeping, not link transfer time."
+        "raises CapacityError otherwise). On CPU device and host share memory, but swaps still copy, so step times "
+        "show each policy's copy and bookkeeping cost, not link transfer time."
     )
     rows = [("eager (1 device, no capacity)", eager)] + [(f"{r['schedule']} swap={r['swap']}", r["losses"]) for r in results]
     worst = max(abs(a - b) for _, losses in rows[1:] for a, b in zip(losses, eager, strict=True))
