@@ -30,7 +30,7 @@ import torch.distributed as dist
 from stagewise.codegen.source import load_stage, stage_source
 from stagewise.compiler.errors import PeerError, PlanError
 from stagewise.compiler.ir import Plan
-from stagewise.runtime.distributed import POLL_S, _Pending
+from stagewise.runtime.distributed import POLL_S, Pending
 from stagewise.runtime.launch import distributed_context
 
 
@@ -122,8 +122,8 @@ def _meet(pipe, what: str) -> None:
     """Wait up to `pipe.timeout_s` for every rank to reach save; a rank that never does (a save
     called on rank 0 only) is a PeerError here, not a wait for the process group's timeout."""
     transport = pipe.transport
-    work = transport._issue(lambda: dist.barrier(group=transport.world, async_op=True), what, "every rank")
-    pending = _Pending(work, transport.blocking_wait, what, "every rank")
+    work = transport.issue(lambda: dist.barrier(group=transport.world, async_op=True), what, "every rank")
+    pending = Pending(work, transport.blocking_wait, what, "every rank")
     start = time.monotonic()
     while not pending.done(POLL_S):
         if time.monotonic() - start > transport.timeout_s:

@@ -34,7 +34,7 @@ EXECUTED_FIELDS = ("devices", "input_names", "input_kind", "target_name", "graph
                    "aliases")
 
 
-class _Pending:
+class Pending:
     """One issued send, receive or collective, whose completion the caller polls.
 
     Gloo's point-to-point works report `is_completed()` only after `wait()` was called, and a
@@ -99,9 +99,9 @@ class DistributedTransport:
         self.blocking_wait = dist.get_backend() == "gloo"
         if not self.blocking_wait:
             _check_link_order(plan)
-        self.sends: list[_Pending] = []
+        self.sends: list[Pending] = []
         self.sends_lock = threading.Lock()
-        self.receives: dict[tuple, tuple[_Pending, torch.Tensor]] = {}  # posted, not yet taken: key -> (work, buffer)
+        self.receives: dict[tuple, tuple[Pending, torch.Tensor]] = {}  # posted, not yet taken: key -> (work, buffer)
         self.receives_lock = threading.Lock()
         self.issue_lock = threading.Lock()  # one thread at a time starts an op (receives come from two threads)
         # dist.new_group is collective: every rank creates the same groups in the same order.
@@ -131,11 +131,11 @@ class DistributedTransport:
         _check_shape(tensor, transfer, key, instruction)
         payload = tensor.detach().contiguous()
         link = self.links[(src_device, dst_device)]
-        work = self._issue(lambda: dist.isend(payload, dst_device, group=link, tag=self._tag(key)), instruction,
+        work = self.issue(lambda: dist.isend(payload, dst_device, group=link, tag=self._tag(key)), instruction,
                            f"rank {dst_device}")
         with self.sends_lock:  # the compute thread may send too (a forward run early)
             self.pools[src_device].p2p_bytes += payload.numel() * payload.element_size()
-            self.sends.append(_Pending(work, self.blocking_wait, instruction, f"rank {dst_device}"))
+            self.sends.append(Pending(work, self.blocking_wait, instruction, f"rank {dst_device}"))
 
     def recv(self, key: tuple, instruction: str) -> torch.Tensor:
         """The tensor sent under `key`, in a transfer buffer of this device's pool (received into the
@@ -181,7 +181,7 @@ class DistributedTransport:
             return False
         return pending.done(0.0)
 
-    def _post(self, key: tuple, instruction: str) -> tuple[_Pending, torch.Tensor]:
+    def _post(self, key: tuple, instruction: str) -> tuple[Pending, torch.Tensor]:
         """The receive of `key`, posted once: an irecv into a transfer buffer of this device's pool."""
         with self.receives_lock:
             if key in self.receives:
@@ -193,12 +193,12 @@ class DistributedTransport:
             buffer = pool.take_buffer(like, ("buffer",) + key, instruction)
             link = self.links[(src_device, self.rank)]
             try:
-                work = self._issue(lambda: dist.irecv(buffer, src_device, group=link, tag=self._tag(key)), instruction,
+                work = self.issue(lambda: dist.irecv(buffer, src_device, group=link, tag=self._tag(key)), instruction,
                                    f"rank {src_device}")
             except BaseException:
                 pool.release(("buffer",) + key)
                 raise
-            pending = _Pending(work, self.blocking_wait, instruction, f"rank {src_device}",
+            pending = Pending(work, self.blocking_wait, instruction, f"rank {src_device}",
                                on_done=lambda: self._arrived_now(key))
             self.receives[key] = (pending, buffer)
             return pending, buffer
@@ -219,9 +219,9 @@ class DistributedTransport:
         buckets = {}
         for dtype in dict.fromkeys(t.dtype for t in tensors):
             flat = torch.cat([t.detach().reshape(-1) for t in tensors if t.dtype == dtype])
-            work = self._issue(lambda flat=flat: dist.all_reduce(flat, group=self.groups[group], async_op=True),
+            work = self.issue(lambda flat=flat: dist.all_reduce(flat, group=self.groups[group], async_op=True),
                                instruction, peers)
-            buckets[dtype] = (flat, _Pending(work, self.blocking_wait, instruction, peers))
+            buckets[dtype] = (flat, Pending(work, self.blocking_wait, instruction, peers))
         for _, pending in buckets.values():
             self._await(pending)
         return _unflatten(tensors, {dtype: flat for dtype, (flat, _) in buckets.items()})
@@ -236,8 +236,8 @@ class DistributedTransport:
         payload = torch.zeros((), dtype=torch.float64, device=self.pools[self.rank].device)
         if partial is not None:
             payload += partial.detach().double()
-        work = self._issue(lambda: dist.all_reduce(payload, group=self.world, async_op=True), "sum of the loss", "every rank")
-        self._await(_Pending(work, self.blocking_wait, "sum of the loss", "every rank"))
+        work = self.issue(lambda: dist.all_reduce(payload, group=self.world, async_op=True), "sum of the loss", "every rank")
+        self._await(Pending(work, self.blocking_wait, "sum of the loss", "every rank"))
         return payload.to(partial.dtype if partial is not None else torch.float32).cpu()
 
     def flush(self, instruction: str) -> None:
@@ -248,7 +248,7 @@ class DistributedTransport:
             self._await(send, f"{instruction}: delivery of `{send.what}`")
 
     # ---- waiting -----------------------------------------------------------------------------
-    def _await(self, pending: _Pending, what: str | None = None) -> None:
+    def _await(self, pending: Pending, what: str | None = None) -> None:
         """Poll until done; `PeerError` after `timeout_s`, `Aborted` when another thread here failed."""
         start = time.monotonic()
         while not pending.done(POLL_S):
@@ -270,7 +270,7 @@ class DistributedTransport:
         with self.sends_lock:
             self.sends = [s for s in self.sends if s not in finished]
 
-    def _issue(self, start, instruction: str, peers: str) -> dist.Work:
+    def issue(self, start, instruction: str, peers: str) -> dist.Work:
         """Start a torch.distributed op; a peer already known dead makes gloo raise right here."""
         try:
             with self.issue_lock:
@@ -296,9 +296,9 @@ class DistributedTransport:
         digest = int.from_bytes(hashlib.sha256(executed.encode()).digest()[:7], "big")
         values = [torch.tensor([digest], dtype=torch.int64, device=self.pools[self.rank].device) for _ in range(2)]
         for value, op in zip(values, (dist.ReduceOp.MIN, dist.ReduceOp.MAX), strict=True):
-            work = self._issue(lambda value=value, op=op: dist.all_reduce(value, op, group=self.world, async_op=True),
+            work = self.issue(lambda value=value, op=op: dist.all_reduce(value, op, group=self.world, async_op=True),
                                "comparing plans", "the other ranks")
-            self._await(_Pending(work, self.blocking_wait, "comparing plans", "the other ranks"))
+            self._await(Pending(work, self.blocking_wait, "comparing plans", "the other ranks"))
         if values[0].item() != values[1].item():
             raise PlanError(
                 "the ranks compiled different plans; compile with the same model, seed, inputs and options "
