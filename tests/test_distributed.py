@@ -40,28 +40,33 @@ SPAWN_LIMIT_S = 60.0  # a child that outlives this is killed and the test fails 
 
 # ---- the problems both ranks and the parent build alike ---------------------------------------
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "varuna", "harmony-pp", "harmony-dp")
-# (problem, schedule, swap): every schedule with swapping forced on and off on the tied GPT (tied
+# (problem, schedule, mode): every schedule with swapping forced on and off on the tied GPT (tied
 # embedding and head on the first and last stage, on different ranks except under harmony-dp, where
 # each rank holds every pack and the replicas all-reduce), every schedule but GPipe once on HF GPT-2,
-# and the MLP (no shared tensors, SGD, loss_fn). Swap "off" trains with gradient clipping (the
-# global-norm all-reduce, every update deferred); swap "on" cannot clip yet, so packs without a
-# tied weight update right after their last backward (jit-update).
+# and the MLP (no shared tensors, SGD, loss_fn). Modes: "off" and "on" (swap=), "all" (swap="all":
+# state and stashed activations), "host" (optimizer_on_host=True). Every mode but "on" trains with
+# gradient clipping (the global-norm all-reduce, every update deferred); "on" keeps the jit-update
+# path, where packs without a tied weight update right after their last backward.
+MODES = {"off": {"swap": "off"}, "on": {"swap": "on"}, "all": {"swap": "all"},
+         "host": {"swap": "off", "optimizer_on_host": True}}
 CASES = (
     [("mlp", "gpipe", "off")]
-    + [("tied-gpt", schedule, swap) for schedule in SCHEDULES for swap in ("on", "off")]
+    + [("tied-gpt", schedule, mode) for schedule in SCHEDULES for mode in ("on", "off")]
+    + [("tied-gpt", "gpipe", "all"), ("tied-gpt", "1f1b", "all"), ("tied-gpt", "harmony-pp", "all"),
+       ("tied-gpt", "1f1b", "host"), ("tied-gpt", "harmony-pp", "host")]
     + [("hf-gpt2", "1f1b", "off"), ("hf-gpt2", "interleaved", "on"), ("hf-gpt2", "varuna", "on"),
-       ("hf-gpt2", "harmony-pp", "on"), ("hf-gpt2", "harmony-dp", "off")]
+       ("hf-gpt2", "harmony-pp", "on"), ("hf-gpt2", "harmony-dp", "off"), ("hf-gpt2", "gpipe", "all")]
 )
 MATRIX_LIMIT_S = 150.0  # the whole matrix on one pair of ranks (about 20 s on an idle 2-core machine)
 
 
-def _problem(name: str, swap: str = "off"):
+def _problem(name: str, mode: str = "off"):
     """(model, batches, options for compile and eager_train) from seed 0, identical in every process."""
     torch.manual_seed(0)
     if name == "mlp":
         batches = [((torch.randn(8, 8),), torch.randint(0, 5, (8,))) for _ in range(STEPS)]
         return mlp(), batches, {"loss_fn": F.cross_entropy, "optimizer": SGD, "microbatches": 2}
-    clip = {"clip_grad_norm": 0.5 if name == "tied-gpt" else 1.0} if swap == "off" else {}
+    clip = {"clip_grad_norm": 0.5 if name == "tied-gpt" else 1.0} if mode != "on" else {}
     if name == "hf-gpt2":
         from tests.hf import gpt2, lm_batches  # here: importing transformers costs every spawned rank 2 s
 
@@ -74,21 +79,21 @@ def _problem(name: str, swap: str = "off"):
     return model, batches, {"loss_fn": lm_loss, "optimizer": ADAMW, "microbatches": 4, **clip}
 
 
-def _compile(name: str, schedule: str, swap: str):
+def _compile(name: str, schedule: str, mode: str):
     """With analytic costs: measured ones differ between the ranks, which could partition differently
     (a PlanError by design); these tests are about the runtime, not the planner."""
-    model, batches, options = _problem(name, swap)
+    model, batches, options = _problem(name, mode)
     inputs, target = batches[0]
     if target is not None:
         options["example_target"] = target
-    return sw.compile(model, RANKS, inputs, schedule=schedule, swap=swap, cost="analytic", **options), batches
+    return sw.compile(model, RANKS, inputs, schedule=schedule, cost="analytic", **MODES[mode], **options), batches
 
 
 @functools.cache
-def _eager(name: str, swap: str) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+def _eager(name: str, mode: str) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
     """Eager losses and trained state; one run serves every schedule of a problem. On one thread:
     on ops this small a second one only waits, and on a busy machine it made eager training 50x slower."""
-    model, batches, options = _problem(name, swap)
+    model, batches, options = _problem(name, mode)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -212,22 +217,24 @@ def trained(tmp_path_factory) -> list[dict]:
 @pytest.mark.parametrize("case", CASES, ids="-".join)
 def test_two_ranks_train_like_eager(trained, case):
     """Losses and parameters equal eager training's on both ranks; each rank ran only its own
-    stages, and swapped state to host memory exactly when swapping was forced on."""
-    name, schedule, swap = case
+    stages, and moved state to host memory exactly when its mode asks for it."""
+    name, schedule, mode = case
     results = [per_rank.get(case) for per_rank in trained]
     for rank, result in enumerate(results):
         failed = [f"{c}: {r['error']}" for c, r in trained[rank].items() if "error" in r]
         assert result is not None, f"rank {rank} did not finish {case}; " + (
             "\n".join(failed) or f"it hung, or the matrix took over {MATRIX_LIMIT_S:.0f} s")
         assert "error" not in result, f"rank {rank} failed:\n{result['error']}"
-    want, state = _eager(name, swap)
+    want, state = _eager(name, mode)
     for rank, result in enumerate(results):
         assert result["context"] == (rank, RANKS, rank)
         assert result["devices"] == {rank}  # this rank runs only its own stages
         torch.testing.assert_close(torch.stack(result["losses"]), torch.stack(want), rtol=RTOL, atol=ATOL)
         stats = result["stats"]
         assert stats["p2p_bytes"] > 0
-        assert (stats["swap_in_bytes"] > 0) == (stats["swap_out_bytes"] > 0) == (swap == "on"), stats
+        assert (stats["swap_in_bytes"] > 0) == (stats["swap_out_bytes"] > 0) == (mode != "off"), stats
+        if mode == "host":
+            assert stats["optimizer_bytes"] == 0, stats  # the optimizer state never reaches the device
     assert all(torch.equal(a, b) for a, b in zip(results[0]["losses"], results[1]["losses"], strict=True))
     assert_state_equal(results[0]["state"], state)
     assert_state_equal(results[1]["state"], results[0]["state"])
