@@ -60,7 +60,7 @@ def compile(  # noqa: A001 - the public name of the API
     split_points: list[str] | None = None,
     clip_grad_norm: float | None = None,
     swap: str = "auto",
-    replicas: int = 1,
+    replicas: int | str = 1,
     optimizer_on_host: bool = False,
 ) -> Pipeline:
     """Compile `model` into a pipeline over `devices` that trains exactly like eager training.
@@ -76,7 +76,8 @@ def compile(  # noqa: A001 - the public name of the API
     every mode but "off"; "all" is "on" plus swapping every stage's stashed activations
     (Harmony's sX; the least device memory, the most host traffic; a stash whose backward is the
     device's next task stays). `replicas`: data-parallel copies of the pipeline (P x D, P =
-    devices / replicas).
+    devices / replicas); "auto" lets the planner simulate every D that divides the devices and the
+    microbatch count and keep the fastest, as Varuna's configuration search does (§4.4).
     `optimizer_on_host`: run the optimizer step on the host (Harmony's CPU update, ZeRO-Offload):
     each update copies the stage's gradients to host memory, steps fp32 master weights there with
     the optimizer state kept beside them, and copies the weights back to the device, so no device
@@ -88,6 +89,8 @@ def compile(  # noqa: A001 - the public name of the API
         raise PlanError(f"unknown cost={cost!r}; choose 'profile' (measure) or 'analytic' (FLOPs and peak rates)")
     if schedule not in SCHEDULES:
         raise PlanError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if replicas != "auto" and (not isinstance(replicas, int) or replicas < 1):
+        raise PlanError(f"replicas must be a positive int or 'auto', got {replicas!r}")
     timer = _PhaseTimer()
     resolved = resolve_devices(devices)
     names, kind = input_names(model, example_inputs)
@@ -113,15 +116,16 @@ def compile(  # noqa: A001 - the public name of the API
 
     partitions: dict[tuple, tuple[list[int], list[int]]] = {}
 
-    def build(name: str, m: int, fixed: tuple | None = None, exact: bool = False) -> tuple[Assembled, list, int]:
-        """One candidate plan, on the first trace (layers and per-sample bytes do not depend on the
-        microbatch size), or `exact`ly on a trace at this size (what the runtime needs). `fixed` =
-        (stage starts, stage devices) decided elsewhere (the planner, or rank 0)."""
+    def build(name: str, m: int, d: int = 1, fixed: tuple | None = None, exact: bool = False
+              ) -> tuple[Assembled, list, int]:
+        """One candidate plan with `d` data-parallel replicas, on the first trace (layers and per-sample
+        bytes do not depend on the microbatch size), or `exact`ly on a trace at this size (what the
+        runtime needs). `fixed` = (stage starts, stage devices) decided elsewhere (the planner, or rank 0)."""
         gm, layers, cuts, _ = analysis.at(m if exact else analysis.first_m)
         size = batch // m
         legal = sum(c.legal for c in cuts)
         params = sum(layer.param_bytes for layer in layers)
-        layout = choose_layout(name, len(resolved), replicas, legal, params, min((c for c in capacities if c), default=None),
+        layout = choose_layout(name, len(resolved), d, legal, params, min((c for c in capacities if c), default=None),
                                state_ratio)
         layer_costs = costs(size)
         if fixed is not None:
@@ -143,17 +147,18 @@ def compile(  # noqa: A001 - the public name of the API
                         optimizer_on_host=optimizer_on_host, stash_bytes=[c.stash_bytes for c in layer_costs])
         return plan, layer_costs, size
 
-    if split_points is not None or (schedule != "auto" and microbatches is not None):
+    searched = replicas == "auto" and split_points is None
+    if split_points is not None or (schedule != "auto" and microbatches is not None and not searched):
         chosen_name = "gpipe" if schedule == "auto" else schedule
-        chosen, layer_costs, size = build(chosen_name, first_m, exact=True)
+        chosen, layer_costs, size = build(chosen_name, first_m, 1 if replicas == "auto" else replicas, exact=True)
         prediction, _ = predict(chosen, layer_costs, specs, size, bandwidth, runtime)
         considered = ()
     else:
         needs_swap = _needs_swap(analysis, capacities, swap, state_ratio)
         legal = sum(c.legal for c in analysis.at(first_m)[2])
-        pairs = candidates(schedule, microbatches, batch, len(resolved), legal, needs_swap)
-        chosen, prediction, tried = choose(pairs, build, specs, bandwidth, runtime)
-        considered = tuple(_describe(name, m, result) for name, m, result in tried)
+        options = candidates(schedule, microbatches, batch, len(resolved), legal, needs_swap, replicas)
+        chosen, prediction, tried = choose(options, build, specs, bandwidth, runtime)
+        considered = tuple(_describe(name, m, d, result) for name, m, d, result in tried)
     chosen = _agree_across_ranks(chosen, build)
     chosen = _exactly(chosen, build, analysis)
     gm, layers, cuts, size = analysis.at(chosen.microbatches)
@@ -279,11 +284,12 @@ def _needs_swap(analysis: _Analysis, capacities: list[int | None], swap: str, st
     return state > sum(c for c in capacities if c) * 0.75
 
 
-def _describe(name: str, m: int, result: Prediction | str) -> str:
+def _describe(name: str, m: int, d: int, result: Prediction | str) -> str:
+    what = f"{name:<11} x{m:<3}" + (f" D={d}" if d > 1 else "")
     if isinstance(result, str):
-        return f"{name:<11} x{m:<3} not possible: {result}"
+        return f"{what} not possible: {result}"
     fits = "fits" if result.fits else "does not fit"
-    return f"{name:<11} x{m:<3} {result.iteration_s * 1e3:9.2f} ms/iteration, {fits}"
+    return f"{what} {result.iteration_s * 1e3:9.2f} ms/iteration, {fits}"
 
 
 def _exactly(chosen: Assembled, build, analysis: _Analysis) -> Assembled:
@@ -294,26 +300,27 @@ def _exactly(chosen: Assembled, build, analysis: _Analysis) -> Assembled:
         return chosen
     layers = analysis.at(chosen.microbatches)[1]
     if len(layers) != len(analysis.at(analysis.first_m)[1]):  # the graph changed with the size: plan again on it
-        return build(chosen.schedule, chosen.microbatches, exact=True)[0]
-    return build(chosen.schedule, chosen.microbatches, fixed=(list(chosen.starts), list(chosen.stage_devices)),
-                 exact=True)[0]
+        return build(chosen.schedule, chosen.microbatches, chosen.layout.replicas, exact=True)[0]
+    return build(chosen.schedule, chosen.microbatches, chosen.layout.replicas,
+                 fixed=(list(chosen.starts), list(chosen.stage_devices)), exact=True)[0]
 
 
 def _agree_across_ranks(chosen: Assembled, build) -> Assembled:
     """Under torch.distributed every rank must run the same plan: rank 0's choice wins."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return chosen
-    decision = [(chosen.schedule, chosen.microbatches, chosen.starts, chosen.stage_devices)]
+    mine = (chosen.schedule, chosen.microbatches, chosen.layout.replicas, chosen.starts, chosen.stage_devices)
+    decision = [mine]
     torch.distributed.broadcast_object_list(decision, src=0)
-    if decision[0] == (chosen.schedule, chosen.microbatches, chosen.starts, chosen.stage_devices):
+    if decision[0] == mine:
         return chosen
     return _rebuild(decision[0], build)
 
 
 def _rebuild(decision, build) -> Assembled:
     """This rank's measurements led elsewhere: build rank 0's plan here."""
-    name, m, starts, stage_devices = decision
-    plan, _, _ = build(name, m, fixed=(list(starts), list(stage_devices)), exact=True)
+    name, m, d, starts, stage_devices = decision
+    plan, _, _ = build(name, m, d, fixed=(list(starts), list(stage_devices)), exact=True)
     return plan
 
 

@@ -32,6 +32,7 @@ from stagewise.passes.stages import build_stages
 from stagewise.passes.swap import SwapPlan, plan_swaps
 
 CPSAT_MAX_LAYERS = 160  # exact partition-and-binding: 52 layers on 4 devices solve in 0.1 s
+REPLICATING = ("gpipe", "1f1b", "varuna")  # schedules whose pipelines replicate (P x D)
 DP_MAX_LAYERS = 256  # beyond, the O(L^2 P) DP costs seconds: a bottleneck search (O(L log)) instead
 
 
@@ -202,8 +203,9 @@ def _cpsat(times, cuts, costs, devices, microbatch_size: int, bandwidth: float) 
 
 
 def candidates(schedule: str, microbatches: int | None, batch: int, n_devices: int, legal_cuts: int,
-               needs_swap: bool) -> list[tuple[str, int]]:
-    """(schedule, microbatch count) pairs to try."""
+               needs_swap: bool, replicas: int | str = 1) -> list[tuple[str, int, int]]:
+    """(schedule, microbatch count, data-parallel replicas) to try; replicas="auto" tries every D that
+    divides the devices and the microbatches (P x D, Varuna §4.4) for the schedules that replicate."""
     if schedule != "auto":
         schedules = [schedule]
     elif needs_swap:
@@ -211,43 +213,48 @@ def candidates(schedule: str, microbatches: int | None, batch: int, n_devices: i
     else:
         schedules = ["gpipe", "1f1b"] + (["interleaved"] if legal_cuts + 1 >= 2 * n_devices else [])
     counts = [microbatches] if microbatches else [m for m in range(1, min(batch, 8 * n_devices) + 1) if batch % m == 0]
-    pairs = []
+    options = []
     for name in schedules:
         for m in counts:
             if name == "interleaved" and m % n_devices:
                 continue
             if name == "harmony-dp" and m % n_devices:
                 continue
-            pairs.append((name, m))
-    return pairs
+            if replicas != "auto":
+                options.append((name, m, replicas))
+            elif name in REPLICATING:
+                options += [(name, m, d) for d in range(1, n_devices + 1) if n_devices % d == 0 and m % d == 0]
+            else:
+                options.append((name, m, 1))
+    return options
 
 
 def choose(
-    pairs: list[tuple[str, int]],
-    build: Callable[[str, int], tuple[Assembled, Sequence[LayerCost], int]],
+    options: list[tuple[str, int, int]],
+    build: Callable[[str, int, int], tuple[Assembled, Sequence[LayerCost], int]],
     devices: Sequence[DeviceSpec],
     bandwidth: float,
     runtime: RuntimeCosts = RuntimeCosts(),
-) -> tuple[Assembled, Prediction, list[tuple[str, int, Prediction | str]]]:
+) -> tuple[Assembled, Prediction, list[tuple[str, int, int, Prediction | str]]]:
     """The candidate with the lowest predicted iteration time that fits; the table of all tried."""
-    tried: list[tuple[str, int, Prediction | str]] = []
+    tried: list[tuple[str, int, int, Prediction | str]] = []
     best = None
-    for name, m in pairs:
+    for name, m, d in options:
         try:
-            plan, costs, size = build(name, m)
+            plan, costs, size = build(name, m, d)
         except StagewiseError as error:
-            tried.append((name, m, str(error).splitlines()[0]))
+            tried.append((name, m, d, str(error).splitlines()[0]))
             continue
         prediction, _ = predict(plan, costs, devices, size, bandwidth, runtime)
-        tried.append((name, m, prediction))
+        tried.append((name, m, d, prediction))
         key = (not prediction.fits, prediction.iteration_s)
         if best is None or key < best[0]:
             best = (key, plan, prediction)
     if best is None:
-        reasons = list(dict.fromkeys(r for _, _, r in tried))
+        reasons = list(dict.fromkeys(r for *_, r in tried))
         if len(reasons) == 1:
             raise PartitionError(reasons[0])
-        raise PartitionError("no plan could be built: " + "; ".join(f"{n} x{m}: {r}" for n, m, r in tried))
+        raise PartitionError("no plan could be built: " + "; ".join(f"{n} x{m} D={d}: {r}" for n, m, d, r in tried))
     _, plan, prediction = best
     if not prediction.fits:
         over = [(d, peak, spec.memory) for d, (peak, spec) in enumerate(zip(prediction.peak_bytes, devices, strict=True))

@@ -92,3 +92,22 @@ def test_predicted_peak_memory_is_the_pools_measured_peak(schedule):
     predicted = pipe.simulate().peak_bytes
     for stats in pipe.stats:
         assert predicted[stats["device"]] == pytest.approx(stats["peak_bytes"], rel=0.05)
+
+
+def test_replicas_auto_searches_p_by_d_and_keeps_the_fastest():
+    """Varuna §4.4: every D dividing the devices and the microbatches is simulated; the fastest fits."""
+    batches = token_batches(2, batch=8)
+    pipe = check_equal_training(TinyGPT(layers=4), batches, 4, loss_fn=lm_loss, optimizer=ADAMW,
+                                microbatches=4, schedule="1f1b", replicas="auto", cost="analytic")
+    tried = {int(line.split("D=")[1].split()[0]) if "D=" in line else 1: line for line in pipe.plan.considered}
+    assert set(tried) == {1, 2, 4}
+    times = {d: float(line.split("ms/iteration")[0].split()[-1]) for d, line in tried.items()}
+    assert pipe.plan.predicted_iteration_s * 1e3 == pytest.approx(min(times.values()), abs=0.01)
+    replicas = len({s.replica for s in pipe.plan.stages})
+    assert times[replicas] == min(times.values())
+
+
+def test_replicas_must_be_a_positive_int_or_auto():
+    x, y = _gpt_batch()
+    with pytest.raises(sw.PlanError, match="replicas"):
+        sw.compile(TinyGPT(), 2, (x,), loss_fn=lm_loss, example_target=y, replicas=0)
