@@ -8,6 +8,7 @@ import sys
 import time
 
 import torch
+import torch.fx as fx
 from stagewise.codegen.stages import build_stage_modules
 from stagewise.compiler.calibrate import (
     handoff_seconds,
@@ -221,6 +222,7 @@ class _Analysis:
     def __init__(self, model, example_inputs, example_target, loss_fn, batch: int, first_m: int, *,
                  dynamic: bool = True):
         self.model, self.inputs, self.target, self.loss_fn, self.batch = model, example_inputs, example_target, loss_fn, batch
+        self.dynamic = dynamic
         self.cache: dict[int, tuple] = {}
         # Export at a size of at least 2 where the batch allows: export fixes a size of 1 (0/1 specialisation).
         example_m = first_m
@@ -242,6 +244,18 @@ class _Analysis:
             self.graph_inputs = traced.graph_inputs
         return self.cache[m]
 
+    def graph_at_size(self, u: int) -> fx.GraphModule:
+        """The graph at microbatch size u (the profiler's probes): the example's first u samples,
+        repeated where the example has fewer."""
+        def rows(value):
+            if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                return value
+            return value.repeat(-(-u // value.shape[0]), *[1] * (value.dim() - 1))[:u]
+
+        inputs = {k: rows(v) for k, v in self.inputs.items()} if isinstance(self.inputs, dict) else tuple(
+            rows(v) for v in self.inputs)
+        return self.capture.at(inputs, rows(self.target)).graph_module
+
 
 def _cost_model(cost: str, analysis: _Analysis, device: Device, optimizer_ratio: float):
     """Per-layer costs at a microbatch size, from one profile (or analytic model) of the first trace."""
@@ -252,7 +266,10 @@ def _cost_model(cost: str, analysis: _Analysis, device: Device, optimizer_ratio:
         if cost == "analytic":
             return analytic_layers(gm, layers, size, device, optimizer_state_factor=optimizer_ratio)
         return profile_layers(gm, layers, device, traced_microbatch=size, quiet=not sys.stderr.isatty(),
-                              optimizer_state_factor=optimizer_ratio)
+                              optimizer_state_factor=optimizer_ratio,
+                              # several sizes matter only to a planner that weighs several counts; a static
+                              # export would be exported again for each
+                              graph_at=analysis.graph_at_size if analysis.dynamic else None)
 
     return lambda u: costs_at(profiles(), u)
 

@@ -196,6 +196,7 @@ def profile_layers(
     repeats: int = REPEATS,
     max_microbatch: int = MAX_MICROBATCH,
     cache: bool = True,
+    graph_at: Callable[[int], fx.GraphModule] | None = None,
 ) -> list[LayerProfile]:
     """Profile every layer of `gm` on `device` (Harmony §4.2) and fit costs in u (Srifty §3).
 
@@ -203,6 +204,8 @@ def profile_layers(
     finds the largest u whose every layer fits, and the default probes spread over 1..that u.
     Without a capacity the default probes spread over 1..traced microbatch size.
     `microbatch_sizes` picks the probes instead (those that do not fit are dropped).
+    `graph_at(u)`: the graph at microbatch size u, for graphs that run at their traced size only
+    (torch.export's): each probe size is then measured on a graph of its own.
     """
     device = resolve_devices(device)[0]
     capacity = parse_bytes(capacity) if capacity is not None else device.memory
@@ -214,7 +217,7 @@ def profile_layers(
     if cache and (hit := _load(key)) is not None and not _measured_under_load(hit, gm, layers, traced, device):
         return hit
 
-    shapes = _ShapeCache(gm, layers, traced)
+    shapes = _ShapeCache(gm, layers, traced, graph_at)
     state = [layer_state_bytes(gm, layer, optimizer_state_factor) for layer in layers]
     largest = None
     if capacity is not None:
@@ -331,6 +334,7 @@ class _Shapes:
     stash_bytes: list[int]
     largest_bytes: list[int]  # the largest single intermediate: a workspace estimate
     exact: bool = True  # False: scaled from another size, no values to run a layer on
+    graph: fx.GraphModule | None = None  # the graph at u, where the traced one runs at its own size only
 
     def scaled(self, u: int) -> _Shapes:
         """Byte counts at u by proportion, for a graph that only runs at the size it was traced at."""
@@ -344,13 +348,15 @@ class _Shapes:
 class _ShapeCache:
     """Shapes per microbatch size, computed once each.
 
-    A graph captured by torch.export with static shapes has the traced batch written into its
-    view and reshape arguments and runs at that size only; other sizes then get byte counts
-    scaled from it, and only the traced size is probed.
+    A graph captured by torch.export has the traced batch written into its view and reshape
+    arguments and runs at that size only; `graph_at(u)` (the capture's graph at size u, with the
+    same nodes) then gives each size a graph of its own. Without it other sizes get byte counts
+    scaled from the traced size, and only the traced size is probed.
     """
 
-    def __init__(self, gm: fx.GraphModule, layers: Sequence[Layer], traced: int):
-        self.gm, self.layers, self.traced = gm, layers, traced
+    def __init__(self, gm: fx.GraphModule, layers: Sequence[Layer], traced: int,
+                 graph_at: Callable[[int], fx.GraphModule] | None = None):
+        self.gm, self.layers, self.traced, self.graph_at = gm, layers, traced, graph_at
         self._done: dict[int, _Shapes] = {}
         self.static = False  # set at the first size other than the traced one that fails
 
@@ -369,6 +375,12 @@ class _ShapeCache:
                     self._done[u] = shapes_at(self.gm, self.layers, u, self.traced)
             except Exception:  # noqa: BLE001 - any failure: the graph is specialised to its size
                 self.static = True
+        if u not in self._done and self.graph_at is not None:
+            try:
+                graph = self.graph_at(u)
+                self._done[u] = replace(shapes_at(graph, self.layers, u, u), graph=graph)
+            except Exception:  # noqa: BLE001 - this size cannot be captured: scaled below
+                pass
         if u not in self._done:
             self._done[u] = self.at(self.traced).scaled(u)
         return self._done[u]
@@ -685,7 +697,9 @@ def _profile_unique(gm, unique: Sequence[Layer], sizes: Sequence[int], shapes: _
             module = layer_module(gm, layer).to(where)
             out[layer.index] = []
             for u in sizes:
-                cost = _probe(module, layer, u, shapes.at(u), state[layer.index], where, repeats)
+                at_u = shapes.at(u)
+                own = module if at_u.graph is None else layer_module(at_u.graph, layer).to(where)
+                cost = _probe(own, layer, u, at_u, state[layer.index], where, repeats)
                 bar.advance(task)
                 if cost is None:
                     break

@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+import stagewise as sw
 import torch
 import torch.nn.functional as F
 from stagewise.compiler.calibrate import (
@@ -341,3 +342,22 @@ def test_uniform_topology_and_bad_matrices():
         Topology.from_matrix([[None, 1], [0, None]])
     with pytest.raises(DeviceError):
         Topology(((math.inf, 1.0),))
+
+
+def test_export_graphs_are_profiled_at_several_sizes(monkeypatch):
+    """A torch.export graph runs at its traced size only; the capture gives the profiler a graph per
+    probe size, so fixed per-microbatch costs show (not times proportional to one probe)."""
+    from tests.hf import gpt2, lm_batches
+
+    sizes = set()
+    real = prof.measure_layer
+
+    def recording(module, inputs, device, repeats=prof.REPEATS):
+        sizes.update(t.shape[0] for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0)
+        return real(module, inputs, device, repeats)
+
+    monkeypatch.setattr(prof, "measure_layer", recording)
+    inputs, _ = lm_batches(1)[0]
+    pipe = sw.compile(gpt2(layers=2), 2, inputs, schedule="gpipe")  # microbatches=None: the planner weighs sizes
+    assert pipe.plan.tracer == "export"
+    assert len(sizes) > 2  # probes at several sizes, not only the traced one (4)
