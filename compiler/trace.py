@@ -74,22 +74,26 @@ class Objective(torch.nn.Module):
     """The model's forward followed by its loss, sharing the model's own parameter dicts.
 
     Sharing `_modules`, `_parameters` and `_buffers` (rather than holding the model as a
-    child) keeps every FQN and module path exactly as in the user's model.
+    child) keeps every FQN and module path exactly as in the user's model. Its own attributes
+    carry a prefix no model uses (read them as they are, no properties): an attribute `model`
+    would shadow a submodule named `model` (Llama's, Mistral's, BART's), and torch.export finds
+    submodules by attribute.
     """
 
     def __init__(self, model: torch.nn.Module, loss_fn, keyword: bool):
         super().__init__()
-        object.__setattr__(self, "model", model)
-        object.__setattr__(self, "loss_fn", loss_fn)
-        object.__setattr__(self, "keyword", keyword)
+        object.__setattr__(self, "_stagewise_model", model)
+        object.__setattr__(self, "_stagewise_loss_fn", loss_fn)
+        object.__setattr__(self, "_stagewise_keyword", keyword)
         object.__setattr__(self, "_modules", model._modules)
         object.__setattr__(self, "_parameters", model._parameters)
         object.__setattr__(self, "_buffers", model._buffers)
 
     def forward(self, inputs, target=None):
-        out = self.model.forward(**inputs) if self.keyword else self.model.forward(*inputs)
-        if self.loss_fn is not None:
-            return self.loss_fn(out, target)
+        model = self._stagewise_model
+        out = model.forward(**inputs) if self._stagewise_keyword else model.forward(*inputs)
+        if self._stagewise_loss_fn is not None:
+            return self._stagewise_loss_fn(out, target)
         if isinstance(out, torch.Tensor | fx.Proxy):
             return out
         loss = getattr(out, "loss", None)
@@ -199,7 +203,7 @@ class Capture:
     def at(self, inputs, target) -> Traced:
         """The graph at the microbatch size of `inputs` (and `target`), with node.meta['val'] and
         ['flops'] at that size."""
-        with _buffers_kept(self.objective.model):
+        with _buffers_kept(self.objective._stagewise_model):
             gm = self._graph_at(inputs, target)
         return Traced(gm, self.tracer, self.input_names, self.input_kind, self.target_name)
 
@@ -224,7 +228,7 @@ class Capture:
 
     def _leaves(self, inputs, target) -> list:
         """The flat graph inputs, in placeholder order (as torch.export flattens its arguments)."""
-        args = (inputs, target) if self.objective.loss_fn is not None else (inputs,)
+        args = (inputs, target) if self.objective._stagewise_loss_fn is not None else (inputs,)
         return tree_flatten(args)[0]
 
     def _specialised(self, template: fx.GraphModule, leaves: list, inputs, target) -> tuple[fx.GraphModule, bool]:
@@ -318,7 +322,7 @@ class Capture:
 
     def _agrees_with_eager(self, gm: fx.GraphModule, inputs, target, leaves: list) -> bool:
         """One forward of the graph and of the model on the same inputs give the same loss."""
-        args = (inputs, target) if self.objective.loss_fn is not None else (inputs,)
+        args = (inputs, target) if self.objective._stagewise_loss_fn is not None else (inputs,)
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=[]), _buffers_kept(gm):
                 torch.manual_seed(0)
@@ -456,7 +460,7 @@ def _trace_fx(objective, example_inputs, example_target, n_inputs, dynamic=False
     tracer = fx.Tracer()
     graph = tracer.trace(objective, concrete_args={"inputs": structure})
     graph._codegen = fx.graph.CodeGen()
-    return fx.GraphModule(tracer.root, graph, type(objective.model).__name__), None
+    return fx.GraphModule(tracer.root, graph, type(objective._stagewise_model).__name__), None
 
 
 def _trace_export(objective, example_inputs, example_target, n_inputs, dynamic=False) -> tuple[fx.GraphModule, _Exported]:
@@ -464,7 +468,7 @@ def _trace_export(objective, example_inputs, example_target, n_inputs, dynamic=F
 
     `dynamic`: dim 0 of every input is `Dim.AUTO`, a symbol unless the model pins it; an export
     that fails that way is retried with static shapes."""
-    args = (example_inputs, example_target) if objective.loss_fn is not None else (example_inputs,)
+    args = (example_inputs, example_target) if objective._stagewise_loss_fn is not None else (example_inputs,)
     # The same tensor passed twice (input_ids as labels) would become one graph input.
     args = tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, args)
     batched = [v for v in tree_flatten(args)[0] if isinstance(v, torch.Tensor) and v.dim() > 0]
