@@ -188,11 +188,12 @@ def _break_forward(worker, microbatch: int) -> None:
 
 
 # ---- the parent ------------------------------------------------------------------------------
-def _spawn(fn, tmp_path: Path, *args, limit_s: float = SPAWN_LIMIT_S, fail_on_hang: bool = True) -> list[dict]:
-    """Run `fn(rank, init_file, out, *args)` on two processes; kill them past `limit_s` (and fail,
-    unless the caller reads what they saved before that)."""
+def _spawn(fn, tmp_path: Path, *args, limit_s: float = SPAWN_LIMIT_S, fail_on_hang: bool = True,
+           ranks: int = RANKS) -> list[dict]:
+    """Run `fn(rank, init_file, out, *args)` on `ranks` processes; kill them past `limit_s` (and fail,
+    unless the caller reads what they saved before that); what each saved in out/rank<r>.pkl."""
     init_file = str(tmp_path / "store")
-    context = mp.start_processes(fn, args=(init_file, str(tmp_path), *args), nprocs=RANKS, join=False,
+    context = mp.start_processes(fn, args=(init_file, str(tmp_path), *args), nprocs=ranks, join=False,
                                  start_method="spawn")
     deadline = time.monotonic() + limit_s
     while not context.join(timeout=0.5):
@@ -203,7 +204,7 @@ def _spawn(fn, tmp_path: Path, *args, limit_s: float = SPAWN_LIMIT_S, fail_on_ha
                 pytest.fail(f"the ranks did not finish within {limit_s:.0f} s (a hang)")
             break
     return [pickle.loads(p.read_bytes()) if p.exists() else None
-            for p in (tmp_path / f"rank{r}.pkl" for r in range(RANKS))]
+            for p in (tmp_path / f"rank{r}.pkl" for r in range(ranks))]
 
 
 @pytest.fixture(scope="module")

@@ -21,13 +21,13 @@ import pytest
 import stagewise as sw
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from stagewise.passes.lower import lower
 from stagewise.passes.schedule import schedule_tasks
 from stagewise.passes.simulate import SimCost, simulate
 
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.reference import ADAMW, ATOL, RTOL, assert_state_equal, eager_train, pipeline_train, token_batches
+from tests.test_distributed import _spawn
 from tests.test_simulator import chain
 
 SLOW_BACKWARD_S = 0.1  # the last stage's backward sleeps this long: its gradients arrive late
@@ -227,17 +227,9 @@ def _rank(rank: int, init_file: str, out: str) -> None:
 
 
 def test_three_gloo_ranks_run_ready_forwards_early_and_train_like_eager(tmp_path):
-    context = mp.start_processes(_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=RANKS, join=False,
-                                 start_method="spawn")
-    deadline = time.monotonic() + SPAWN_LIMIT_S
-    while not context.join(timeout=0.5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the ranks did not finish within {SPAWN_LIMIT_S:.0f} s (a hang)")
-    results = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(RANKS)]
+    results = _spawn(_rank, tmp_path, ranks=RANKS, limit_s=SPAWN_LIMIT_S)
     for rank, result in enumerate(results):
-        assert "error" not in result, f"rank {rank} failed:\n{result['error']}"
+        assert result is not None and "error" not in result, f"rank {rank} failed:\n{result}"
     torch.manual_seed(0)
     model, batches = TinyGPT(), token_batches()
     want = eager_train(model, batches, loss_fn=lm_loss, optimizer=ADAMW, microbatches=4)
