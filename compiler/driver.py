@@ -22,7 +22,7 @@ from stagewise.compiler.ir import Plan
 from stagewise.compiler.pipeline import Pipeline
 from stagewise.compiler.trace import capture, input_names
 from stagewise.passes.analytic import analytic_layers
-from stagewise.passes.contention import concurrent_speeds
+from stagewise.passes.contention import host_contention
 from stagewise.passes.cutpoints import find_cuts
 from stagewise.passes.layers import build_layers
 from stagewise.passes.layout import choose_layout
@@ -281,14 +281,16 @@ def _runtime_costs(cost: str, analysis: _Analysis, devices: list[Device], optimi
     gm, layers, _, size = analysis.at(analysis.first_m)
     sharing = sum(d.torch_device.type == "cpu" for d in devices) if distributed_context() is None else 1
     concurrency: tuple[float, ...] = ()
+    wake_s = 0.0
     if sharing > 1 and cost == "profile":
-        concurrency = concurrent_speeds(gm, layers, costs(size), size, sharing)
+        measured = host_contention(gm, layers, costs(size), size, sharing)
+        concurrency, wake_s = measured.speeds, measured.wake_s
     elif sharing > 1:
         cores = len(os.sched_getaffinity(0)) / min(torch.get_num_threads(), os.cpu_count() or 1)
         concurrency = tuple(min(1.0, cores / k) for k in range(1, sharing + 1))
     step = optimizer_cost(optimizer, devices[0])
     update = tuple(step.seconds(len(layer.params), layer.param_bytes) for layer in layers)
-    return RuntimeCosts(instruction_s=handoff_seconds(), concurrency=concurrency, update_s=update)
+    return RuntimeCosts(instruction_s=handoff_seconds(), concurrency=concurrency, update_s=update, wake_s=wake_s)
 
 
 def _needs_swap(analysis: _Analysis, capacities: list[int | None], swap: str, state_ratio: float) -> bool:

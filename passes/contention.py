@@ -20,6 +20,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -29,7 +30,9 @@ from torch.utils._pytree import tree_flatten
 
 MIN_WINDOW_S = 0.03  # each measurement keeps every thread busy at least this long
 WINDOW_STEPS = 6  # ... and for at least this many steps of one thread alone
-_MEASURED: dict[tuple, tuple[float, ...]] = {}
+WAKE_GAP_S = 0.01  # an idle wait like a pipeline's for its next input
+WAKE_REPEATS = 5
+_MEASURED: dict[tuple, HostContention] = {}
 
 
 def costliest_layer(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequence[LayerCost]) -> Layer:
@@ -43,11 +46,21 @@ def costliest_layer(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequence
     return first[max(share, key=share.get)]
 
 
-def concurrent_speeds(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequence[LayerCost], traced_microbatch: int,
-                      threads: int) -> tuple[float, ...]:
-    """Speed of each of k computing threads relative to one alone, for k = 1 .. threads (non-increasing,
-    never above cores / k), at the microbatch size the graph was traced at. Measured once per process
-    for a layer kind and size, so plans compiled side by side are charged alike."""
+@dataclass(frozen=True)
+class HostContention:
+    """`speeds[k - 1]`: each of k computing threads' speed relative to one alone; `wake_s`: what a
+    compute costs beyond its profile when its thread was idle just before (a thread that waited for
+    its input finds its core clocked down and its caches cold; the profiler times layers back to back)."""
+
+    speeds: tuple[float, ...]
+    wake_s: float
+
+
+def host_contention(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequence[LayerCost], traced_microbatch: int,
+                    threads: int) -> HostContention:
+    """Measured on the costliest layer kind at the traced microbatch size: speeds for k = 1 .. threads
+    (non-increasing, never above cores / k), and the wake-up cost. Measured once per process for a
+    layer kind and size, so plans compiled side by side are charged alike."""
     layer = costliest_layer(gm, layers, costs)
     key = (layer_signature(gm, layer), traced_microbatch, threads, torch.get_num_threads())
     if key not in _MEASURED:
@@ -56,7 +69,7 @@ def concurrent_speeds(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequen
 
 
 def _measure(gm: fx.GraphModule, layers: Sequence[Layer], layer: Layer, traced_microbatch: int,
-             threads: int) -> tuple[float, ...]:
+             threads: int) -> HostContention:
     shapes = shapes_at(gm, layers, traced_microbatch, traced_microbatch)
     module = layer_module(gm, layer)
     copies = [copy.deepcopy(module) for _ in range(threads)]
@@ -69,7 +82,18 @@ def _measure(gm: fx.GraphModule, layers: Sequence[Layer], layer: Layer, traced_m
     speeds = [1.0]
     for k in range(2, threads + 1):
         speeds.append(min(speeds[-1], cores / k, _rate(copies[:k], inputs[:k], window) / alone))
-    return tuple(speeds)
+    return HostContention(tuple(speeds), _wake_seconds(copies[0], inputs[0], 1 / alone))
+
+
+def _wake_seconds(module: torch.nn.Module, args: list, warm_s: float) -> float:
+    """Median extra seconds of a forward + backward right after the thread slept WAKE_GAP_S."""
+    times = []
+    for _ in range(WAKE_REPEATS):
+        time.sleep(WAKE_GAP_S)
+        began = time.perf_counter()
+        _step(module, args)
+        times.append(time.perf_counter() - began)
+    return max(statistics.median(times) - warm_s, 0.0)
 
 
 def _rate(modules: list[torch.nn.Module], inputs: list[list], window: float) -> float:

@@ -59,6 +59,7 @@ class RuntimeCosts:
     instruction_s: float = 0.0
     concurrency: tuple[float, ...] = ()
     update_s: tuple[float, ...] = ()  # per layer
+    wake_s: float = 0.0  # a CPU device's compute right after it waited
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,7 @@ def sim_cost(plan: Assembled, costs: Sequence[LayerCost], devices: Sequence[Devi
         forward_s=tuple(forward), backward_s=tuple(backward), update_s=tuple(update), stash_bytes=tuple(stash),
         state_bytes=tuple(state), value_bytes=transfer_bytes(plan.transfers, microbatch_size), bandwidth=bandwidth,
         host_bandwidth=bandwidth, instruction_s=runtime.instruction_s, concurrency=runtime.concurrency,
+        wake_s=runtime.wake_s,
         shared_devices=frozenset(d for d, spec in enumerate(devices) if spec.kind == "cpu"),
     )
 

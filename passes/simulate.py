@@ -23,6 +23,9 @@ Rules, one per instruction kind:
   all-reduce, 2 (n - 1) / n * bytes over the slowest link of the ring.
 - Every instruction also costs the runtime's own `instruction_s` (dispatch and the wake-up of
   the stream thread that runs it): added to computes and swaps, and to a transfer's latency.
+- A CPU device's compute that starts after its compute stream sat idle (waiting for an input)
+  costs `wake_s` more: the core has clocked down and its caches went cold, while the profiler
+  times layers back to back (measured at compile, passes/contention.py).
 - Devices that share a host (CPU devices of one process: threads on its cores, under one GIL)
   slow each other down the way concurrent transfers share a link: with k of them computing at
   once each computes at `concurrency[k - 1]` of its speed alone (measured), recomputed
@@ -60,6 +63,7 @@ from stagewise.compiler.errors import PlanError
 from stagewise.compiler.ir import STREAMS, Instruction, Program, Transfer
 
 _EPS = 1e-12
+WAKE_IDLE_S = 1e-3  # a compute stream idle this long pays SimCost.wake_s at its next compute
 
 
 # ---- inputs ------------------------------------------------------------------------------------
@@ -92,6 +96,7 @@ class SimCost:
     instruction_s: float = 0.0  # the runtime's own seconds per instruction
     concurrency: tuple[float, ...] = ()  # speed of each of k computes of `shared_devices` at once
     shared_devices: frozenset[int] = frozenset()  # devices whose compute shares the host
+    wake_s: float = 0.0  # added to a shared device's compute after its compute stream sat idle
 
     @classmethod
     def uniform(cls, n_stages: int, forward_s: float, backward_s: float, **kwargs) -> SimCost:
@@ -253,6 +258,7 @@ class _Simulation:
         self.p2p: dict[int, float] = defaultdict(float)
         self.swapped_in: dict[int, float] = defaultdict(float)
         self.swapped_out: dict[int, float] = defaultdict(float)
+        self.computed_until: dict[int, float] = {}  # device -> when its compute stream last finished
         self.buffers: dict[tuple, float] = defaultdict(float)  # (device, stage, microbatch) -> received bytes held
         self.resident_swap: dict[tuple, float] = {}  # (stage, what) -> bytes brought in by its last swap-in
         self.now = 0.0
@@ -382,7 +388,10 @@ class _Simulation:
         if stashes:
             self.memory[op[0]].append((self.now, _at(self.cost.stash_bytes, ins.stage)))
         seconds = self.cost.compute_s(ins) + self.cost.instruction_s
-        if op[0] in self.cost.shared_devices and self.cost.concurrency:
+        shared = op[0] in self.cost.shared_devices
+        if shared and ins.stream == "compute" and self.now - self.computed_until.get(op[0], -math.inf) >= WAKE_IDLE_S:
+            seconds += self.cost.wake_s
+        if shared and self.cost.concurrency:
             self.flows.append(_Flow(None, _HOST, 1.0, seconds, self.now, op))
         else:
             self._after(seconds, op)
@@ -434,6 +443,8 @@ class _Simulation:
         ins = self.programs[device].instructions[index]
         self.finished[op] = self.now
         self._dequeue(device, ins.stream, index)
+        if ins.kind == "compute" and ins.stream == "compute":
+            self.computed_until[device] = self.now
         if (ins.kind == "compute" and ins.phase == "B") or (ins.kind == "swap_out" and ins.what == "stash"):
             self.memory[device].append((self.now, -_at(self.cost.stash_bytes, ins.stage)))
         if ins.kind == "compute" and ins.phase == "B":
