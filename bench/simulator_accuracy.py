@@ -26,9 +26,10 @@ it (the sum of the stage's per-layer profiles), measured five ways:
   user's optimizer per tensor and per byte).
 
 The raw prediction already charges what compile measures about the runtime on this machine: the
-optimizer step, a thread hand-off per instruction, and the slowdown of in-process CPU devices that
+optimizer step, a thread hand-off per instruction, the slowdown of in-process CPU devices that
 compute at once (processor sharing at speeds measured on the model's costliest layer kind; with 4
-devices on 2 cores that includes waiting for a core). Two diagnostics (beside the raw figure, never
+devices on 2 cores that includes waiting for a core), and the wake-up cost of a compute that starts
+after its device waited (a core that idled computes its next layer 15-40% slower on this machine). Two diagnostics (beside the raw figure, never
 instead of it) say what is left:
 A: a null model (16 x Linear(4, 4): compute the profiler puts at microseconds) is compiled with the
 same devices, schedule and microbatches and stepped; the residual per-instruction overhead c that
