@@ -281,16 +281,18 @@ def _runtime_costs(cost: str, analysis: _Analysis, devices: list[Device], optimi
     gm, layers, _, size = analysis.at(analysis.first_m)
     sharing = sum(d.torch_device.type == "cpu" for d in devices) if distributed_context() is None else 1
     concurrency: tuple[float, ...] = ()
+    update_concurrency: tuple[float, ...] = ()
     wake_s = 0.0
     if sharing > 1 and cost == "profile":
-        measured = host_contention(gm, layers, costs(size), size, sharing)
-        concurrency, wake_s = measured.speeds, measured.wake_s
+        measured = host_contention(gm, layers, costs(size), size, sharing, optimizer)
+        concurrency, wake_s, update_concurrency = measured.speeds, measured.wake_s, measured.update_speeds
     elif sharing > 1:
         cores = len(os.sched_getaffinity(0)) / min(torch.get_num_threads(), os.cpu_count() or 1)
         concurrency = tuple(min(1.0, cores / k) for k in range(1, sharing + 1))
     step = optimizer_cost(optimizer, devices[0])
     update = tuple(step.seconds(len(layer.params), layer.param_bytes) for layer in layers)
-    return RuntimeCosts(instruction_s=handoff_seconds(), concurrency=concurrency, update_s=update, wake_s=wake_s)
+    return RuntimeCosts(instruction_s=handoff_seconds(), concurrency=concurrency, update_s=update, wake_s=wake_s,
+                        update_concurrency=update_concurrency)
 
 
 def _needs_swap(analysis: _Analysis, capacities: list[int | None], swap: str, state_ratio: float) -> bool:

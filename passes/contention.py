@@ -14,12 +14,13 @@ alone is the speed, capped at cores / k (more threads than cores cannot all run)
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import statistics
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,35 +55,57 @@ class HostContention:
 
     speeds: tuple[float, ...]
     wake_s: float
+    update_speeds: tuple[float, ...] = ()  # the same for the user's optimizer step (GIL-bound on a CPU)
 
 
 def host_contention(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequence[LayerCost], traced_microbatch: int,
-                    threads: int) -> HostContention:
+                    threads: int, optimizer_factory=None) -> HostContention:
     """Measured on the costliest layer kind at the traced microbatch size: speeds for k = 1 .. threads
-    (non-increasing, never above cores / k), and the wake-up cost. Measured once per process for a
-    layer kind and size, so plans compiled side by side are charged alike."""
+    (non-increasing, never above cores / k), the wake-up cost, and with `optimizer_factory` the speeds
+    of k threads stepping it over the layer's parameters. Measured once per process for a layer
+    kind, size and optimizer, so plans compiled side by side are charged alike."""
     layer = costliest_layer(gm, layers, costs)
-    key = (layer_signature(gm, layer), traced_microbatch, threads, torch.get_num_threads())
+    key = (layer_signature(gm, layer), traced_microbatch, threads, torch.get_num_threads(), optimizer_factory)
     if key not in _MEASURED:
-        _MEASURED[key] = _measure(gm, layers, layer, traced_microbatch, threads)
+        _MEASURED[key] = _measure(gm, layers, layer, traced_microbatch, threads, optimizer_factory)
     return _MEASURED[key]
 
 
 def _measure(gm: fx.GraphModule, layers: Sequence[Layer], layer: Layer, traced_microbatch: int,
-             threads: int) -> HostContention:
+             threads: int, optimizer_factory) -> HostContention:
     shapes = shapes_at(gm, layers, traced_microbatch, traced_microbatch)
     module = layer_module(gm, layer)
     copies = [copy.deepcopy(module) for _ in range(threads)]
     inputs = [real_inputs([shapes.values[name] for name in layer.inputs], torch.device("cpu"), seed=i)
               for i in range(threads)]
-    alone = _rate(copies[:1], inputs[:1], MIN_WINDOW_S)
+    steps = [functools.partial(_step, module, args) for module, args in zip(copies, inputs, strict=True)]
+    speeds, warm_s = _speeds(steps)
+    updates = [_update_step(module, optimizer_factory) for module in copies] if optimizer_factory else []
+    update_speeds = _speeds(updates)[0] if updates and all(updates) else ()
+    return HostContention(speeds, _wake_seconds(copies[0], inputs[0], warm_s), update_speeds)
+
+
+def _speeds(steps: list[Callable[[], None]]) -> tuple[tuple[float, ...], float]:
+    """Each of k threads' speed relative to one alone, for k = 1 .. len(steps) (non-increasing, never
+    above cores / k), and the seconds of one step alone."""
+    alone = _rate(steps[:1], MIN_WINDOW_S)
     window = max(MIN_WINDOW_S, WINDOW_STEPS / alone)
-    alone = _rate(copies[:1], inputs[:1], window)
+    alone = _rate(steps[:1], window)
     cores = len(os.sched_getaffinity(0)) / min(torch.get_num_threads(), os.cpu_count() or 1)
     speeds = [1.0]
-    for k in range(2, threads + 1):
-        speeds.append(min(speeds[-1], cores / k, _rate(copies[:k], inputs[:k], window) / alone))
-    return HostContention(tuple(speeds), _wake_seconds(copies[0], inputs[0], 1 / alone))
+    for k in range(2, len(steps) + 1):
+        speeds.append(min(speeds[-1], cores / k, _rate(steps[:k], window) / alone))
+    return tuple(speeds), 1 / alone
+
+
+def _update_step(module: torch.nn.Module, optimizer_factory) -> Callable[[], None] | None:
+    """One optimizer step over the layer copy's parameters (gradients set once), or None without any."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not params:
+        return None
+    for param in params:
+        param.grad = torch.full_like(param, 1e-3)
+    return optimizer_factory(params).step
 
 
 def _wake_seconds(module: torch.nn.Module, args: list, warm_s: float) -> float:
@@ -96,25 +119,25 @@ def _wake_seconds(module: torch.nn.Module, args: list, warm_s: float) -> float:
     return max(statistics.median(times) - warm_s, 0.0)
 
 
-def _rate(modules: list[torch.nn.Module], inputs: list[list], window: float) -> float:
-    """Forward + backward steps per second of each thread while len(modules) threads loop for `window`
-    seconds at once (a rate over whole steps: the last one may end after the window)."""
-    start = threading.Barrier(len(modules))
+def _rate(steps: list[Callable[[], None]], window: float) -> float:
+    """Steps per second of each thread while len(steps) threads, one per step function, loop for
+    `window` seconds at once (a rate over whole steps: the last one may end after the window)."""
+    start = threading.Barrier(len(steps))
     rates: list[float] = []
     lock = threading.Lock()
 
-    def work(module: torch.nn.Module, args: list) -> None:
-        _step(module, args)  # warm-up
+    def work(step: Callable[[], None]) -> None:
+        step()  # warm-up
         start.wait()
         began = time.perf_counter()
-        steps, now = 0, began
+        count, now = 0, began
         while now - began < window:
-            _step(module, args)
-            steps, now = steps + 1, time.perf_counter()
+            step()
+            count, now = count + 1, time.perf_counter()
         with lock:
-            rates.append(steps / (now - began))
+            rates.append(count / (now - began))
 
-    workers = [threading.Thread(target=work, args=pair, daemon=True) for pair in zip(modules, inputs, strict=True)]
+    workers = [threading.Thread(target=work, args=(step,), daemon=True) for step in steps]
     for worker in workers:
         worker.start()
     for worker in workers:

@@ -60,6 +60,7 @@ class RuntimeCosts:
     concurrency: tuple[float, ...] = ()
     update_s: tuple[float, ...] = ()  # per layer
     wake_s: float = 0.0  # a CPU device's compute right after it waited
+    update_concurrency: tuple[float, ...] = ()  # as `concurrency`, for the optimizer step
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ def sim_cost(plan: Assembled, costs: Sequence[LayerCost], devices: Sequence[Devi
         forward_s=tuple(forward), backward_s=tuple(backward), update_s=tuple(update), stash_bytes=tuple(stash),
         state_bytes=tuple(state), value_bytes=transfer_bytes(plan.transfers, microbatch_size), bandwidth=bandwidth,
         host_bandwidth=bandwidth, instruction_s=runtime.instruction_s, concurrency=runtime.concurrency,
-        wake_s=runtime.wake_s,
+        wake_s=runtime.wake_s, update_concurrency=runtime.update_concurrency,
         shared_devices=frozenset(d for d, spec in enumerate(devices) if spec.kind == "cpu"),
     )
 

@@ -97,6 +97,7 @@ class SimCost:
     concurrency: tuple[float, ...] = ()  # speed of each of k computes of `shared_devices` at once
     shared_devices: frozenset[int] = frozenset()  # devices whose compute shares the host
     wake_s: float = 0.0  # added to a shared device's compute after its compute stream sat idle
+    update_concurrency: tuple[float, ...] = ()  # as `concurrency`, for updates (U); else `concurrency`
 
     @classmethod
     def uniform(cls, n_stages: int, forward_s: float, backward_s: float, **kwargs) -> SimCost:
@@ -107,15 +108,16 @@ class SimCost:
         table = {"F": self.forward_s, "R": self.forward_s, "B": self.backward_s, "U": self.update_s}[ins.phase]
         return _at(table, ins.stage)
 
-    def speed_with(self, computing: int) -> float:
-        """Each shared-host compute's speed while `computing` of them run (beyond the measured
-        counts, the last measured throughput split further)."""
-        known = len(self.concurrency)
+    def speed_with(self, computing: int, update: bool = False) -> float:
+        """Each shared-host compute's speed (an update's, with `update`) while `computing` of them run
+        (beyond the measured counts, the last measured throughput split further)."""
+        curve = self.update_concurrency if update and self.update_concurrency else self.concurrency
+        known = len(curve)
         if computing <= 1 or not known:
             return 1.0
         if computing <= known:
-            return self.concurrency[computing - 1]
-        return self.concurrency[-1] * known / computing
+            return curve[computing - 1]
+        return curve[-1] * known / computing
 
     def link(self, src: int, dst: int) -> tuple[int, int]:
         """The key of the link a transfer from src to dst occupies."""
@@ -219,7 +221,7 @@ def simulate(programs: Iterable[Program], cost: SimCost, opportunistic: bool | N
 class _Flow:
     """A transfer in flight: the bytes still to move on its link."""
 
-    key: tuple | None  # the message a transfer carries (None for a compute)
+    key: tuple | str  # the message a transfer carries; a compute's phase (F, R, B, U)
     link: tuple[int, int]
     bandwidth: float
     remaining: float
@@ -392,7 +394,7 @@ class _Simulation:
         if shared and ins.stream == "compute" and self.now - self.computed_until.get(op[0], -math.inf) >= WAKE_IDLE_S:
             seconds += self.cost.wake_s
         if shared and self.cost.concurrency:
-            self.flows.append(_Flow(None, _HOST, 1.0, seconds, self.now, op))
+            self.flows.append(_Flow(ins.phase, _HOST, 1.0, seconds, self.now, op))
         else:
             self._after(seconds, op)
 
@@ -485,8 +487,9 @@ class _Simulation:
         count: dict[tuple, int] = defaultdict(int)
         for flow in self.flows:
             count[flow.link] += 1
-        share = self.cost.speed_with(count[_HOST])
-        return [share if flow.link == _HOST else flow.bandwidth / count[flow.link] for flow in self.flows]
+        computing = count[_HOST]
+        return [self.cost.speed_with(computing, update=flow.key == "U") if flow.link == _HOST
+                else flow.bandwidth / count[flow.link] for flow in self.flows]
 
     def _next_time(self) -> float | None:
         times = [self.timers[0][0]] if self.timers else []
