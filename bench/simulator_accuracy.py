@@ -276,6 +276,18 @@ def fit_overhead(pipe, measured: float) -> float:
     return (lo + hi) / 2
 
 
+def timed_stage_step(worker, args: list) -> tuple[float, float]:
+    """Seconds of the stage module's forward and of autograd's backward on fresh copies of `args`."""
+    fresh = [a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args]
+    start = time.perf_counter()
+    outputs = worker.module(*fresh)
+    middle = time.perf_counter()
+    roots = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
+    if roots:
+        torch.autograd.backward(roots, [torch.ones_like(o) for o in roots])
+    return middle - start, time.perf_counter() - middle
+
+
 def stage_seconds(pipe, repeats: int = 5) -> tuple[dict, dict, float]:
     """Each stage's forward and backward on microbatch 0's real inputs, timed in this thread with no
     other thread running: (plain: the stage module and autograd, as the profiler times a layer;
@@ -290,17 +302,9 @@ def stage_seconds(pipe, repeats: int = 5) -> tuple[dict, dict, float]:
         args = [inputs[name] for name in worker.stage.inputs]
         f_times, b_times = [], []
         for _ in range(repeats + 1):
-            fresh = [a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
-                     for a in args]
-            start = time.perf_counter()
-            outputs = worker.module(*fresh)
-            middle = time.perf_counter()
-            roots = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
-            if roots:
-                torch.autograd.backward(roots, [torch.ones_like(o) for o in roots])
-            end = time.perf_counter()
-            f_times.append(middle - start)
-            b_times.append(end - middle)
+            forward_s, backward_s = timed_stage_step(worker, args)
+            f_times.append(forward_s)
+            b_times.append(backward_s)
         worker.module.zero_grad(set_to_none=True)
         plain[worker.stage.index] = (statistics.median(f_times[1:]), statistics.median(b_times[1:]))
         mb = 10**6  # a microbatch index the pipeline never uses
@@ -344,16 +348,9 @@ def concurrent_stage_seconds(pipe, seconds: float = 0.8) -> dict[int, tuple[floa
     def loop(stages) -> None:
         while time.perf_counter() < stop:
             for worker, args in stages:
-                fresh = [a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
-                         for a in args]
-                start = time.perf_counter()
-                outputs = worker.module(*fresh)
-                middle = time.perf_counter()
-                roots = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
-                if roots:
-                    torch.autograd.backward(roots, [torch.ones_like(o) for o in roots])
-                times[worker.stage.index][0].append(middle - start)
-                times[worker.stage.index][1].append(time.perf_counter() - middle)
+                forward_s, backward_s = timed_stage_step(worker, args)
+                times[worker.stage.index][0].append(forward_s)
+                times[worker.stage.index][1].append(backward_s)
 
     threads = [threading.Thread(target=loop, args=(stages,)) for stages in by_device.values()]
     for t in threads:
