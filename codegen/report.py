@@ -4,12 +4,24 @@ from __future__ import annotations
 
 import io
 
-from rich.console import Console
+from rich.console import Console, Group
 from rich.table import Table
+from rich.text import Text
 from stagewise.compiler.devices import format_bytes
 
 
 def render_plan(plan) -> str:
+    """The plan as text (print(plan)): its tables at a fixed width, and the predictions."""
+    return "\n".join(part if isinstance(part, str) else _render(part) for part in plan_parts(plan))
+
+
+def plan_group(plan) -> Group:
+    """The same for rich's console.print, laid out at the console's width."""
+    return Group(*(Text(part) if isinstance(part, str) else part for part in plan_parts(plan)))
+
+
+def plan_parts(plan) -> list[Table | str]:
+    """The stage table, the predictions, the plans considered and the shared tensors."""
     stages = Table(title=f"stagewise plan: {plan.model} ({plan.tracer} trace, {plan.schedule}, "
                    f"{plan.microbatches} microbatches of {plan.microbatch_size})")
     for column in ("stage", "device", "layers", "params", "fwd GFLOP/mb", "pred F+B ms/mb", "receives", "sends"):
@@ -32,7 +44,7 @@ def render_plan(plan) -> str:
             _transfers(receives, plan.microbatch_size, "src"),
             _transfers(sends, plan.microbatch_size, "dst"),
         )
-    parts = [_render(stages)]
+    parts: list[Table | str] = [stages]
     if plan.predicted_iteration_s is not None:
         peaks = ", ".join(f"dev{d} {format_bytes(b)}" for d, b in enumerate(plan.predicted_peak_bytes))
         parts.append(f"predicted ({plan.cost_model} costs): {plan.predicted_iteration_s * 1e3:.2f} ms per iteration; "
@@ -45,8 +57,8 @@ def render_plan(plan) -> str:
             shared.add_column(column)
         for tensor in plan.shared:
             shared.add_row(tensor.fqn, ", ".join(tensor.names[1:]) or "-", ",".join(map(str, tensor.stages)), tensor.kind)
-        parts.append(_render(shared))
-    return "\n".join(parts)
+        parts.append(shared)
+    return parts
 
 
 def _transfers(transfers, microbatch_size: int, side: str) -> str:

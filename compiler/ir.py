@@ -231,6 +231,12 @@ class Plan:
 
         return render_plan(self)
 
+    def __rich__(self):
+        """rich's console.print shows the same tables (it would pretty-print the dataclass's fields)."""
+        from stagewise.codegen.report import plan_group
+
+        return plan_group(self)
+
 
 def _build(cls, data):
     """Rebuild nested frozen dataclasses (and tuples) from `asdict` output."""

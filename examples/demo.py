@@ -24,7 +24,7 @@ STEPS, BATCH, LENGTH, DEVICES, MICROBATCHES = 5, 16, 32, 4, 4
 def main() -> None:
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)
-    console = Console()
+    console = Console(width=max(140, Console().width))  # the plan table needs the room, even in a pipe
     config = GPT2Config(n_layer=6, n_embd=128, n_head=4, vocab_size=1024, n_positions=64,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(config)

@@ -1,10 +1,12 @@
 """What compile produces is readable and consistent: plan, cuts, stage code, programs, packaging."""
 
+import io
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import rich.console
 import stagewise as sw
 import torch
 import torch.nn.functional as F
@@ -52,6 +54,9 @@ def test_programs_print_and_name_streams():
     assert {ins.stream for p in pipe.programs for ins in p.instructions} <= set(sw.compiler.ir.STREAMS)
     plan_text = str(pipe.plan)
     assert "tok.weight" in plan_text and "tied-parameter" in plan_text
+    console = rich.console.Console(file=io.StringIO(), width=140, color_system=None)
+    console.print(pipe.plan)  # what the demo does: the same tables, not the dataclass's fields
+    assert "stagewise plan:" in console.file.getvalue() and "Plan(" not in console.file.getvalue()
 
 
 def test_plan_json_round_trip():
