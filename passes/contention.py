@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_flatten
 MIN_WINDOW_S = 0.03  # each measurement keeps every thread busy at least this long
 WINDOW_STEPS = 6  # ... and for at least this many steps of one thread alone
 WAKE_GAP_S = 0.01  # an idle wait like a pipeline's for its next input
-WAKE_REPEATS = 5
+WAKE_REPEATS = 7
 _MEASURED: dict[tuple, HostContention] = {}
 
 
@@ -65,7 +65,8 @@ def host_contention(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequence
     of k threads stepping it over the layer's parameters. Measured once per process for a layer
     kind, size and optimizer, so plans compiled side by side are charged alike."""
     layer = costliest_layer(gm, layers, costs)
-    key = (layer_signature(gm, layer), traced_microbatch, threads, torch.get_num_threads(), optimizer_factory)
+    # the factory by its repr: equal partials (a new one per compile) are the same optimizer
+    key = (layer_signature(gm, layer), traced_microbatch, threads, torch.get_num_threads(), repr(optimizer_factory))
     if key not in _MEASURED:
         _MEASURED[key] = _measure(gm, layers, layer, traced_microbatch, threads, optimizer_factory)
     return _MEASURED[key]
@@ -79,15 +80,15 @@ def _measure(gm: fx.GraphModule, layers: Sequence[Layer], layer: Layer, traced_m
     inputs = [real_inputs([shapes.values[name] for name in layer.inputs], torch.device("cpu"), seed=i)
               for i in range(threads)]
     steps = [functools.partial(_step, module, args) for module, args in zip(copies, inputs, strict=True)]
-    speeds, warm_s = _speeds(steps)
+    speeds = _speeds(steps)
     updates = [_update_step(module, optimizer_factory) for module in copies] if optimizer_factory else []
-    update_speeds = _speeds(updates)[0] if updates and all(updates) else ()
-    return HostContention(speeds, _wake_seconds(copies[0], inputs[0], warm_s), update_speeds)
+    update_speeds = _speeds(updates) if updates and all(updates) else ()
+    return HostContention(speeds, _wake_seconds(copies[0], inputs[0]), update_speeds)
 
 
-def _speeds(steps: list[Callable[[], None]]) -> tuple[tuple[float, ...], float]:
+def _speeds(steps: list[Callable[[], None]]) -> tuple[float, ...]:
     """Each of k threads' speed relative to one alone, for k = 1 .. len(steps) (non-increasing, never
-    above cores / k), and the seconds of one step alone."""
+    above cores / k)."""
     alone = _rate(steps[:1], MIN_WINDOW_S)
     window = max(MIN_WINDOW_S, WINDOW_STEPS / alone)
     alone = _rate(steps[:1], window)
@@ -95,7 +96,7 @@ def _speeds(steps: list[Callable[[], None]]) -> tuple[tuple[float, ...], float]:
     speeds = [1.0]
     for k in range(2, len(steps) + 1):
         speeds.append(min(speeds[-1], cores / k, _rate(steps[:k], window) / alone))
-    return tuple(speeds), 1 / alone
+    return tuple(speeds)
 
 
 def _update_step(module: torch.nn.Module, optimizer_factory) -> Callable[[], None] | None:
@@ -108,15 +109,21 @@ def _update_step(module: torch.nn.Module, optimizer_factory) -> Callable[[], Non
     return optimizer_factory(params).step
 
 
-def _wake_seconds(module: torch.nn.Module, args: list, warm_s: float) -> float:
-    """Median extra seconds of a forward + backward right after the thread slept WAKE_GAP_S."""
-    times = []
+def _wake_seconds(module: torch.nn.Module, args: list) -> float:
+    """Median extra seconds of a forward + backward right after the thread slept WAKE_GAP_S, over
+    the same step right after another one (pairs, so a drift in the machine's speed cancels)."""
+    extra = []
     for _ in range(WAKE_REPEATS):
         time.sleep(WAKE_GAP_S)
-        began = time.perf_counter()
-        _step(module, args)
-        times.append(time.perf_counter() - began)
-    return max(statistics.median(times) - warm_s, 0.0)
+        cold = _timed(module, args)
+        extra.append(cold - _timed(module, args))
+    return max(statistics.median(extra), 0.0)
+
+
+def _timed(module: torch.nn.Module, args: list) -> float:
+    began = time.perf_counter()
+    _step(module, args)
+    return time.perf_counter() - began
 
 
 def _rate(steps: list[Callable[[], None]], window: float) -> float:
