@@ -80,15 +80,15 @@ def _measure(gm: fx.GraphModule, layers: Sequence[Layer], layer: Layer, traced_m
     inputs = [real_inputs([shapes.values[name] for name in layer.inputs], torch.device("cpu"), seed=i)
               for i in range(threads)]
     steps = [functools.partial(_step, module, args) for module, args in zip(copies, inputs, strict=True)]
-    speeds = _speeds(steps)
+    speeds, warm_s = _speeds(steps)
     updates = [_update_step(module, optimizer_factory) for module in copies] if optimizer_factory else []
-    update_speeds = _speeds(updates) if updates and all(updates) else ()
-    return HostContention(speeds, _wake_seconds(copies[0], inputs[0]), update_speeds)
+    update_speeds = _speeds(updates)[0] if updates and all(updates) else ()
+    return HostContention(speeds, _wake_seconds(copies[0], inputs[0], warm_s), update_speeds)
 
 
-def _speeds(steps: list[Callable[[], None]]) -> tuple[float, ...]:
+def _speeds(steps: list[Callable[[], None]]) -> tuple[tuple[float, ...], float]:
     """Each of k threads' speed relative to one alone, for k = 1 .. len(steps) (non-increasing, never
-    above cores / k)."""
+    above cores / k), and the seconds of one step alone, back to back."""
     alone = _rate(steps[:1], MIN_WINDOW_S)
     window = max(MIN_WINDOW_S, WINDOW_STEPS / alone)
     alone = _rate(steps[:1], window)
@@ -96,7 +96,7 @@ def _speeds(steps: list[Callable[[], None]]) -> tuple[float, ...]:
     speeds = [1.0]
     for k in range(2, len(steps) + 1):
         speeds.append(min(speeds[-1], cores / k, _rate(steps[:k], window) / alone))
-    return tuple(speeds)
+    return tuple(speeds), 1 / alone
 
 
 def _update_step(module: torch.nn.Module, optimizer_factory) -> Callable[[], None] | None:
@@ -109,21 +109,16 @@ def _update_step(module: torch.nn.Module, optimizer_factory) -> Callable[[], Non
     return optimizer_factory(params).step
 
 
-def _wake_seconds(module: torch.nn.Module, args: list) -> float:
-    """Median extra seconds of a forward + backward right after the thread slept WAKE_GAP_S, over
-    the same step right after another one (pairs, so a drift in the machine's speed cancels)."""
-    extra = []
+def _wake_seconds(module: torch.nn.Module, args: list, warm_s: float) -> float:
+    """Median extra seconds of a forward + backward right after the thread slept WAKE_GAP_S, over a
+    step in a back-to-back loop (`warm_s`, the condition the profiler times layers in)."""
+    times = []
     for _ in range(WAKE_REPEATS):
         time.sleep(WAKE_GAP_S)
-        cold = _timed(module, args)
-        extra.append(cold - _timed(module, args))
-    return max(statistics.median(extra), 0.0)
-
-
-def _timed(module: torch.nn.Module, args: list) -> float:
-    began = time.perf_counter()
-    _step(module, args)
-    return time.perf_counter() - began
+        began = time.perf_counter()
+        _step(module, args)
+        times.append(time.perf_counter() - began)
+    return max(statistics.median(times) - warm_s, 0.0)
 
 
 def _rate(steps: list[Callable[[], None]], window: float) -> float:
