@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 import sys
 import time
 
@@ -22,7 +21,7 @@ from stagewise.compiler.ir import Plan
 from stagewise.compiler.pipeline import Pipeline
 from stagewise.compiler.trace import capture, input_names
 from stagewise.passes.analytic import analytic_layers
-from stagewise.passes.contention import host_contention
+from stagewise.passes.contention import computes_at_full_speed, host_contention
 from stagewise.passes.cutpoints import find_cuts
 from stagewise.passes.layers import build_layers
 from stagewise.passes.layout import choose_layout
@@ -287,7 +286,7 @@ def _runtime_costs(cost: str, analysis: _Analysis, devices: list[Device], optimi
         measured = host_contention(gm, layers, costs(size), size, sharing, optimizer)
         concurrency, wake_s, update_concurrency = measured.speeds, measured.wake_s, measured.update_speeds
     elif sharing > 1:
-        cores = len(os.sched_getaffinity(0)) / min(torch.get_num_threads(), os.cpu_count() or 1)
+        cores = computes_at_full_speed()
         concurrency = tuple(min(1.0, cores / k) for k in range(1, sharing + 1))
     step = optimizer_cost(optimizer, devices[0])
     update = tuple(step.seconds(len(layer.params), layer.param_bytes) for layer in layers)

@@ -36,6 +36,12 @@ WAKE_REPEATS = 7
 _MEASURED: dict[tuple, HostContention] = {}
 
 
+def computes_at_full_speed() -> float:
+    """How many single-device computes this process's cores run at full speed at once: the cores it
+    may use over each compute's intra-op threads."""
+    return len(os.sched_getaffinity(0)) / min(torch.get_num_threads(), os.cpu_count() or 1)
+
+
 def costliest_layer(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequence[LayerCost]) -> Layer:
     """The layer whose kind (identical structure and shapes) takes the largest share of a step."""
     share: dict[str, float] = defaultdict(float)
@@ -92,7 +98,7 @@ def _speeds(steps: list[Callable[[], None]]) -> tuple[tuple[float, ...], float]:
     alone = _rate(steps[:1], MIN_WINDOW_S)
     window = max(MIN_WINDOW_S, WINDOW_STEPS / alone)
     alone = _rate(steps[:1], window)
-    cores = len(os.sched_getaffinity(0)) / min(torch.get_num_threads(), os.cpu_count() or 1)
+    cores = computes_at_full_speed()
     speeds = [1.0]
     for k in range(2, len(steps) + 1):
         speeds.append(min(speeds[-1], cores / k, _rate(steps[:k], window) / alone))
