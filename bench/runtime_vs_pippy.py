@@ -250,6 +250,11 @@ def run_rank(rank: int, args) -> dict | None:
 def _spawned(rank: int, store_path: str, args) -> None:
     store = dist.FileStore(store_path, RANKS)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=RANKS, timeout=datetime.timedelta(seconds=120))
+    _run_and_report(rank, args)
+
+
+def _run_and_report(rank: int, args) -> None:
+    """This rank's part of the benchmark (rank 0 prints the table), then leave the process group."""
     try:
         results = run_rank(rank, args)
         if rank == 0:
@@ -308,12 +313,7 @@ def main() -> None:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: this process is one rank
         rank = int(os.environ["RANK"])
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-        try:
-            results = run_rank(rank, args)
-            if rank == 0:
-                report(args, results)
-        finally:
-            dist.destroy_process_group()
+        _run_and_report(rank, args)
         return
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(_spawned, args=(os.path.join(tmp, "store"), args), nprocs=RANKS, join=True,
