@@ -194,6 +194,34 @@ def test_profiled_costs_are_exact_at_probes_and_monotone(mlp_graph):
             assert values == sorted(values), key
 
 
+def test_layer_times_are_scaled_to_the_whole_graph(mlp_graph, monkeypatch):
+    """PipeDream §2.4.1 times layers inside whole iterations: the factor is one whole-graph forward
+    + backward over the layers' summed probes, and a disturbed measurement (outside CONTEXT_RANGE)
+    is not used."""
+    _, gm, layers = mlp_graph
+    raw = profile_layers(gm, layers, "cpu", quiet=True, repeats=1, cache=False)
+    profiled = sum(p.fwd_s(8) + p.bwd_s(8) for p in raw) / raw[0].context_factor
+    shapes = shapes_at(gm, layers, 8, 8)
+    for whole, expected in ((1.5 * profiled, 1.5), (0.8 * profiled, 0.8), (10 * profiled, 1.0)):
+        monkeypatch.setattr(prof, "_timed", lambda fn, device, whole=whole: (whole, fn()))
+        factor = prof.in_context_factor(gm, layers, [p.in_context(1 / p.context_factor) for p in raw], shapes,
+                                        prof.resolve_devices("cpu")[0], repeats=1)
+        assert factor == pytest.approx(expected)
+
+
+def test_in_context_scales_times_only(mlp_graph):
+    _, gm, layers = mlp_graph
+    (p, *_) = profile_layers(gm, layers, "cpu", quiet=True, repeats=1, cache=False)
+    q = p.in_context(2.0)
+    assert q.context_factor == pytest.approx(2 * p.context_factor)
+    for u in (1, 3, 8):
+        a, b = p.cost(u), q.cost(u)
+        assert (b.fwd_s, b.bwd_s, b.recompute_s) == pytest.approx((2 * a.fwd_s, 2 * a.bwd_s, 2 * a.recompute_s))
+        assert (b.act_bytes, b.stash_bytes, b.param_bytes) == (a.act_bytes, a.stash_bytes, a.param_bytes)
+    assert [c.fwd_s for c in q.probes] == pytest.approx([2 * c.fwd_s for c in p.probes])
+    assert LayerProfile.from_dict(json.loads(json.dumps(q.to_dict()))) == q
+
+
 def test_piecewise_linear_fit():
     f = PiecewiseLinear.fit([1, 2, 4, 8], [1.0, 1.5, 2.5, 6.5])
     assert [f(x) for x in (1, 2, 4, 8)] == [1.0, 1.5, 2.5, 6.5]
