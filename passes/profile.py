@@ -70,6 +70,7 @@ MAX_MICROBATCH = 4096  # the slow-start search stops here when memory never runs
 OPTIMIZER_STATE_FACTOR = 2.0  # AdamW keeps two moments per parameter
 REPEATS = 3
 CACHE_VERSION = 2
+CONTEXT_REPEATS = 9  # whole-graph steps timed for the factor: with 3 its median spread 0.97-1.59 here, with 9 1.03-1.12
 CONTEXT_RANGE = (0.5, 2.0)  # a whole-graph / per-layer ratio outside this is a disturbed measurement
 TIMES = ("fwd_s", "bwd_s", "recompute_s")
 SIZES = ("act_bytes", "stash_bytes", "workspace_bytes")
@@ -254,7 +255,7 @@ def profile_layers(
         for i in first_of.values()
     }
     profiles = [by_sig[sig].for_layer(layer) for layer, sig in zip(layers, signatures, strict=True)]
-    factor = in_context_factor(gm, layers, profiles, shapes.at(traced), device, repeats)
+    factor = in_context_factor(gm, layers, profiles, shapes.at(traced), device, max(repeats, CONTEXT_REPEATS))
     profiles = [p.in_context(factor) for p in profiles]
     if cache:
         _save(key, profiles)
@@ -774,7 +775,7 @@ def _measured_under_load(cached: Sequence[LayerProfile], gm: fx.GraphModule, lay
 
 # ---- layers in context -----------------------------------------------------------------------------------
 def in_context_factor(gm: fx.GraphModule, layers: Sequence[Layer], profiles: Sequence[LayerProfile],
-                      shapes: _Shapes, device: Device, repeats: int = REPEATS) -> float:
+                      shapes: _Shapes, device: Device, repeats: int = CONTEXT_REPEATS) -> float:
     """How much slower the layers run back to back in the whole graph than each on its own.
 
     A probe repeats one layer on the same inputs, so its weights and activations stay in cache;
