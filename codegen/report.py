@@ -45,6 +45,9 @@ def plan_parts(plan) -> list[Table | str]:
             _transfers(sends, plan.microbatch_size, "dst"),
         )
     parts: list[Table | str] = [stages]
+    idle = sorted(set(range(len(plan.devices))) - {stage.device for stage in plan.stages})
+    if idle:
+        parts.append(f"idle devices: {', '.join(map(str, idle))} (the plan runs fewer stages than there are devices)")
     if plan.predicted_iteration_s is not None:
         peaks = ", ".join(f"dev{d} {format_bytes(b)}" for d, b in enumerate(plan.predicted_peak_bytes))
         parts.append(f"predicted ({plan.cost_model} costs): {plan.predicted_iteration_s * 1e3:.2f} ms per iteration; "

@@ -27,7 +27,9 @@ from stagewise.passes.layers import build_layers
 from stagewise.passes.layout import choose_layout
 from stagewise.passes.partition import starts_from_split_points
 from stagewise.passes.planner import (
+    REPLICATING,
     Assembled,
+    Candidate,
     Prediction,
     RuntimeCosts,
     assemble,
@@ -61,6 +63,7 @@ def compile(  # noqa: A001 - the public name of the API
     clip_grad_norm: float | None = None,
     swap: str = "auto",
     replicas: int | str = 1,
+    stages: int | str | None = None,
     optimizer_on_host: bool = False,
 ) -> Pipeline:
     """Compile `model` into a pipeline over `devices` that trains exactly like eager training.
@@ -78,6 +81,10 @@ def compile(  # noqa: A001 - the public name of the API
     device's next task stays). `replicas`: data-parallel copies of the pipeline (P x D, P =
     devices / replicas); "auto" lets the planner simulate every D that divides the devices and the
     microbatch count and keep the fastest, as Varuna's configuration search does (§4.4).
+    `stages`: the depth P of a gpipe / 1f1b / varuna pipeline (default: every device, N / D); fewer
+    leaves devices idle; "auto" lets the planner simulate every depth from 1 and keep the fastest
+    (PipeDream's planner may use fewer workers, §2.4.1): in-process CPU devices that share fewer
+    cores than there are devices run fewer, larger stages faster.
     `optimizer_on_host`: run the optimizer step on the host (Harmony's CPU update, ZeRO-Offload):
     each update copies the stage's gradients to host memory, steps fp32 master weights there with
     the optimizer state kept beside them, and copies the weights back to the device, so no device
@@ -91,6 +98,8 @@ def compile(  # noqa: A001 - the public name of the API
         raise PlanError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
     if replicas != "auto" and (not isinstance(replicas, int) or replicas < 1):
         raise PlanError(f"replicas must be a positive int or 'auto', got {replicas!r}")
+    if stages not in (None, "auto") and (not isinstance(stages, int) or stages < 1):
+        raise PlanError(f"stages must be a positive int, 'auto' or None (every device), got {stages!r}")
     timer = _PhaseTimer()
     resolved = resolve_devices(devices)
     names, kind = input_names(model, example_inputs)
@@ -116,17 +125,17 @@ def compile(  # noqa: A001 - the public name of the API
 
     partitions: dict[tuple, tuple[list[int], list[int]]] = {}
 
-    def build(name: str, m: int, d: int = 1, fixed: tuple | None = None, exact: bool = False
-              ) -> tuple[Assembled, list, int]:
-        """One candidate plan with `d` data-parallel replicas, on the first trace (layers and per-sample
-        bytes do not depend on the microbatch size), or `exact`ly on a trace at this size (what the
-        runtime needs). `fixed` = (stage starts, stage devices) decided elsewhere (the planner, or rank 0)."""
+    def build(candidate: Candidate, fixed: tuple | None = None, exact: bool = False) -> tuple[Assembled, list, int]:
+        """One candidate plan, on the first trace (layers and per-sample bytes do not depend on the
+        microbatch size), or `exact`ly on a trace at this size (what the runtime needs). `fixed` =
+        (stage starts, stage devices) decided elsewhere (the planner, or rank 0)."""
+        name, m = candidate.schedule, candidate.microbatches
         gm, layers, cuts, _ = analysis.at(m if exact else analysis.first_m)
         size = batch // m
         legal = sum(c.legal for c in cuts)
         params = sum(layer.param_bytes for layer in layers)
-        layout = choose_layout(name, len(resolved), d, legal, params, min((c for c in capacities if c), default=None),
-                               state_ratio)
+        layout = choose_layout(name, len(resolved), candidate.replicas, legal, params,
+                               min((c for c in capacities if c), default=None), state_ratio, candidate.stages)
         layer_costs = costs(size)
         if fixed is not None:
             starts, stage_devices = fixed
@@ -135,7 +144,7 @@ def compile(  # noqa: A001 - the public name of the API
             if len(starts) != layout.positions:
                 raise PartitionError(
                     f"split_points gives {len(starts)} stages but {len(resolved)} devices with schedule {name!r} "
-                    f"need {layout.positions}; give {layout.positions - 1} split points"
+                    f"need {layout.positions}; give {layout.positions - 1} split points, or stages={len(starts)}"
                 )
             stage_devices = [layout.device_of(s, 0) for s in range(len(starts))]
         else:
@@ -147,18 +156,20 @@ def compile(  # noqa: A001 - the public name of the API
                         optimizer_on_host=optimizer_on_host, stash_bytes=[c.stash_bytes for c in layer_costs])
         return plan, layer_costs, size
 
-    searched = replicas == "auto" and split_points is None
+    searched = "auto" in (replicas, stages) and split_points is None
     if split_points is not None or (schedule != "auto" and microbatches is not None and not searched):
         chosen_name = "gpipe" if schedule == "auto" else schedule
-        chosen, layer_costs, size = build(chosen_name, first_m, 1 if replicas == "auto" else replicas, exact=True)
+        chosen, layer_costs, size = build(Candidate(chosen_name, first_m, 1 if replicas == "auto" else replicas,
+                                                    None if stages == "auto" else stages), exact=True)
         prediction, _ = predict(chosen, layer_costs, specs, size, bandwidth, runtime)
         considered = ()
     else:
         needs_swap = _needs_swap(analysis, capacities, swap, state_ratio)
         legal = sum(c.legal for c in analysis.at(first_m)[2])
-        options = candidates(schedule, microbatches, batch, len(resolved), legal, needs_swap, replicas)
+        options = candidates(schedule, microbatches, batch, len(resolved), legal, needs_swap, replicas, stages,
+                             _stages_at_full_speed(resolved))
         chosen, prediction, tried = choose(options, build, specs, bandwidth, runtime)
-        considered = tuple(_describe(name, m, d, result) for name, m, d, result in tried)
+        considered = tuple(_describe(option, result) for option, result in tried)
     chosen = _agree_across_ranks(chosen, build)
     chosen = _exactly(chosen, build, analysis)
     gm, layers, cuts, size = analysis.at(chosen.microbatches)
@@ -294,6 +305,16 @@ def _runtime_costs(cost: str, analysis: _Analysis, devices: list[Device], optimi
                         update_concurrency=update_concurrency)
 
 
+def _stages_at_full_speed(devices: list[Device]) -> int | None:
+    """The deepest pipeline stages="auto" tries on in-process CPU devices: one stage per core that
+    computes at full speed. More compute threads than cores only time-slice, and a stage preempted
+    mid-compute holds up the whole pipeline, which processor sharing in the simulator does not
+    see (3 stages on this 2-core machine measured 5-18% slower than predicted, 2 stages 3-5%)."""
+    if distributed_context() is not None or any(d.torch_device.type != "cpu" for d in devices):
+        return None
+    return max(1, int(computes_at_full_speed()))
+
+
 def _needs_swap(analysis: _Analysis, capacities: list[int | None], swap: str, state_ratio: float) -> bool:
     if swap in ("on", "all", "per-device"):
         return True
@@ -304,8 +325,8 @@ def _needs_swap(analysis: _Analysis, capacities: list[int | None], swap: str, st
     return state > sum(c for c in capacities if c) * 0.75
 
 
-def _describe(name: str, m: int, d: int, result: Prediction | str) -> str:
-    what = f"{name:<11} x{m:<3}" + (f" D={d}" if d > 1 else "")
+def _describe(candidate: Candidate, result: Prediction | str) -> str:
+    what = candidate.describe()
     if isinstance(result, str):
         return f"{what} not possible: {result}"
     fits = "fits" if result.fits else "does not fit"
@@ -320,16 +341,20 @@ def _exactly(chosen: Assembled, build, analysis: _Analysis) -> Assembled:
         return chosen
     layers = analysis.at(chosen.microbatches)[1]
     if len(layers) != len(analysis.at(analysis.first_m)[1]):  # the graph changed with the size: plan again on it
-        return build(chosen.schedule, chosen.microbatches, chosen.layout.replicas, exact=True)[0]
-    return build(chosen.schedule, chosen.microbatches, chosen.layout.replicas,
-                 fixed=(list(chosen.starts), list(chosen.stage_devices)), exact=True)[0]
+        return build(_candidate_of(chosen), exact=True)[0]
+    return build(_candidate_of(chosen), fixed=(list(chosen.starts), list(chosen.stage_devices)), exact=True)[0]
+
+
+def _candidate_of(plan: Assembled) -> Candidate:
+    stages = plan.layout.positions if plan.schedule in REPLICATING else None
+    return Candidate(plan.schedule, plan.microbatches, plan.layout.replicas, stages)
 
 
 def _agree_across_ranks(chosen: Assembled, build) -> Assembled:
     """Under torch.distributed every rank must run the same plan: rank 0's choice wins."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return chosen
-    mine = (chosen.schedule, chosen.microbatches, chosen.layout.replicas, chosen.starts, chosen.stage_devices)
+    mine = (_candidate_of(chosen), chosen.starts, chosen.stage_devices)
     decision = [mine]
     torch.distributed.broadcast_object_list(decision, src=0)
     if decision[0] == mine:
@@ -339,8 +364,8 @@ def _agree_across_ranks(chosen: Assembled, build) -> Assembled:
 
 def _rebuild(decision, build) -> Assembled:
     """This rank's measurements led elsewhere: build rank 0's plan here."""
-    name, m, d, starts, stage_devices = decision
-    plan, _, _ = build(name, m, d, fixed=(list(starts), list(stage_devices)), exact=True)
+    candidate, starts, stage_devices = decision
+    plan, _, _ = build(candidate, fixed=(list(starts), list(stage_devices)), exact=True)
     return plan
 
 

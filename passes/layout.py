@@ -1,7 +1,8 @@
 """How many pipeline positions a schedule needs, and which device runs each stage instance.
 
 - gpipe, 1f1b, varuna: P = N / D positions, D data-parallel replicas of the pipeline
-  (instance (s, r) on device r * P + s: the P x D configurations of Varuna §4.4).
+  (instance (s, r) on device r * P + s: the P x D configurations of Varuna §4.4); a smaller P
+  (`stages`) leaves the last N - P x D devices idle.
 - interleaved: P = v N positions, stage s on device s mod N (Megatron's virtual stages).
 - harmony-pp: P packs bound wrap-around, pack k on device k mod N (Harmony §3.2).
 - harmony-dp: P packs, every device runs all of them on its own microbatches (D = N).
@@ -30,10 +31,13 @@ class Layout:
 
 def choose_layout(
     schedule: str, n_devices: int, replicas: int, legal_cuts: int, param_bytes: int, capacity: int | None,
-    state_per_param_byte: float = 4.0,
+    state_per_param_byte: float = 4.0, stages: int | None = None,
 ) -> Layout:
-    """`state_per_param_byte`: training-state bytes per weight byte (weights, gradients, optimizer state)."""
+    """`state_per_param_byte`: training-state bytes per weight byte (weights, gradients, optimizer state);
+    `stages`: the pipeline depth P of gpipe / 1f1b / varuna (default N / D)."""
     n, d = n_devices, replicas
+    if stages is not None and schedule not in ("gpipe", "1f1b", "varuna"):
+        raise PartitionError(f"stages= sets the depth of a gpipe, 1f1b or varuna pipeline; {schedule} places its own")
     if schedule in ("harmony-pp", "harmony-dp"):
         if d != 1:
             raise PartitionError(f"{schedule} chooses its own data parallelism; drop replicas={d}")
@@ -49,7 +53,9 @@ def choose_layout(
         return Layout(n * VIRTUAL_STAGES, 1, lambda s, r: s % n)
     if n % d:
         raise PartitionError(f"replicas={d} must divide the {n} devices")
-    p = n // d
+    p = n // d if stages is None else stages
+    if not 1 <= p <= n // d:
+        raise PartitionError(f"stages={stages} with replicas={d} needs {p * d} of the {n} devices; use at most {n // d}")
     return Layout(p, d, lambda s, r: r * p + s)
 
 

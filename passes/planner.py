@@ -205,59 +205,81 @@ def _cpsat(times, cuts, costs, devices, microbatch_size: int, bandwidth: float) 
     return [s.first for s in binding.stages], [s.device for s in binding.stages]
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """One plan to try: schedule, microbatch count, data-parallel replicas D and pipeline stages P
+    (None: what the layout gives, N / D; fewer leaves devices idle)."""
+
+    schedule: str
+    microbatches: int
+    replicas: int = 1
+    stages: int | None = None
+
+    def describe(self) -> str:
+        return (f"{self.schedule:<11} x{self.microbatches:<3}" + (f" D={self.replicas}" if self.replicas > 1 else "")
+                + (f" P={self.stages}" if self.stages is not None else ""))
+
+
 def candidates(schedule: str, microbatches: int | None, batch: int, n_devices: int, legal_cuts: int,
-               needs_swap: bool, replicas: int | str = 1) -> list[tuple[str, int, int]]:
-    """(schedule, microbatch count, data-parallel replicas) to try; replicas="auto" tries every D that
-    divides the devices and the microbatches (P x D, Varuna §4.4) for the schedules that replicate."""
+               needs_swap: bool, replicas: int | str = 1, stages: int | str | None = None,
+               max_stages: int | None = None) -> list[Candidate]:
+    """The plans to simulate. replicas="auto" tries every D that divides the devices and the
+    microbatches (P x D, Varuna §4.4) for the schedules that replicate; stages="auto" tries every
+    pipeline depth P from 1 to N / D (at most `max_stages`) for them (PipeDream's planner may leave
+    workers idle, §2.4.1: in-process CPU devices that share too few cores run fewer stages faster)."""
     if schedule != "auto":
         schedules = [schedule]
     elif needs_swap:
         schedules = ["harmony-pp", "harmony-dp"]
+    elif isinstance(stages, int):
+        schedules = list(REPLICATING[:2])
     else:
         schedules = ["gpipe", "1f1b"] + (["interleaved"] if legal_cuts + 1 >= 2 * n_devices else [])
     counts = [microbatches] if microbatches else [m for m in range(1, min(batch, 8 * n_devices) + 1) if batch % m == 0]
     options = []
     for name in schedules:
         for m in counts:
-            if name == "interleaved" and m % n_devices:
+            if name in ("interleaved", "harmony-dp") and m % n_devices:
                 continue
-            if name == "harmony-dp" and m % n_devices:
+            if name not in REPLICATING:
+                options.append(Candidate(name, m))
                 continue
-            if replicas != "auto":
-                options.append((name, m, replicas))
-            elif name in REPLICATING:
-                options += [(name, m, d) for d in range(1, n_devices + 1) if n_devices % d == 0 and m % d == 0]
-            else:
-                options.append((name, m, 1))
+            ds = [d for d in range(1, n_devices + 1) if n_devices % d == 0 and m % d == 0] if replicas == "auto" else [replicas]
+            for d in ds:
+                if stages == "auto":
+                    deepest = min(n_devices // d, legal_cuts + 1, max_stages or n_devices)
+                    options += [Candidate(name, m, d, p) for p in range(1, deepest + 1)]
+                else:
+                    options.append(Candidate(name, m, d, stages))
     return options
 
 
 def choose(
-    options: list[tuple[str, int, int]],
-    build: Callable[[str, int, int], tuple[Assembled, Sequence[LayerCost], int]],
+    options: list[Candidate],
+    build: Callable[[Candidate], tuple[Assembled, Sequence[LayerCost], int]],
     devices: Sequence[DeviceSpec],
     bandwidth: float,
     runtime: RuntimeCosts = RuntimeCosts(),
-) -> tuple[Assembled, Prediction, list[tuple[str, int, int, Prediction | str]]]:
+) -> tuple[Assembled, Prediction, list[tuple[Candidate, Prediction | str]]]:
     """The candidate with the lowest predicted iteration time that fits; the table of all tried."""
-    tried: list[tuple[str, int, int, Prediction | str]] = []
+    tried: list[tuple[Candidate, Prediction | str]] = []
     best = None
-    for name, m, d in options:
+    for option in options:
         try:
-            plan, costs, size = build(name, m, d)
+            plan, costs, size = build(option)
         except StagewiseError as error:
-            tried.append((name, m, d, str(error).splitlines()[0]))
+            tried.append((option, str(error).splitlines()[0]))
             continue
         prediction, _ = predict(plan, costs, devices, size, bandwidth, runtime)
-        tried.append((name, m, d, prediction))
+        tried.append((option, prediction))
         key = (not prediction.fits, prediction.iteration_s)
         if best is None or key < best[0]:
             best = (key, plan, prediction)
     if best is None:
-        reasons = list(dict.fromkeys(r for *_, r in tried))
+        reasons = list(dict.fromkeys(r for _, r in tried))
         if len(reasons) == 1:
             raise PartitionError(reasons[0])
-        raise PartitionError("no plan could be built: " + "; ".join(f"{n} x{m} D={d}: {r}" for n, m, d, r in tried))
+        raise PartitionError("no plan could be built: " + "; ".join(f"{c.describe().strip()}: {r}" for c, r in tried))
     _, plan, prediction = best
     if not prediction.fits:
         over = [(d, peak, spec.memory) for d, (peak, spec) in enumerate(zip(prediction.peak_bytes, devices, strict=True))
@@ -271,4 +293,4 @@ def choose(
     return plan, prediction, tried
 
 
-__all__ = ["Assembled", "Prediction", "RuntimeCosts", "assemble", "candidates", "choose", "choose_layout", "partition", "predict"]
+__all__ = ["Assembled", "Candidate", "Prediction", "RuntimeCosts", "assemble", "candidates", "choose", "choose_layout", "partition", "predict"]

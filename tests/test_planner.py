@@ -111,3 +111,37 @@ def test_replicas_must_be_a_positive_int_or_auto():
     x, y = _gpt_batch()
     with pytest.raises(sw.PlanError, match="replicas"):
         sw.compile(TinyGPT(), 2, (x,), loss_fn=lm_loss, example_target=y, replicas=0)
+
+
+def test_fewer_stages_than_devices_trains_like_eager_and_leaves_devices_idle():
+    batches = token_batches(2, batch=8)
+    pipe = check_equal_training(TinyGPT(layers=4), batches, 4, loss_fn=lm_loss, optimizer=ADAMW,
+                                microbatches=4, schedule="1f1b", stages=2, cost="analytic")
+    assert len(pipe.plan.stages) == 2 and {s.device for s in pipe.plan.stages} == {0, 1}
+    assert [len(p.instructions) for p in pipe.plan.programs[2:]] == [0, 0]
+    assert "idle devices: 2, 3" in str(pipe.plan)
+
+
+@pytest.mark.parametrize("cores", [4, 2])
+def test_stages_auto_simulates_every_depth_and_keeps_the_fastest(cores, monkeypatch):
+    """PipeDream §2.4.1: the planner may use fewer workers than it has; in-process CPU devices get
+    at most a stage per core that computes at full speed."""
+    monkeypatch.setattr("stagewise.compiler.driver.computes_at_full_speed", lambda: float(cores))
+    batches = token_batches(2, batch=8)
+    pipe = check_equal_training(TinyGPT(layers=4), batches, 4, loss_fn=lm_loss, optimizer=SGD,
+                                microbatches=4, schedule="gpipe", stages="auto", cost="analytic")
+    tried = {int(line.split("P=")[1].split()[0]): line for line in pipe.plan.considered}
+    assert set(tried) == set(range(1, cores + 1))
+    times = {p: float(line.split("ms/iteration")[0].split()[-1]) for p, line in tried.items()}
+    assert times[len(pipe.plan.stages)] == pytest.approx(min(times.values()), abs=0.01)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    (dict(stages=0), "stages must be"),
+    (dict(stages=3, replicas=2), "stages=3 with replicas=2"),
+    (dict(stages=2, schedule="interleaved", microbatches=4), "stages= sets the depth"),
+])
+def test_bad_stage_counts_are_clear_errors(kwargs, match):
+    x, y = _gpt_batch()
+    with pytest.raises((sw.PlanError, sw.PartitionError), match=match):
+        sw.compile(TinyGPT(), 4, (x,), loss_fn=lm_loss, example_target=y, cost="analytic", **kwargs)
