@@ -6,7 +6,8 @@
 Three plans of the same model, differing only in the partition (schedule fixed to GPipe, the
 same microbatch count, SGD, cost="profile" for every plan's prediction):
 
-- ours:      sw.compile(split_points=None): the planner's partition (PipeDream DP on profiled costs)
+- ours:      sw.compile(split_points=None, stages="auto"): the planner's partition (PipeDream DP on profiled
+             costs) and pipeline depth
 - uniform:   the same number of layers per stage (DeepSpeed partition_method="uniform"; what a
              person writes), at the nearest legal cut
 - params:    balanced parameter counts (DeepSpeed partition_method="parameters": the smallest
@@ -22,21 +23,30 @@ pipe.plan.layers). Models:
 2. cnn: a plain VGG-style convnet, nn.Sequential of blocks (3x3 conv + ReLU, no BatchNorm) laid out
    like VGG-19 (2, 2, 4, 4, 4 blocks per resolution level, the stem included; each level's first
    block halves the resolution with stride 2), 64 px input down to 4 px, then an FC classifier
-   (flatten -> 256 -> 10). Channels grow by sqrt(2) per halving (32/45/64/91/128) instead of VGG's 2,
-   so each halving halves a block's FLOPs and doubles its parameters: from the 64 px block to the
-   4 px ones FLOPs fall 16x (23x to the stride-2 one) while parameters rise 16x, and the FC head
-   holds a third of the parameters with almost no FLOPs. Both baselines overload the first stage
-   (high resolution, few parameters): equal layer counts give it about three quarters of the FLOPs
-   on 2 devices, balanced parameter counts over nine tenths.
+   (flatten -> 256 -> 10). Channels grow by 2^(1/4) per halving (32/38/45/54/64) instead of VGG's 2,
+   as in dense-prediction encoders that keep their width at high resolution, so each halving cuts a
+   block's FLOPs 2.8x while its parameters grow 1.4x: block FLOPs end up 76x apart and parameters 4x
+   apart the other way, and the FC head holds 43% of the parameters with almost no FLOPs. Both
+   baselines overload the first stage (high resolution, few parameters): on 4 devices equal layer
+   counts give it about half the profiled compute and twice our slowest stage, balanced parameter
+   counts three quarters. With --cnn-growth 1.414 (FLOPs 23x apart) the uniform split's first
+   stage holds about half the FLOPs on 4 devices too, but the 2-core bound below then leaves at
+   most 1.08x to measure.
 3. mlp: nn.Sequential of residual-free MLP blocks Linear(d, h_i) -> GELU -> Linear(h_i, d) whose
    hidden widths h_i are drawn log-uniformly from [h, 10 h] (seeded), so block FLOPs differ up to 10x.
    For an MLP parameters are proportional to FLOPs, so the by-parameter split is close to a
    FLOP-balanced one: expect the parameter baseline to be hard to beat here.
 
+Ours also chooses its pipeline depth (stages="auto": every depth from 1 to the device count is
+simulated, the fastest kept; --every-device turns that off and compares partitions alone). The
+baselines run a stage per device, as a person splitting for 4 devices would.
+
 Timing: torch.set_num_threads(1) (each device's compute thread uses one core). The machine has 2
 cores, so with 4 devices four compute threads share 2 cores and the measured time is bounded by
 total work / 2 cores rather than by the slowest stage: partitions differ less in measurement than in
-a one-core-per-device simulation. The summary's "at most measurable" column applies that bound to
+a one-core-per-device simulation. The planner knows: stages="auto" on in-process CPU devices tries
+depths up to one stage per core (2 here), so on this machine ours runs 4 devices' model as 1 or 2
+stages, leaving the other devices idle. The summary's "at most measurable" column applies that bound to
 the simulated speedup. The simulator charges contention between in-process devices itself (speeds of
 k devices computing at once, measured on the model's costliest layer kind at every compile and
 printed under each table), so its 4-device figures come out close together as well; that curve is
@@ -247,8 +257,11 @@ class Result:
 
 
 def compile_plan(case: Case, devices: int, args, split_points=None):
+    """Ours (no split points) also chooses its depth (stages="auto"); a baseline runs a stage per device."""
+    depth = "auto" if split_points is None and not args.every_device else None
     return sw.compile(case.model, devices, case.inputs, loss_fn=case.loss_fn, example_target=case.target,
-                      schedule="gpipe", microbatches=args.microbatches, cost="profile", split_points=split_points)
+                      schedule="gpipe", microbatches=args.microbatches, cost="profile", split_points=split_points,
+                      stages=depth)
 
 
 def profiled_compute(pipe) -> float:
@@ -355,11 +368,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cnn-blocks", default="2,2,4,4,4",
                    help="conv blocks per resolution level, the stem included (VGG-19's 2,2,4,4,4)")
     p.add_argument("--cnn-width", type=int, default=32, help="channels of the first level")
-    p.add_argument("--cnn-growth", type=float, default=2**0.5,
+    p.add_argument("--cnn-growth", type=float, default=2**0.25,
                    help="channel growth per halving (< 2: FLOPs per block fall with depth, parameters rise)")
     p.add_argument("--cnn-size", type=int, default=64, help="input resolution")
     p.add_argument("--cnn-fc", type=int, default=256, help="hidden width of the FC classifier")
     p.add_argument("--cnn-batch", type=int, default=32)
+    p.add_argument("--every-device", action="store_true",
+                   help="ours runs a stage on every device too (no stages='auto'): partitions compared alone")
     p.add_argument("--no-pin", action="store_true",
                    help="do not set OMP_NUM_THREADS=MKL_NUM_THREADS=1 (some ops in new threads then use every core)")
     args = p.parse_args(argv)
