@@ -13,10 +13,9 @@ from about four probes. Each layer gets one such fit per quantity (forward, back
 recompute seconds; output, stash and workspace bytes); `LayerProfile.cost(u)` reads them.
 
 Layers run alone are faster than in a stage: a probe repeats one layer on the same inputs, so
-its weights and activations stay in cache. One whole-graph forward + backward at the traced
-size, against the layers' summed probes, gives a factor that scales every layer's times (the
-in-context time PipeDream §2.4.1 measures inside whole iterations); on this project's 2-core
-CPU machine it is 1.05-1.15 and took the simulator's median error from 12-19% to 5-7%.
+its weights and activations stay in cache. All layers are then run back to back at the traced
+size, forwards in order and backwards in reverse, each timed: the ratio to its probe scales
+the layer's times (the in-context time PipeDream §2.4.1 measures inside whole iterations).
 
 Two things keep it cheap. Layers with the same structure (the repeated blocks of a
 transformer) are profiled once. Shapes and memory at a size u come from fake tensors
@@ -70,8 +69,8 @@ MAX_MICROBATCH = 4096  # the slow-start search stops here when memory never runs
 OPTIMIZER_STATE_FACTOR = 2.0  # AdamW keeps two moments per parameter
 REPEATS = 3
 CACHE_VERSION = 2
-CONTEXT_REPEATS = 9  # whole-graph steps timed for the factor: with 3 its median spread 0.97-1.59 here, with 9 1.03-1.12
-CONTEXT_RANGE = (0.5, 2.0)  # a whole-graph / per-layer ratio outside this is a disturbed measurement
+CONTEXT_REPEATS = 9  # passes timed for the factors: with 3 a whole-graph factor spread 0.97-1.59 here, with 9 1.03-1.12
+CONTEXT_RANGE = (0.5, 2.0)  # an in-context / alone ratio outside this is a disturbed measurement
 TIMES = ("fwd_s", "bwd_s", "recompute_s")
 SIZES = ("act_bytes", "stash_bytes", "workspace_bytes")
 
@@ -142,7 +141,9 @@ class LayerProfile:
     workspace_bytes: PiecewiseLinear
     probes: tuple[LayerCost, ...] = ()
     max_microbatch: int | None = None
-    context_factor: float = 1.0  # the times are the layer's own probes times this (see in_context_factor)
+    # forward (and recompute) and backward times are the layer's own probes times these (in_context_factors)
+    context_fwd: float = 1.0
+    context_bwd: float = 1.0
 
     def cost(self, u: int) -> LayerCost:
         return LayerCost(
@@ -169,11 +170,14 @@ class LayerProfile:
         return cls(layer.index, layer.name, signature, "profile", first.param_bytes, first.grad_bytes,
                    first.optim_bytes, probes=tuple(probes), max_microbatch=max_microbatch, **fits)
 
-    def in_context(self, factor: float) -> LayerProfile:
-        """The same profile with its times (fits and probes) multiplied by `factor`."""
-        fits = {k: replace(getattr(self, k), ys=tuple(y * factor for y in getattr(self, k).ys)) for k in TIMES}
-        probes = tuple(replace(p, **{k: getattr(p, k) * factor for k in TIMES}) for p in self.probes)
-        return replace(self, probes=probes, context_factor=self.context_factor * factor, **fits)
+    def in_context(self, fwd: float, bwd: float) -> LayerProfile:
+        """The same profile with its forward and recompute times (fits and probes) multiplied by
+        `fwd`, its backward times by `bwd`."""
+        factor = {"fwd_s": fwd, "recompute_s": fwd, "bwd_s": bwd}
+        fits = {k: replace(getattr(self, k), ys=tuple(y * factor[k] for y in getattr(self, k).ys)) for k in TIMES}
+        probes = tuple(replace(p, **{k: getattr(p, k) * factor[k] for k in TIMES}) for p in self.probes)
+        return replace(self, probes=probes, context_fwd=self.context_fwd * fwd, context_bwd=self.context_bwd * bwd,
+                       **fits)
 
     def for_layer(self, layer: Layer) -> LayerProfile:
         """The same profile for an identical layer elsewhere in the model."""
@@ -255,8 +259,8 @@ def profile_layers(
         for i in first_of.values()
     }
     profiles = [by_sig[sig].for_layer(layer) for layer, sig in zip(layers, signatures, strict=True)]
-    factor = in_context_factor(gm, layers, profiles, shapes.at(traced), device, max(repeats, CONTEXT_REPEATS))
-    profiles = [p.in_context(factor) for p in profiles]
+    factors = in_context_factors(gm, layers, profiles, shapes.at(traced), device, max(repeats, CONTEXT_REPEATS))
+    profiles = [p.in_context(*f) for p, f in zip(profiles, factors, strict=True)]
     if cache:
         _save(key, profiles)
     return profiles
@@ -762,56 +766,103 @@ def _measured_under_load(cached: Sequence[LayerProfile], gm: fx.GraphModule, lay
     """A profile taken while other jobs loaded the machine keeps its inflated times in the cache
     for good. Re-time the costliest layer at the traced size (a fraction of a second); if the
     cache says it is STALE_RATIO times slower than it runs now, the cache is not trusted."""
-    at_traced = [(p.fwd_s(traced) + p.bwd_s(traced), p) for p in cached]
-    seconds, costliest = max(at_traced, key=lambda pair: pair[0])
+    _, costliest = max(((p.fwd_s(traced) + p.bwd_s(traced), p) for p in cached), key=lambda pair: pair[0])
     layer = layers[costliest.layer]
     where = device.torch_device
     inputs = real_inputs([shapes_at(gm, layers, traced, traced).values[name] for name in layer.inputs], where,
                          seed=layer.index)
     with torch.random.fork_rng(devices=[where.index or 0] if where.type == "cuda" else []):
         fresh = measure_layer(layer_module(gm, layer).to(where), inputs, where, repeats=SPOT_CHECK_REPEATS)
-    return seconds / costliest.context_factor > STALE_RATIO * (fresh.fwd_s + fresh.bwd_s)
+    alone = costliest.fwd_s(traced) / costliest.context_fwd + costliest.bwd_s(traced) / costliest.context_bwd
+    return alone > STALE_RATIO * (fresh.fwd_s + fresh.bwd_s)
 
 
 # ---- layers in context -----------------------------------------------------------------------------------
-def in_context_factor(gm: fx.GraphModule, layers: Sequence[Layer], profiles: Sequence[LayerProfile],
-                      shapes: _Shapes, device: Device, repeats: int = CONTEXT_REPEATS) -> float:
-    """How much slower the layers run back to back in the whole graph than each on its own.
+def in_context_factors(gm: fx.GraphModule, layers: Sequence[Layer], profiles: Sequence[LayerProfile],
+                       shapes: _Shapes, device: Device, repeats: int = CONTEXT_REPEATS) -> list[tuple[float, float]]:
+    """Per layer, how much slower its forward and its backward run back to back with the other
+    layers than on their own: (forward factor, backward factor).
 
     A probe repeats one layer on the same inputs, so its weights and activations stay in cache;
     in a stage each layer meets the previous one's output and its own weights cold. PipeDream
-    (dissertation §2.4.1) profiles layers inside whole training iterations for this reason. One
-    whole-graph forward + backward at the traced size (median of `repeats` after a warm-up),
-    divided by the sum of the layers' profiled forward + backward there, gives the factor every
-    layer's times are scaled by. Measured only where the model already lives on `device` (no
-    copy of a model that may not fit); 1.0 elsewhere, on OOM, or outside CONTEXT_RANGE.
+    (dissertation §2.4.1) times layers inside whole training iterations for this reason. Here
+    every layer runs in model order at the traced size on its predecessors' real outputs, each
+    forward timed, then every backward in reverse order, each fed the gradients its consumers
+    produced (median of `repeats` passes after a warm-up). Identical layers share the median of
+    their factors. Measured only where the model already lives on `device` (no copy of a model
+    that may not fit); (1, 1) elsewhere, on OOM, and for a factor outside CONTEXT_RANGE.
     """
     where = device.torch_device
-    state = [*gm.parameters(), *gm.buffers()]
-    trainable = [p for p in gm.parameters() if p.requires_grad]
-    if not trainable or any(t.device.type != where.type for t in state):
-        return 1.0
-    traced = shapes.u
-    profiled = sum(p.fwd_s(traced) + p.bwd_s(traced) for p in profiles)
+    neutral = [(1.0, 1.0)] * len(layers)
+    if any(t.device.type != where.type for t in (*gm.parameters(), *gm.buffers())):
+        return neutral
+    modules = [layer_module(gm, layer).to(where) for layer in layers]
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    inputs = real_inputs([shapes.values[name] for name in placeholders], where)
-    buffers = {name: b.clone() for name, b in gm.named_buffers()}  # BatchNorm's running stats stay the user's
-
-    def step() -> None:
-        roots, grads, _ = _forward(gm, inputs)
-        if roots:  # autograd.grad: the user's .grad stays as it was
-            torch.autograd.grad(roots, trainable, grads, allow_unused=True)
-
+    inputs = dict(zip(placeholders, real_inputs([shapes.values[name] for name in placeholders], where), strict=True))
+    outputs = {n.name for n in gm.graph.output_node().all_input_nodes}
+    times = [([], []) for _ in layers]
     cuda = [where.index or 0] if where.type == "cuda" else []
     try:
-        with torch.random.fork_rng(devices=cuda), _restored(gm, buffers):
-            step()
-            whole = statistics.median(_timed(step, where)[0] for _ in range(repeats))
+        with torch.random.fork_rng(devices=cuda):
+            for run in range(repeats + 1):
+                for (fwd, bwd), seconds in zip(times, _layers_back_to_back(layers, modules, inputs, outputs, where),
+                                               strict=True):
+                    if run:
+                        fwd.append(seconds[0])
+                        bwd.append(seconds[1])
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
-        return 1.0
-    factor = whole / profiled if profiled > 0 else 1.0
+        return neutral
+    traced = shapes.u
+    ratios = [(_ratio(statistics.median(fwd), p.fwd_s(traced)), _ratio(statistics.median(bwd), p.bwd_s(traced)))
+              for (fwd, bwd), p in zip(times, profiles, strict=True)]
+    by_signature: dict[str, list[tuple[float, float]]] = {}
+    for p, ratio in zip(profiles, ratios, strict=True):
+        by_signature.setdefault(p.signature, []).append(ratio)
+    return [tuple(statistics.median(r[k] for r in by_signature[p.signature]) for k in (0, 1)) for p in profiles]
+
+
+def _ratio(in_context: float, alone: float) -> float:
+    factor = in_context / alone if alone > 0 else 1.0
     return factor if CONTEXT_RANGE[0] <= factor <= CONTEXT_RANGE[1] else 1.0
+
+
+def _layers_back_to_back(layers: Sequence[Layer], modules: Sequence[fx.GraphModule], inputs: dict[str, Any],
+                         outputs: set[str], where: torch.device) -> list[tuple[float, float]]:
+    """One pass: each layer's forward in order, then each backward in reverse; (fwd s, bwd s) per layer.
+    A layer's floating inputs are leaves of their own, so its backward stops at its boundary and
+    their gradients are what its producers' backwards receive."""
+    values = dict(inputs)
+    leaves: list[list[tuple[str, torch.Tensor]]] = []
+    results: list[tuple] = []
+    forward_s = []
+    for layer, module in zip(layers, modules, strict=True):
+        args, mine = [], []
+        for name in layer.inputs:
+            value = values[name]
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.requires_grad:
+                value = value.detach().requires_grad_()
+                mine.append((name, value))
+            args.append(value)
+        seconds, result = _timed(lambda module=module, args=args: module(*args), where)
+        forward_s.append(seconds)
+        values.update(zip(layer.outputs, result, strict=True))
+        leaves.append(mine)
+        results.append(result)
+    grads = {name: torch.ones_like(values[name]) for name in outputs
+             if isinstance(values.get(name), torch.Tensor) and values[name].requires_grad}
+    backward_s = [0.0] * len(layers)
+    for i in reversed(range(len(layers))):
+        roots = [(t, grads.pop(name)) for name, t in zip(layers[i].outputs, results[i], strict=True)
+                 if name in grads and isinstance(t, torch.Tensor) and t.requires_grad]
+        if roots:
+            tensors, seeds = zip(*roots, strict=True)
+            backward_s[i], _ = _timed(functools.partial(torch.autograd.backward, list(tensors), list(seeds)), where)
+        for name, leaf in leaves[i]:
+            if leaf.grad is not None:
+                grads[name] = grads[name] + leaf.grad if name in grads else leaf.grad
+        modules[i].zero_grad(set_to_none=True)
+    return list(zip(forward_s, backward_s, strict=True))
 
 
 def cache_dir() -> Path:

@@ -194,31 +194,47 @@ def test_profiled_costs_are_exact_at_probes_and_monotone(mlp_graph):
             assert values == sorted(values), key
 
 
-def test_layer_times_are_scaled_to_the_whole_graph(mlp_graph, monkeypatch):
-    """PipeDream §2.4.1 times layers inside whole iterations: the factor is one whole-graph forward
-    + backward over the layers' summed probes, and a disturbed measurement (outside CONTEXT_RANGE)
-    is not used."""
-    _, gm, layers = mlp_graph
-    raw = profile_layers(gm, layers, "cpu", quiet=True, repeats=1, cache=False)
-    profiled = sum(p.fwd_s(8) + p.bwd_s(8) for p in raw) / raw[0].context_factor
-    shapes = shapes_at(gm, layers, 8, 8)
-    for whole, expected in ((1.5 * profiled, 1.5), (0.8 * profiled, 0.8), (10 * profiled, 1.0)):
-        monkeypatch.setattr(prof, "_timed", lambda fn, device, whole=whole: (whole, fn()))
-        factor = prof.in_context_factor(gm, layers, [p.in_context(1 / p.context_factor) for p in raw], shapes,
-                                        prof.resolve_devices("cpu")[0], repeats=1)
-        assert factor == pytest.approx(expected)
+def test_layers_are_timed_in_context(gpt_graph, monkeypatch):
+    """PipeDream §2.4.1 times layers inside whole iterations: every layer's forward and backward are
+    timed back to back with the others (each backward fed its consumers' gradients), their ratios to
+    the probes scale the profile, identical layers share one factor, and a ratio outside
+    CONTEXT_RANGE (a disturbed measurement) is not used."""
+    _, gm, layers = gpt_graph
+    raw = [p.in_context(1 / p.context_fwd, 1 / p.context_bwd)
+           for p in profile_layers(gm, layers, "cpu", quiet=True, repeats=1, cache=False)]
+    shapes, cpu = shapes_at(gm, layers, 4, 4), prof.resolve_devices("cpu")[0]
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    inputs = dict(zip(names, prof.real_inputs([shapes.values[n] for n in names], torch.device("cpu")), strict=True))
+    outputs = {n.name for n in gm.graph.output_node().all_input_nodes}
+    times = prof._layers_back_to_back(layers, [prof.layer_module(gm, layer) for layer in layers], inputs, outputs,
+                                      torch.device("cpu"))
+    assert all(fwd > 0 for fwd, _ in times)
+    assert all(bwd > 0 for (_, bwd), layer in zip(times, layers, strict=True) if layer.params)  # gradients reached every layer
+
+    def timed(fn, device):  # every forward "takes" 2 s, every backward 3 s
+        return (3.0 if isinstance(fn, functools.partial) else 2.0), fn()
+
+    monkeypatch.setattr(prof, "_timed", timed)
+    assert prof.in_context_factors(gm, layers, raw, shapes, cpu, repeats=1) == [(1.0, 1.0)] * len(layers)
+    monkeypatch.setattr(prof, "CONTEXT_RANGE", (0.0, math.inf))
+    factors = prof.in_context_factors(gm, layers, raw, shapes, cpu, repeats=1)
+    by_name = dict(zip((p.name for p in raw), factors, strict=True))
+    for p in raw:
+        if p.name not in ("blocks.2", "blocks.3"):  # they share blocks.1's signature; its probe is theirs
+            assert by_name[p.name] == pytest.approx((2.0 / p.fwd_s(4), 3.0 / p.bwd_s(4)))
+    assert by_name["blocks.1"] == by_name["blocks.2"] == by_name["blocks.3"]
 
 
 def test_in_context_scales_times_only(mlp_graph):
     _, gm, layers = mlp_graph
     (p, *_) = profile_layers(gm, layers, "cpu", quiet=True, repeats=1, cache=False)
-    q = p.in_context(2.0)
-    assert q.context_factor == pytest.approx(2 * p.context_factor)
+    q = p.in_context(2.0, 3.0)
+    assert (q.context_fwd, q.context_bwd) == pytest.approx((2 * p.context_fwd, 3 * p.context_bwd))
     for u in (1, 3, 8):
         a, b = p.cost(u), q.cost(u)
-        assert (b.fwd_s, b.bwd_s, b.recompute_s) == pytest.approx((2 * a.fwd_s, 2 * a.bwd_s, 2 * a.recompute_s))
+        assert (b.fwd_s, b.recompute_s, b.bwd_s) == pytest.approx((2 * a.fwd_s, 2 * a.recompute_s, 3 * a.bwd_s))
         assert (b.act_bytes, b.stash_bytes, b.param_bytes) == (a.act_bytes, a.stash_bytes, a.param_bytes)
-    assert [c.fwd_s for c in q.probes] == pytest.approx([2 * c.fwd_s for c in p.probes])
+    assert [c.bwd_s for c in q.probes] == pytest.approx([3 * c.bwd_s for c in p.probes])
     assert LayerProfile.from_dict(json.loads(json.dumps(q.to_dict()))) == q
 
 
