@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import time
+import warnings
 
 import torch
 import torch.fx as fx
@@ -16,7 +18,13 @@ from stagewise.compiler.calibrate import (
     send_bandwidth,
 )
 from stagewise.compiler.devices import Device, resolve_devices
-from stagewise.compiler.errors import BatchSizeError, ExampleInputsError, PartitionError, PlanError
+from stagewise.compiler.errors import (
+    BatchSizeError,
+    ExampleInputsError,
+    OversubscribedWarning,
+    PartitionError,
+    PlanError,
+)
 from stagewise.compiler.ir import Plan
 from stagewise.compiler.pipeline import Pipeline
 from stagewise.compiler.trace import capture, input_names
@@ -102,6 +110,7 @@ def compile(  # noqa: A001 - the public name of the API
         raise PlanError(f"stages must be a positive int, 'auto' or None (every device), got {stages!r}")
     timer = _PhaseTimer()
     resolved = resolve_devices(devices)
+    _warn_if_oversubscribed(resolved)
     names, kind = input_names(model, example_inputs)
     batch = batch_size(example_inputs, example_target)
     if microbatches is not None:
@@ -303,6 +312,20 @@ def _runtime_costs(cost: str, analysis: _Analysis, devices: list[Device], optimi
     update = tuple(step.seconds(len(layer.params), layer.param_bytes) for layer in layers)
     return RuntimeCosts(instruction_s=handoff_seconds(), concurrency=concurrency, update_s=update, wake_s=wake_s,
                         update_concurrency=update_concurrency)
+
+
+def _warn_if_oversubscribed(devices: list[Device]) -> None:
+    """Each in-process CPU device computes on its own thread with torch's intra-op threads; when they
+    add up to more than the cores, OpenMP teams wait for descheduled members on every op (the demo's
+    GPT-2 on 4 devices stepped in 135 ms with 2 threads each on 2 cores, 96 ms with 1)."""
+    cpu = sum(d.torch_device.type == "cpu" for d in devices) if distributed_context() is None else 1
+    cores = len(os.sched_getaffinity(0))
+    threads = torch.get_num_threads()
+    if cpu > 1 and threads > max(1, cores // cpu):
+        warnings.warn(
+            f"{cpu} CPU devices in this process, each computing with {threads} intra-op threads, oversubscribe "
+            f"the {cores} cores available; call torch.set_num_threads({max(1, cores // cpu)}) before compiling "
+            "(or run one process per device under torchrun)", OversubscribedWarning, stacklevel=3)
 
 
 def _stages_at_full_speed(devices: list[Device]) -> int | None:

@@ -39,3 +39,7 @@ class CapacityError(StagewiseError):
 
 class PeerError(StagewiseError):
     """Another device (thread or process) failed or stopped answering."""
+
+
+class OversubscribedWarning(UserWarning):
+    """In-process CPU devices would run more intra-op threads than the machine has cores."""

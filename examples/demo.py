@@ -23,6 +23,9 @@ STEPS, BATCH, LENGTH, DEVICES, MICROBATCHES = 5, 16, 32, 4, 4
 
 def main() -> None:
     hf_logging.set_verbosity_error()
+    # 4 devices in one process, each computing on its own thread: one intra-op thread each where the
+    # cores are fewer (sw.compile warns otherwise; oversubscribed OpenMP teams made steps 1.4x slower)
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // DEVICES))
     torch.manual_seed(0)
     console = Console(width=max(140, Console().width))  # the plan table needs the room, even in a pipe
     config = GPT2Config(n_layer=6, n_embd=128, n_head=4, vocab_size=1024, n_positions=64,

@@ -1,5 +1,8 @@
 """Bad input gets a StagewiseError subclass whose message names the problem and the fix."""
 
+import os
+import warnings
+
 import pytest
 import stagewise as sw
 import torch
@@ -126,3 +129,16 @@ def test_errors_are_stagewise_errors():
     for cls in (sw.DeviceError, sw.ExampleInputsError, sw.TraceError, sw.BatchSizeError, sw.PartitionError,
                 sw.LossError, sw.PlanError):
         assert issubclass(cls, sw.StagewiseError)
+
+
+def test_in_process_cpu_devices_that_oversubscribe_the_cores_warn(monkeypatch):
+    """Each device's compute thread runs torch's intra-op threads: more than the cores is a warning
+    that names the thread count to set."""
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: cores)
+    with pytest.warns(sw.OversubscribedWarning, match=rf"torch.set_num_threads\({max(1, cores // 2)}\)"):
+        compile_mlp(2, cost="analytic")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # nothing to gain, even with more devices than cores
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sw.OversubscribedWarning)
+        compile_mlp(3, cost="analytic")
