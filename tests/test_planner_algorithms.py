@@ -212,6 +212,37 @@ def test_straight_pipeline_never_replicates() -> None:
     assert all(s.replicas == 1 for s in plan.stages) and plan.bottleneck == pytest.approx(6.0)
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_straight_plan_balances_the_stages_below_its_bottleneck(seed: int) -> None:
+    """Among every straight split with the optimal bottleneck and as many stages, the plan's stage
+    times have the least sum of squares (brute force)."""
+    rng = random.Random(seed)
+    costs = random_costs(rng, rng.randint(2, 8))
+    topo = Topology(levels=(Level(rng.randint(2, 4), rng.choice([1.0, 5.0, 100.0])),),
+                    memory=random_topology(rng, costs, 1).memory)
+    try:
+        plan = plan_pipeline(costs, topo, straight=True)
+    except NoFeasiblePlan:
+        return
+    assert brute_time(plan.stages, 1, costs, topo) == pytest.approx(plan.bottleneck, rel=1e-12)
+
+    def squares(stages) -> float:
+        return sum(sum(costs.compute[i] for i in range(st.first, st.last + 1)) ** 2 for st in stages)
+
+    best = min(squares(stages) for ranges in splits(0, costs.n_layers - 1, costs.cut_allowed)
+               if len(ranges) == len(plan.stages)
+               for stages in [[Stage(a, b, 1) for a, b in ranges]]
+               if brute_time(stages, 1, costs, topo) <= plan.bottleneck * (1 + 1e-12))
+    assert squares(plan.stages) == pytest.approx(best, rel=1e-12)
+
+
+def test_straight_plan_spreads_the_stages_beside_a_heavy_one() -> None:
+    """A head worth 5 blocks is the bottleneck; the 12 blocks before it go 4 + 4 + 4, not 5 + 5 + 2."""
+    costs = LayerCosts(compute=[1.0] * 12 + [5.0], activation_bytes=[1.0] * 13, param_bytes=[0.0] * 13)
+    plan = plan_pipeline(costs, Topology.flat(4, bandwidth=100.0), straight=True)
+    assert [(s.first, s.last) for s in plan.stages] == [(0, 3), (4, 7), (8, 11), (12, 12)]
+
+
 def test_bottleneck_time_rejects_plans_that_do_not_tile() -> None:
     costs = LayerCosts(compute=[1, 1, 1], activation_bytes=[0] * 3, param_bytes=[0] * 3,
                        cut_allowed=[True, False])
