@@ -133,6 +133,7 @@ def compile(  # noqa: A001 - the public name of the API
     timer.lap(f"costs ({cost})")
 
     partitions: dict[tuple, tuple[list[int], list[int]]] = {}
+    built: dict[tuple, tuple] = {}  # stages per partition, shared by the candidates that partition alike
 
     def build(candidate: Candidate, fixed: tuple | None = None, exact: bool = False) -> tuple[Assembled, list, int]:
         """One candidate plan, on the first trace (layers and per-sample bytes do not depend on the
@@ -162,7 +163,8 @@ def compile(  # noqa: A001 - the public name of the API
                 partitions[key] = partition(name, layers, cuts, layer_costs, layout, specs, size, bandwidth)
             starts, stage_devices = partitions[key]
         plan = assemble(gm, layers, cuts, size, name, m, starts, stage_devices, layout, swap, capacities, clip, state_ratio,
-                        optimizer_on_host=optimizer_on_host, stash_bytes=[c.stash_bytes for c in layer_costs])
+                        optimizer_on_host=optimizer_on_host, stash_bytes=[c.stash_bytes for c in layer_costs],
+                        built=built)
         return plan, layer_costs, size
 
     searched = "auto" in (replicas, stages) and split_points is None

@@ -75,10 +75,19 @@ def assemble(
     gm: fx.GraphModule, layers, cuts, microbatch_size: int, schedule: str, microbatches: int, starts: Sequence[int],
     stage_devices: Sequence[int], layout: Layout, swap: str, capacities: list[int | None], clip: bool,
     state_per_param_byte: float, optimizer_on_host: bool = False, stash_bytes: Sequence[float] = (),
+    built: dict | None = None,
 ) -> Assembled:
     """Stages, replicas, shared tensors, swaps and programs of one plan (`stash_bytes`: what each
-    layer stashes per microbatch at this size, for deciding where stashed activations are swapped)."""
-    stages, transfers = build_stages(gm, layers, list(starts), microbatch_size, device_of=list(stage_devices))
+    layer stashes per microbatch at this size, for deciding where stashed activations are swapped).
+    `built`: one compile's stages by graph, starts, devices and size, since its candidates share
+    partitions (gpipe, 1f1b and varuna at a microbatch size)."""
+    key = (id(gm), tuple(starts), tuple(stage_devices), microbatch_size)
+    if built is None or key not in built:
+        made = build_stages(gm, layers, list(starts), microbatch_size, device_of=list(stage_devices))
+        if built is None:
+            built = {}
+        built[key] = made
+    stages, transfers = built[key]
     stages, transfers = replicate(stages, transfers, layout.replicas, microbatches, layout.device_of)
     shared = find_shared(gm, stages)
     # clipping with swapping: lower counts the norm stage by stage (passes/lower.py)
