@@ -145,3 +145,16 @@ def test_bad_stage_counts_are_clear_errors(kwargs, match):
     x, y = _gpt_batch()
     with pytest.raises((sw.PlanError, sw.PartitionError), match=match):
         sw.compile(TinyGPT(), 4, (x,), loss_fn=lm_loss, example_target=y, cost="analytic", **kwargs)
+
+
+def test_stages_and_replicas_auto_search_p_by_d_below_the_devices(monkeypatch):
+    """Both searches at once: every D dividing the devices, every depth up to N / D."""
+    monkeypatch.setattr("stagewise.compiler.driver.computes_at_full_speed", lambda: 4.0)
+    batches = token_batches(2, batch=8)
+    pipe = check_equal_training(TinyGPT(layers=4), batches, 4, loss_fn=lm_loss, optimizer=ADAMW, microbatches=4,
+                                schedule="1f1b", stages="auto", replicas="auto", cost="analytic")
+    tried = {(int(line.split("D=")[1].split()[0]) if "D=" in line else 1, int(line.split("P=")[1].split()[0]))
+             for line in pipe.plan.considered}
+    assert tried == {(1, 1), (1, 2), (1, 3), (1, 4), (2, 1), (2, 2), (4, 1)}
+    used = {s.device for s in pipe.plan.stages}
+    assert used == set(range(len(used)))  # the first P x D devices
