@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import pytest
 import stagewise as sw
 import torch
 
@@ -33,11 +34,12 @@ def assert_optimizer_state_equal(got: dict, want: dict, exact: bool = False) -> 
         torch.testing.assert_close(got[key], tensor, **tol, msg=lambda m, k=key: f"{k}: {m}")
 
 
-def test_save_load_trains_on_identically(tmp_path):
+@pytest.mark.parametrize("stages", [None, 2], ids=["every-device", "idle-device"])
+def test_save_load_trains_on_identically(tmp_path, stages):
     ids = torch.randint(0, 64, (8, 9))
     batches = [((ids[:, :-1],), ids[:, 1:])] * 2
     pipe = sw.compile(TinyGPT(), 3, batches[0][0], loss_fn=lm_loss, example_target=batches[0][1],
-                      optimizer=ADAMW, microbatches=2, clip_grad_norm=0.5)
+                      optimizer=ADAMW, microbatches=2, clip_grad_norm=0.5, stages=stages)
     pipeline_train(pipe, batches)
     pipe.save(tmp_path / "ck")
     loaded = sw.load(tmp_path / "ck")
