@@ -81,12 +81,10 @@ def assemble(
     layer stashes per microbatch at this size, for deciding where stashed activations are swapped).
     `built`: one compile's stages by graph, starts, devices and size, since its candidates share
     partitions (gpipe, 1f1b and varuna at a microbatch size)."""
+    built = {} if built is None else built
     key = (id(gm), tuple(starts), tuple(stage_devices), microbatch_size)
-    if built is None or key not in built:
-        made = build_stages(gm, layers, list(starts), microbatch_size, device_of=list(stage_devices))
-        if built is None:
-            built = {}
-        built[key] = made
+    if key not in built:
+        built[key] = build_stages(gm, layers, list(starts), microbatch_size, device_of=list(stage_devices))
     stages, transfers = built[key]
     stages, transfers = replicate(stages, transfers, layout.replicas, microbatches, layout.device_of)
     shared = find_shared(gm, stages)
@@ -250,8 +248,9 @@ def candidates(schedule: str, microbatches: int | None, batch: int, n_devices: i
         for m in counts:
             if name in ("interleaved", "harmony-dp") and m % n_devices:
                 continue
-            if name not in REPLICATING:
-                options.append(Candidate(name, m))
+            if name not in REPLICATING:  # a number of replicas or stages given for these is refused by the layout
+                options.append(Candidate(name, m, 1 if replicas == "auto" else replicas,
+                                         stages if isinstance(stages, int) else None))
                 continue
             ds = [d for d in range(1, n_devices + 1) if n_devices % d == 0 and m % d == 0] if replicas == "auto" else [replicas]
             for d in ds:

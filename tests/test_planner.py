@@ -158,3 +158,11 @@ def test_stages_and_replicas_auto_search_p_by_d_below_the_devices(monkeypatch):
     assert tried == {(1, 1), (1, 2), (1, 3), (1, 4), (2, 1), (2, 2), (4, 1)}
     used = {s.device for s in pipe.plan.stages}
     assert used == set(range(len(used)))  # the first P x D devices
+
+
+def test_a_schedule_that_places_its_own_stages_refuses_stages_and_replicas_in_a_search_too():
+    x, y = _gpt_batch()
+    for kwargs in (dict(stages=2), dict(replicas=2)):
+        with pytest.raises(sw.PartitionError, match="interleaved"):
+            sw.compile(TinyGPT(), 2, (x,), loss_fn=lm_loss, example_target=y, cost="analytic", schedule="interleaved",
+                       **kwargs)
