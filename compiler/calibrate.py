@@ -106,17 +106,19 @@ def _torch_device(device: str | torch.device | Device) -> torch.device:
     return device
 
 
-def _best(op: Callable[[], object], *devices: torch.device, repeats: int = REPEATS, warm_up: bool = True) -> float:
-    """Seconds of the fastest of `repeats` runs of op, after one warm-up run (unless not `warm_up`)."""
-    times = []
-    for i in range(repeats + warm_up):
-        _sync(devices)
-        start = time.perf_counter()
-        op()
-        _sync(devices)
-        if i or not warm_up:
-            times.append(time.perf_counter() - start)
-    return max(min(times), 1e-9)
+def _best(op: Callable[[], object], *devices: torch.device, repeats: int = REPEATS) -> float:
+    """Seconds of the fastest of `repeats` runs of op, after one warm-up run."""
+    op()
+    return max(min(_seconds(op, *devices) for _ in range(repeats)), 1e-9)
+
+
+def _seconds(op: Callable[[], object], *devices: torch.device) -> float:
+    """Seconds of one run of op, the devices' queued work included."""
+    _sync(devices)
+    start = time.perf_counter()
+    op()
+    _sync(devices)
+    return time.perf_counter() - start
 
 
 def _sync(devices: Sequence[torch.device]) -> None:
@@ -178,7 +180,7 @@ def _measure_optimizer(optimizer_factory, device: torch.device) -> OptimizerCost
         for _ in range(5):
             if flush is not None:
                 flush.fill_(1.0)
-            times.append(_best(step, device, repeats=1, warm_up=False))
+            times.append(_seconds(step, device))
         return statistics.median(times)
 
     large = [torch.nn.Parameter(torch.zeros(OPTIMIZER_ELEMENTS, device=device))]

@@ -334,7 +334,7 @@ def _stages_at_full_speed(devices: list[Device]) -> int | None:
     """The deepest pipeline stages="auto" tries on in-process CPU devices: one stage per core that
     computes at full speed. More compute threads than cores only time-slice, and a stage preempted
     mid-compute holds up the whole pipeline, which processor sharing in the simulator does not
-    see (3 stages on this 2-core machine measured 5-18% slower than predicted, 2 stages 3-5%)."""
+    see (3 stages on this 2-core machine measured 5-18% slower than predicted, 2 stages 1-9%)."""
     if distributed_context() is not None or any(d.torch_device.type != "cpu" for d in devices):
         return None
     return max(1, int(computes_at_full_speed()))

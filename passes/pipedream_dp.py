@@ -265,7 +265,7 @@ class _Solver:
         takes at most `bound` and whose stage times have the least sum of squares; None if none.
 
         The DP minimises the slowest stage only, so the others may be left anywhere below it
-        (a GPT on 4 devices got stages of 102 and 261 ms beside a 300 ms head). Among the plans
+        (a GPT on 4 devices got stages of 102 and 261 ms below its bottleneck). Among the plans
         with that bottleneck this one spreads the rest most evenly: every stage keeps the most
         slack against a profile that is a little off."""
         last = self.costs.n_layers - 1
