@@ -3,8 +3,8 @@
     python bench/plan_quality.py            # default run (about 1.5 minutes on 2 quiet CPU cores)
     python bench/plan_quality.py --quick    # smoke run (about 30 s): 2 devices, fewer steps
 
-Three plans of the same model, differing only in the partition (schedule fixed to GPipe, the
-same microbatch count, SGD, cost="profile" for every plan's prediction):
+Three plans of the same model, differing only in the partition and, for ours, the pipeline depth
+(schedule fixed to GPipe, the same microbatch count, SGD, cost="profile" for every plan's prediction):
 
 - ours:      sw.compile(split_points=None, stages="auto"): the planner's partition (PipeDream DP on profiled
              costs) and pipeline depth
@@ -44,13 +44,12 @@ baselines run a stage per device, as a person splitting for 4 devices would.
 Timing: torch.set_num_threads(1) (each device's compute thread uses one core). The machine has 2
 cores, so with 4 devices four compute threads share 2 cores and the measured time is bounded by
 total work / 2 cores rather than by the slowest stage: partitions differ less in measurement than in
-a one-core-per-device simulation. The planner knows: stages="auto" on in-process CPU devices tries
-depths up to one stage per core (2 here), so on this machine ours runs 4 devices' model as 1 or 2
-stages, leaving the other devices idle. The summary's last column simulates the same profiles as
-if every device had a core of its own (no contention, no wake-ups; ours with a stage on every
-device, as the planner would choose there): what 4 real devices would show, which this machine
-cannot measure. The summary's "at most measurable" column applies that bound to
-the simulated speedup. The simulator charges contention between in-process devices itself (speeds of
+a one-core-per-device simulation. The summary's "at most measurable" column applies that bound to
+the simulated speedup. The planner knows: stages="auto" on in-process CPU devices tries depths up
+to one stage per core (2 here), so on this machine ours runs 4 devices' model as 1 or 2 stages,
+leaving the other devices idle. The summary's last column simulates the same profiles as if every
+device had a core of its own (no contention, no wake-ups; ours with a stage on every device, as
+the planner would choose there): what 4 real devices would show, which this machine cannot measure. The simulator charges contention between in-process devices itself (speeds of
 k devices computing at once, measured on the model's costliest layer kind at every compile and
 printed under each table), so its 4-device figures come out close together as well; that curve is
 re-measured per compile, so the three plans' simulations may charge different contention. 2 devices
