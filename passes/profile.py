@@ -70,6 +70,8 @@ OPTIMIZER_STATE_FACTOR = 2.0  # AdamW keeps two moments per parameter
 REPEATS = 3
 CACHE_VERSION = 2
 CONTEXT_REPEATS = 9  # passes timed for the factors: with 3 a whole-graph factor spread 0.97-1.59 here, with 9 1.03-1.12
+CONTEXT_MIN_REPEATS = 3  # ... but past CONTEXT_BUDGET_S of passes, this many do (a large model's identical
+CONTEXT_BUDGET_S = 1.0  # layers, each timed once a pass, still give their shared factor many samples)
 CONTEXT_RANGE = (0.5, 2.0)  # an in-context / alone ratio outside this is a disturbed measurement
 TIMES = ("fwd_s", "bwd_s", "recompute_s")
 SIZES = ("act_bytes", "stash_bytes", "workspace_bytes")
@@ -788,8 +790,8 @@ def in_context_factors(gm: fx.GraphModule, layers: Sequence[Layer], profiles: Se
     (dissertation §2.4.1) times layers inside whole training iterations for this reason. Here
     every layer runs in model order at the traced size on its predecessors' real outputs, each
     forward timed, then every backward in reverse order, each fed the gradients its consumers
-    produced (median of `repeats` passes after a warm-up). Identical layers share the median of
-    their factors. Measured only where the model already lives on `device` (no copy of a model
+    produced (median of `repeats` passes after a warm-up; of at least CONTEXT_MIN_REPEATS once the
+    passes took CONTEXT_BUDGET_S). Identical layers share the median of their factors. Measured only where the model already lives on `device` (no copy of a model
     that may not fit); (1, 1) elsewhere, on OOM, and for a factor outside CONTEXT_RANGE.
     """
     where = device.torch_device
@@ -804,12 +806,15 @@ def in_context_factors(gm: fx.GraphModule, layers: Sequence[Layer], profiles: Se
     cuda = [where.index or 0] if where.type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=cuda):
-            for run in range(repeats + 1):
+            _layers_back_to_back(layers, modules, inputs, outputs, where)  # warm-up
+            began = time.perf_counter()
+            for run in range(repeats):
+                if run >= CONTEXT_MIN_REPEATS and time.perf_counter() - began > CONTEXT_BUDGET_S:
+                    break
                 for (fwd, bwd), seconds in zip(times, _layers_back_to_back(layers, modules, inputs, outputs, where),
                                                strict=True):
-                    if run:
-                        fwd.append(seconds[0])
-                        bwd.append(seconds[1])
+                    fwd.append(seconds[0])
+                    bwd.append(seconds[1])
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
         return neutral
