@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 import sys
 import time
 import warnings
@@ -29,7 +28,7 @@ from stagewise.compiler.ir import Plan
 from stagewise.compiler.pipeline import Pipeline
 from stagewise.compiler.trace import capture, input_names
 from stagewise.passes.analytic import analytic_layers
-from stagewise.passes.contention import computes_at_full_speed, host_contention
+from stagewise.passes.contention import available_cores, computes_at_full_speed, host_contention
 from stagewise.passes.cutpoints import find_cuts
 from stagewise.passes.layers import build_layers
 from stagewise.passes.layout import choose_layout
@@ -321,7 +320,7 @@ def _warn_if_oversubscribed(devices: list[Device]) -> None:
     add up to more than the cores, OpenMP teams wait for descheduled members on every op (the demo's
     GPT-2 on 4 devices stepped in 135 ms with 2 threads each on 2 cores, 96 ms with 1)."""
     cpu = sum(d.torch_device.type == "cpu" for d in devices) if distributed_context() is None else 1
-    cores = len(os.sched_getaffinity(0))
+    cores = available_cores()
     threads = torch.get_num_threads()
     if cpu > 1 and threads > max(1, cores // cpu):
         warnings.warn(

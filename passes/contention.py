@@ -36,10 +36,15 @@ WAKE_REPEATS = 7
 _MEASURED: dict[tuple, HostContention] = {}
 
 
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity, not the machine's count)."""
+    return len(os.sched_getaffinity(0))
+
+
 def computes_at_full_speed() -> float:
     """How many single-device computes this process's cores run at full speed at once: the cores it
     may use over each compute's intra-op threads."""
-    return len(os.sched_getaffinity(0)) / min(torch.get_num_threads(), os.cpu_count() or 1)
+    return available_cores() / min(torch.get_num_threads(), os.cpu_count() or 1)
 
 
 def costliest_layer(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequence[LayerCost]) -> Layer:

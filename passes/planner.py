@@ -238,8 +238,8 @@ def candidates(schedule: str, microbatches: int | None, batch: int, n_devices: i
         schedules = [schedule]
     elif needs_swap:
         schedules = ["harmony-pp", "harmony-dp"]
-    elif isinstance(stages, int):
-        schedules = list(REPLICATING[:2])
+    elif isinstance(stages, int):  # a depth is the straight pipelines' to set
+        schedules = ["gpipe", "1f1b"]
     else:
         schedules = ["gpipe", "1f1b"] + (["interleaved"] if legal_cuts + 1 >= 2 * n_devices else [])
     counts = [microbatches] if microbatches else [m for m in range(1, min(batch, 8 * n_devices) + 1) if batch % m == 0]

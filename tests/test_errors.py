@@ -135,7 +135,7 @@ def test_in_process_cpu_devices_that_oversubscribe_the_cores_warn(monkeypatch):
     """Each device's compute thread runs torch's intra-op threads: more than the cores is a warning
     that names the thread count to set."""
     cores = len(os.sched_getaffinity(0))
-    monkeypatch.setattr(torch, "get_num_threads", lambda: cores)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: cores + 1)  # more than the cores on any machine
     with pytest.warns(sw.OversubscribedWarning, match=rf"torch.set_num_threads\({max(1, cores // 2)}\)"):
         compile_mlp(2, cost="analytic")
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # nothing to gain, even with more devices than cores
