@@ -51,11 +51,12 @@ import sys
 import time
 
 import _common
-import stagewise as sw
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from stagewise.compiler.errors import StagewiseError
+
+import stagewise as sw
+from stagewise.ir.errors import StagewiseError
 
 
 # ---- the model ---------------------------------------------------------------------------------------

@@ -79,13 +79,14 @@ import time
 from dataclasses import dataclass, field
 from itertools import accumulate
 
-import stagewise as sw
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from _common import Case, start, tests_models
 from rich.console import Console
 from rich.table import Table
+
+import stagewise as sw
 from stagewise.passes.simulate import simulate
 from stagewise.runtime.executor import StreamExecutor
 

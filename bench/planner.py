@@ -44,16 +44,17 @@ import functools
 import time
 from dataclasses import dataclass
 
-import stagewise as sw
-import stagewise.compiler.driver as driver
-import stagewise.compiler.trace as trace_module
-import stagewise.passes.planner as planner
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from _common import Case, start, tests_models
 from rich.console import Console
 from rich.table import Table
+
+import stagewise as sw
+import stagewise.compiler.driver as driver
+import stagewise.compiler.trace as trace_module
+import stagewise.passes.planner as planner
 from stagewise.passes.analytic import analytic_layers
 from stagewise.passes.cpsat import Cluster, DeviceModel, partition_and_bind
 from stagewise.passes.cutpoints import find_cuts

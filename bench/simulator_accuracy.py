@@ -54,13 +54,14 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
-import stagewise as sw
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from _common import start, tests_models
 from rich.console import Console
 from rich.table import Table
+
+import stagewise as sw
 from stagewise.passes.simulate import simulate
 from stagewise.runtime.executor import StreamExecutor
 from stagewise.runtime.worker import StageWorker

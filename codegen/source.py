@@ -14,7 +14,8 @@ import types
 
 import torch
 import torch.fx as fx
-from stagewise.compiler.errors import PlanError
+
+from stagewise.ir.errors import PlanError
 
 _BUILTIN_NAMES = {"inf": "from math import inf", "nan": "from math import nan", "NoneType": "NoneType = type(None)"}
 

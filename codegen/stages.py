@@ -10,8 +10,9 @@ stage (a tie that the partition did not split) stays one tensor there.
 from __future__ import annotations
 
 import torch.fx as fx
-from stagewise.compiler.ir import Layer, Stage
-from stagewise.compiler.subgraph import extract
+
+from stagewise.ir.plan import Layer, Stage
+from stagewise.ir.subgraph import extract
 
 
 def build_stage_modules(gm: fx.GraphModule, layers: tuple[Layer, ...], stages: tuple[Stage, ...]) -> list[fx.GraphModule]:

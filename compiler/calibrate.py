@@ -19,8 +19,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from stagewise.compiler.devices import Device, resolve_devices, torch_device
-from stagewise.compiler.topology import Topology
+
+from stagewise.ir.devices import Device, resolve_devices, torch_device
+from stagewise.ir.topology import Topology
 
 COPY_BYTES = 8 * 2**20  # large enough to be bandwidth-bound, small enough to stay fast
 MATMUL_N = 256

@@ -27,9 +27,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
 from stagewise.codegen.source import load_stage, stage_source
-from stagewise.compiler.errors import PeerError, PlanError
-from stagewise.compiler.ir import Plan
+from stagewise.ir.errors import PeerError, PlanError
+from stagewise.ir.plan import Plan
 from stagewise.runtime.distributed import POLL_S, Pending
 from stagewise.runtime.launch import distributed_context
 

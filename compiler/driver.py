@@ -9,6 +9,7 @@ import warnings
 
 import torch
 import torch.fx as fx
+
 from stagewise.codegen.stages import build_stage_modules
 from stagewise.compiler.calibrate import (
     handoff_seconds,
@@ -16,17 +17,17 @@ from stagewise.compiler.calibrate import (
     optimizer_state_ratio,
     send_bandwidth,
 )
-from stagewise.compiler.devices import Device, resolve_devices
-from stagewise.compiler.errors import (
+from stagewise.compiler.pipeline import Pipeline
+from stagewise.compiler.trace import capture, input_names
+from stagewise.ir.devices import Device, resolve_devices
+from stagewise.ir.errors import (
     BatchSizeError,
     ExampleInputsError,
     OversubscribedWarning,
     PartitionError,
     PlanError,
 )
-from stagewise.compiler.ir import Plan
-from stagewise.compiler.pipeline import Pipeline
-from stagewise.compiler.trace import capture, input_names
+from stagewise.ir.plan import Plan
 from stagewise.passes.analytic import analytic_layers
 from stagewise.passes.contention import available_cores, computes_at_full_speed, host_contention
 from stagewise.passes.cutpoints import find_cuts

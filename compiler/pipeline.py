@@ -6,8 +6,9 @@ from collections.abc import Callable
 
 import torch
 import torch.fx as fx
-from stagewise.compiler.errors import BatchSizeError, ExampleInputsError
-from stagewise.compiler.ir import Plan, Program, SharedTensor
+
+from stagewise.ir.errors import BatchSizeError, ExampleInputsError
+from stagewise.ir.plan import Plan, Program, SharedTensor
 from stagewise.runtime.distributed import DistributedTransport
 from stagewise.runtime.executor import DEFAULT_TIMEOUT_S, StreamExecutor
 from stagewise.runtime.launch import distributed_context

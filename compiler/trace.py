@@ -39,13 +39,14 @@ from dataclasses import dataclass
 import sympy
 import torch
 import torch.fx as fx
-from stagewise.compiler.errors import ExampleInputsError, LossError, TraceError
-from stagewise.compiler.subgraph import attribute
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.node import map_arg
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
+
+from stagewise.ir.errors import ExampleInputsError, LossError, TraceError
+from stagewise.ir.subgraph import attribute
 
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 # Run-time assertions on symbolic sizes; once the sizes are literals they are checked here instead.

@@ -11,12 +11,13 @@ import functools
 import os
 import time
 
-import stagewise as sw
 import torch
 from rich.console import Console
 from rich.table import Table
 from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.utils import logging as hf_logging
+
+import stagewise as sw
 
 STEPS, BATCH, LENGTH, DEVICES, MICROBATCHES = 5, 16, 32, 4, 4
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 import functools
 import os
 
-import stagewise as sw
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.utils import logging as hf_logging
+
+import stagewise as sw
 
 
 def main() -> None:

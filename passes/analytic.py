@@ -19,7 +19,9 @@ from collections.abc import Sequence
 
 import torch
 import torch.fx as fx
-from stagewise.compiler.ir import Layer
+from torch.utils._pytree import tree_flatten
+
+from stagewise.ir.plan import Layer
 from stagewise.passes.profile import (
     OPTIMIZER_STATE_FACTOR,
     LayerProfile,
@@ -29,7 +31,6 @@ from stagewise.passes.profile import (
     shapes_at,
     tree_bytes,
 )
-from torch.utils._pytree import tree_flatten
 
 # Used when a device gives no figures: a modest CPU core set, and an older datacenter GPU.
 DEFAULT_PEAK_FLOPS = {"cpu": 5e10, "cuda": 1e14}

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from stagewise.compiler.ir import Layer, LayerCost
-from stagewise.passes.profile import layer_module, layer_signature, real_inputs, shapes_at
 from torch.utils._pytree import tree_flatten
+
+from stagewise.ir.plan import Layer, LayerCost
+from stagewise.passes.profile import layer_module, layer_signature, real_inputs, shapes_at
 
 MIN_WINDOW_S = 0.03  # each measurement keeps every thread busy at least this long
 WINDOW_STEPS = 6  # ... and for at least this many steps of one thread alone

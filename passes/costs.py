@@ -11,7 +11,7 @@ are not tracked yet).
 
 from __future__ import annotations
 
-from stagewise.compiler.ir import Plan
+from stagewise.ir.plan import Plan
 from stagewise.passes.analytic import DEFAULT_PEAK_FLOPS
 from stagewise.passes.simulate import SimCost, transfer_bytes
 

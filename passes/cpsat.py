@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
+
 from stagewise.passes.pipedream_dp import NoFeasiblePlan
 
 TICKS = 1_000_000  # integer resolution of the largest time coefficient

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from stagewise.compiler.ir import CrossingValue, Cut, Layer
-from stagewise.compiler.subgraph import attribute
+
+from stagewise.ir.plan import CrossingValue, Cut, Layer
+from stagewise.ir.subgraph import attribute
 
 
 def value_info(gm: fx.GraphModule, microbatch_size: int) -> dict[str, CrossingValue]:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from stagewise.compiler.ir import Layer
+
+from stagewise.ir.plan import Layer
 
 _CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)
 COMPUTE_OPS = ("call_function", "call_method", "call_module")

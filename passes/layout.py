@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from stagewise.compiler.errors import PartitionError
+from stagewise.ir.errors import PartitionError
 
 VIRTUAL_STAGES = 2  # model chunks per device under the interleaved schedule
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import replace
 
-from stagewise.compiler.ir import Instruction, Program, SharedTensor, Stage, Task, Transfer
+from stagewise.ir.plan import Instruction, Program, SharedTensor, Stage, Task, Transfer
 from stagewise.passes.swap import Residency, SwapPlan
 
 

@@ -9,8 +9,8 @@ The full planner (profiled costs, DP, CP-SAT) replaces this pass.
 
 from __future__ import annotations
 
-from stagewise.compiler.errors import PartitionError
-from stagewise.compiler.ir import Cut, Layer
+from stagewise.ir.errors import PartitionError
+from stagewise.ir.plan import Cut, Layer
 
 
 def layer_costs(layers: tuple[Layer, ...]) -> list[float]:

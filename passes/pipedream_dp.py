@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from functools import cache
 from itertools import accumulate
 
-from stagewise.compiler.errors import PartitionError
-from stagewise.compiler.topology import Level  # level k: m_k components joined by B_k
+from stagewise.ir.errors import PartitionError
+from stagewise.ir.topology import Level  # level k: m_k components joined by B_k
 
 INF = math.inf
 

@@ -15,9 +15,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch.fx as fx
-from stagewise.compiler.devices import format_bytes
-from stagewise.compiler.errors import CapacityError, PartitionError, StagewiseError
-from stagewise.compiler.ir import Cut, DeviceSpec, Layer, LayerCost, Program, SharedTensor, Stage, Transfer
+
+from stagewise.ir.devices import format_bytes
+from stagewise.ir.errors import CapacityError, PartitionError, StagewiseError
+from stagewise.ir.plan import Cut, DeviceSpec, Layer, LayerCost, Program, SharedTensor, Stage, Transfer
 from stagewise.passes.cpsat import Cluster, DeviceModel, partition_and_bind
 from stagewise.passes.harmony_packing import split_balanced
 from stagewise.passes.layout import Layout, choose_layout

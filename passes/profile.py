@@ -56,13 +56,14 @@ import torch
 import torch.fx as fx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from stagewise.compiler.devices import Device, parse_bytes, resolve_devices
-from stagewise.compiler.errors import StagewiseError
-from stagewise.compiler.ir import Layer, LayerCost
-from stagewise.compiler.subgraph import attribute, extract
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.node import _get_qualified_name, map_arg
 from torch.utils._pytree import tree_flatten, tree_map
+
+from stagewise.ir.devices import Device, parse_bytes, resolve_devices
+from stagewise.ir.errors import StagewiseError
+from stagewise.ir.plan import Layer, LayerCost
+from stagewise.ir.subgraph import attribute, extract
 
 N_PROBES = 4  # Srifty §5: four probed sizes were enough for 4.5-6.4% error
 MAX_MICROBATCH = 4096  # the slow-start search stops here when memory never runs out

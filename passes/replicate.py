@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from stagewise.compiler.errors import BatchSizeError
-from stagewise.compiler.ir import Stage, Transfer
+from stagewise.ir.errors import BatchSizeError
+from stagewise.ir.plan import Stage, Transfer
 
 
 def replicate(

@@ -23,8 +23,8 @@ lane-local microbatches; `schedule_tasks` maps lanes onto stage instances and de
 
 from __future__ import annotations
 
-from stagewise.compiler.errors import PlanError
-from stagewise.compiler.ir import Task
+from stagewise.ir.errors import PlanError
+from stagewise.ir.plan import Task
 
 SCHEDULES = ("auto", "gpipe", "1f1b", "interleaved", "varuna", "harmony-pp", "harmony-dp")
 

@@ -9,7 +9,8 @@ and the tie holds after every iteration. Identity, not names, decides what is sh
 from __future__ import annotations
 
 import torch.fx as fx
-from stagewise.compiler.ir import SharedTensor, Stage
+
+from stagewise.ir.plan import SharedTensor, Stage
 
 
 def find_shared(gm: fx.GraphModule, stages: tuple[Stage, ...]) -> tuple[SharedTensor, ...]:

@@ -58,9 +58,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from stagewise.compiler.deviations import DeviationPoints
-from stagewise.compiler.errors import PlanError
-from stagewise.compiler.ir import STREAMS, Instruction, Program, Transfer
+
+from stagewise.ir.deviations import DeviationPoints
+from stagewise.ir.errors import PlanError
+from stagewise.ir.plan import STREAMS, Instruction, Program, Transfer
 
 _EPS = 1e-12
 WAKE_IDLE_S = 1e-3  # a compute stream idle this long pays SimCost.wake_s at its next compute

@@ -8,7 +8,8 @@ through 1 and 2); graph inputs (token ids, targets) are fed to each stage that r
 from __future__ import annotations
 
 import torch.fx as fx
-from stagewise.compiler.ir import Layer, Stage, Transfer
+
+from stagewise.ir.plan import Layer, Stage, Transfer
 from stagewise.passes.cutpoints import value_info
 from stagewise.passes.layers import COMPUTE_OPS, state_targets
 

@@ -39,8 +39,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from stagewise.compiler.errors import PlanError
-from stagewise.compiler.ir import Instruction, Task
+from stagewise.ir.errors import PlanError
+from stagewise.ir.plan import Instruction, Task
 
 MODES = ("off", "harmony", "per-device")
 CHOICES = ("auto", "on", "all", "off", "per-device")  # compile's `swap=`

@@ -19,8 +19,9 @@ from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
-from stagewise.compiler.errors import CapacityError, PeerError, PlanError
-from stagewise.compiler.ir import Plan, Transfer
+
+from stagewise.ir.errors import CapacityError, PeerError, PlanError
+from stagewise.ir.plan import Plan, Transfer
 from stagewise.runtime.pool import MemoryPool
 from stagewise.runtime.sync import Aborted, Sync
 from stagewise.runtime.transport import LocalTransport

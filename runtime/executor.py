@@ -42,9 +42,10 @@ import weakref
 from collections.abc import Callable
 
 import torch
-from stagewise.compiler.deviations import DeviationPoints
-from stagewise.compiler.errors import PlanError
-from stagewise.compiler.ir import STREAMS, Instruction, Program
+
+from stagewise.ir.deviations import DeviationPoints
+from stagewise.ir.errors import PlanError
+from stagewise.ir.plan import STREAMS, Instruction, Program
 from stagewise.runtime.streams import DeviceStreams
 from stagewise.runtime.sync import Aborted, Sync
 from stagewise.runtime.transport import LocalTransport

@@ -14,7 +14,8 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from stagewise.compiler.errors import DeviceError
+
+from stagewise.ir.errors import DeviceError
 
 DEFAULT_TIMEOUT_S = 300.0
 

@@ -13,8 +13,9 @@ import threading
 from collections import defaultdict
 
 import torch
-from stagewise.compiler.devices import format_bytes
-from stagewise.compiler.errors import CapacityError
+
+from stagewise.ir.devices import format_bytes
+from stagewise.ir.errors import CapacityError
 
 KINDS = ("weights", "buffers", "grads", "optimizer", "stash", "buffer")
 

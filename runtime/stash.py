@@ -11,7 +11,8 @@ from __future__ import annotations
 import threading
 
 import torch
-from stagewise.compiler.errors import PlanError
+
+from stagewise.ir.errors import PlanError
 from stagewise.runtime.pool import nbytes
 
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from stagewise.compiler.ir import STREAMS
+
+from stagewise.ir.plan import STREAMS
 
 
 class DeviceStreams:

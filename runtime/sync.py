@@ -16,7 +16,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Sequence
 
-from stagewise.compiler.errors import PeerError, PlanError
+from stagewise.ir.errors import PeerError, PlanError
 
 
 class Aborted(Exception):

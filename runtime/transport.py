@@ -13,6 +13,7 @@ schedules) exchange through the same mechanism.
 from __future__ import annotations
 
 import torch
+
 from stagewise.runtime.pool import MemoryPool
 from stagewise.runtime.sync import Sync
 

@@ -20,8 +20,9 @@ from collections.abc import Callable
 
 import torch
 import torch.fx as fx
-from stagewise.compiler.errors import PlanError
-from stagewise.compiler.ir import Stage
+
+from stagewise.ir.errors import PlanError
+from stagewise.ir.plan import Stage
 from stagewise.runtime.pool import MemoryPool, nbytes
 from stagewise.runtime.stash import HostBuffers, Stash, storage_of, unpack
 

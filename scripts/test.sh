@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The whole test suite (and the lint), from a fresh clone.
+# The whole test suite and the lints, from a fresh clone: ruff, the layer contracts, the type check, pytest.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "$here/setup.sh"
 cd "$here/.."
 ruff check .
+lint-imports
+mypy stagewise/__init__.py
 python -m pytest -q "$@"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import copy
 import functools
 
-import stagewise as sw
 import torch
 
+import stagewise as sw
 from tests.models.gpt import lm_loss
 
 SGD = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)

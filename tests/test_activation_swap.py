@@ -6,14 +6,14 @@ flight do not fit trains within capacity because of it."""
 from dataclasses import replace
 
 import pytest
-import stagewise as sw
 import torch
-from stagewise.compiler.ir import Layer, Stage, Transfer
+
+import stagewise as sw
+from stagewise.ir.plan import Layer, Stage, Transfer
 from stagewise.passes.lower import lower
 from stagewise.passes.schedule import schedule_tasks
 from stagewise.passes.simulate import SimCost, simulate
 from stagewise.passes.swap import SwapPlan, plan_swaps
-
 from tests.hf import gpt2, lm_batches
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.reference import ADAMW, check_equal_training, pipeline_train, token_batches

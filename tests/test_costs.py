@@ -6,9 +6,10 @@ import json
 import math
 
 import pytest
-import stagewise as sw
 import torch
 import torch.nn.functional as F
+
+import stagewise as sw
 from stagewise.compiler.calibrate import (
     calibrate,
     handoff_seconds,
@@ -17,11 +18,11 @@ from stagewise.compiler.calibrate import (
     relative_speeds,
     send_bandwidth,
 )
-from stagewise.compiler.devices import Device, parse_bandwidth, parse_flops
-from stagewise.compiler.errors import DeviceError
-from stagewise.compiler.ir import DeviceSpec, LayerCost
-from stagewise.compiler.topology import Topology
 from stagewise.compiler.trace import trace
+from stagewise.ir.devices import Device, parse_bandwidth, parse_flops
+from stagewise.ir.errors import DeviceError
+from stagewise.ir.plan import DeviceSpec, LayerCost
+from stagewise.ir.topology import Topology
 from stagewise.passes import profile as prof
 from stagewise.passes.analytic import analytic_layers, roofline
 from stagewise.passes.contention import costliest_layer, host_contention
@@ -37,7 +38,6 @@ from stagewise.passes.profile import (
     slow_start,
     traced_microbatch_size,
 )
-
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.models.mlp import mlp
 

@@ -4,9 +4,9 @@ recycled transfer buffers. Skipped where no GPU is present (the CPU paths are te
 import copy
 
 import pytest
-import stagewise as sw
 import torch
 
+import stagewise as sw
 from tests.hf import gpt2, lm_batches
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.reference import ADAMW, ATOL, RTOL, eager_train, pipeline_train, token_batches

@@ -21,14 +21,14 @@ import traceback
 from pathlib import Path
 
 import pytest
-import stagewise as sw
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+
+import stagewise as sw
 from stagewise.runtime.distributed import directed_links, misordered_links
 from stagewise.runtime.launch import distributed_context
-
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.models.mlp import mlp
 from tests.reference import ADAMW, ATOL, RTOL, SGD, assert_state_equal, eager_train, pipeline_train

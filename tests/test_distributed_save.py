@@ -17,11 +17,11 @@ import traceback
 from pathlib import Path
 
 import pytest
-import stagewise as sw
 import torch
 import torch.distributed as dist
-from stagewise.compiler import checkpoint
 
+import stagewise as sw
+from stagewise.compiler import checkpoint
 from tests.reference import ATOL, RTOL, assert_state_equal, pipeline_train, token_batches
 from tests.test_distributed import _compile, _join, _save, _spawn
 from tests.test_save_load import assert_optimizer_state_equal, optimizer_state

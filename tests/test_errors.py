@@ -4,11 +4,11 @@ import os
 import warnings
 
 import pytest
-import stagewise as sw
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import stagewise as sw
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.models.mlp import mlp
 from tests.models.untraceable import DataDependent

@@ -5,9 +5,9 @@ and training still equals eager training."""
 import copy
 
 import pytest
-import stagewise as sw
 import torch
 
+import stagewise as sw
 from tests.hf import gpt2, lm_batches
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.reference import (

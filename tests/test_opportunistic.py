@@ -18,13 +18,13 @@ import traceback
 from pathlib import Path
 
 import pytest
-import stagewise as sw
 import torch
 import torch.distributed as dist
+
+import stagewise as sw
 from stagewise.passes.lower import lower
 from stagewise.passes.schedule import schedule_tasks
 from stagewise.passes.simulate import SimCost, simulate
-
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.reference import ADAMW, ATOL, RTOL, assert_state_equal, eager_train, pipeline_train, token_batches
 from tests.test_distributed import _spawn

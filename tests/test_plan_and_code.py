@@ -7,10 +7,10 @@ import sys
 from pathlib import Path
 
 import rich.console
-import stagewise as sw
 import torch
 import torch.nn.functional as F
 
+import stagewise as sw
 from tests.hf import gpt2, lm_batches
 from tests.models.cnn import ResNet
 from tests.models.gpt import TinyGPT, lm_loss
@@ -51,7 +51,7 @@ def test_programs_print_and_name_streams():
     text = str(pipe.programs[0])
     assert "compute F stage=0 mb=0" in text and "send act" in text and "allreduce shared-grad" in text
     assert "allreduce grad-norm" in text
-    assert {ins.stream for p in pipe.programs for ins in p.instructions} <= set(sw.compiler.ir.STREAMS)
+    assert {ins.stream for p in pipe.programs for ins in p.instructions} <= set(sw.ir.plan.STREAMS)
     plan_text = str(pipe.plan)
     assert "tok.weight" in plan_text and "tied-parameter" in plan_text
     console = rich.console.Console(file=io.StringIO(), width=140, color_system=None)

@@ -1,11 +1,11 @@
 """The planner chooses better plans than a person would and says how long they will take."""
 
 import pytest
-import stagewise as sw
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import stagewise as sw
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.reference import ADAMW, SGD, check_equal_training, pipeline_train, token_batches
 

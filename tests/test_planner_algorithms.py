@@ -13,6 +13,7 @@ import random
 from collections.abc import Iterator, Sequence
 
 import pytest
+
 from stagewise.passes.cpsat import Block, Cluster, DeviceModel, bind_blocks, partition_and_bind
 from stagewise.passes.harmony_packing import (
     BACKWARD,

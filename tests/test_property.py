@@ -1,10 +1,10 @@
 """Property: any choice of legal cut-points trains exactly like eager training."""
 
-import stagewise as sw
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import stagewise as sw
 from tests.models.encdec import EncoderDecoder
 from tests.models.gpt import lm_loss
 from tests.reference import SGD, check_equal_training

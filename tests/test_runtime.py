@@ -6,11 +6,11 @@ import time
 from dataclasses import replace
 
 import pytest
-import stagewise as sw
 import torch
 import torch.nn.functional as F
-from stagewise.compiler.ir import Program
 
+import stagewise as sw
+from stagewise.ir.plan import Program
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.models.mlp import mlp
 from tests.reference import first_device_peak

@@ -4,9 +4,9 @@ import subprocess
 import sys
 
 import pytest
-import stagewise as sw
 import torch
 
+import stagewise as sw
 from tests.hf import gpt2, lm_batches
 from tests.models.cnn import ResNet
 from tests.models.gpt import TinyGPT, lm_loss

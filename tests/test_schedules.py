@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from stagewise.compiler.ir import Stage, Transfer
+
+from stagewise.ir.plan import Stage, Transfer
 from stagewise.passes.lower import lower
 from stagewise.passes.schedule import interleaved, schedule_tasks, varuna
 from stagewise.passes.simulate import SimCost, simulate
-
 from tests.hf import gpt2, lm_batches
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.reference import ADAMW, SGD, check_equal_training, first_device_peak

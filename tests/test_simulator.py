@@ -15,8 +15,9 @@ import zlib
 import pytest
 import torch
 import torch.nn.functional as F
-from stagewise.compiler.errors import PlanError
-from stagewise.compiler.ir import Instruction, Program, SharedTensor, Stage, Transfer
+
+from stagewise.ir.errors import PlanError
+from stagewise.ir.plan import Instruction, Program, SharedTensor, Stage, Transfer
 from stagewise.passes.lower import lower
 from stagewise.passes.schedule import one_f_one_b, schedule_tasks
 from stagewise.passes.simulate import SimCost, simulate

@@ -2,9 +2,9 @@
 every device stays under its capacity, and weight swap volumes match Harmony's Table 3."""
 
 import pytest
-import stagewise as sw
 import torch
 
+import stagewise as sw
 from tests.hf import gpt2, lm_batches
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.reference import ADAMW, SGD, check_equal_training, token_batches

@@ -9,12 +9,12 @@ per size, and size 1 (which export assumes away) is used only when it agrees wit
 import copy
 
 import pytest
-import stagewise as sw
 import torch
 import torch.nn as nn
-from stagewise.compiler.trace import annotate, capture, trace
 from torch.utils._pytree import tree_flatten
 
+import stagewise as sw
+from stagewise.compiler.trace import annotate, capture, trace
 from tests.hf import gpt2, lm_batches
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.reference import SGD, assert_state_equal, eager_train, pipeline_train
@@ -149,8 +149,9 @@ class _Mixed(nn.Module):
 
 
 def test_fake_propagation_runs_repeated_leaf_modules_once_with_the_same_values():
-    from stagewise.compiler.trace import _CountingProp
     from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from stagewise.compiler.trace import _CountingProp
 
     class EveryModule(_CountingProp):
         def _module_key(self, n):

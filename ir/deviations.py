@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from stagewise.compiler.ir import Program
+from stagewise.ir.plan import Program
 
 
 class DeviationPoints:

@@ -13,8 +13,8 @@ import json
 import math
 from dataclasses import dataclass
 
-from stagewise.compiler.devices import parse_bandwidth
-from stagewise.compiler.errors import DeviceError
+from stagewise.ir.devices import parse_bandwidth
+from stagewise.ir.errors import DeviceError
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ import io
 from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
-from stagewise.compiler.devices import format_bytes
+
+from stagewise.ir.devices import format_bytes
 
 
 def render_plan(plan) -> str:

@@ -6,9 +6,10 @@
 """
 
 from stagewise.compiler.checkpoint import load
-from stagewise.compiler.devices import Device
 from stagewise.compiler.driver import compile  # noqa: A004 - the public name of the API
-from stagewise.compiler.errors import (
+from stagewise.compiler.pipeline import Pipeline
+from stagewise.ir.devices import Device
+from stagewise.ir.errors import (
     BatchSizeError,
     CapacityError,
     DeviceError,
@@ -21,8 +22,7 @@ from stagewise.compiler.errors import (
     StagewiseError,
     TraceError,
 )
-from stagewise.compiler.ir import Plan
-from stagewise.compiler.pipeline import Pipeline
+from stagewise.ir.plan import Plan
 
 __all__ = [
     "BatchSizeError",

@@ -6,8 +6,9 @@ import re
 from dataclasses import dataclass
 
 import torch
-from stagewise.compiler.errors import DeviceError
-from stagewise.compiler.ir import DeviceSpec
+
+from stagewise.ir.errors import DeviceError
+from stagewise.ir.plan import DeviceSpec
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

@@ -227,13 +227,13 @@ class Plan:
         return _build(cls, json.loads(text))
 
     def __str__(self) -> str:
-        from stagewise.codegen.report import render_plan
+        from stagewise.ir.report import render_plan
 
         return render_plan(self)
 
     def __rich__(self):
         """rich's console.print shows the same tables (it would pretty-print the dataclass's fields)."""
-        from stagewise.codegen.report import plan_group
+        from stagewise.ir.report import plan_group
 
         return plan_group(self)
 
