@@ -52,11 +52,16 @@ from rich.console import Console
 from rich.table import Table
 
 import stagewise as sw
-import stagewise.compiler.driver as driver
-import stagewise.compiler.trace as trace_module
+import stagewise.compiler.analysis as analysis
+import stagewise.compiler.costing as costing
+import stagewise.compiler.phases as compile_phases
+import stagewise.compiler.planning as planning
+import stagewise.passes.capture as trace_module
 import stagewise.passes.planner as planner
+from stagewise.ir.plan import DeviceSpec
+from stagewise.ir.topology import Topology
 from stagewise.passes.analytic import analytic_layers
-from stagewise.passes.cpsat import Cluster, DeviceModel, partition_and_bind
+from stagewise.passes.cpsat import partition_and_bind
 from stagewise.passes.cutpoints import find_cuts
 from stagewise.passes.layers import build_layers
 from stagewise.passes.profile import costs_at, profile_layers
@@ -66,32 +71,32 @@ TARGET = {"gpt": 0.5, "chain": 3.0}
 
 # (module, attribute, label): wrapped in timers. Labels with a "." are parts of the phase before the dot.
 HOOKS = [
-    (driver, "capture", "analysis.capture"),
+    (analysis, "capture", "analysis.capture"),
     (trace_module.Capture, "at", "analysis.at"),
     (torch.export, "export", "exports"),  # inside capture (or at): counted, not summed again
-    (driver, "build_layers", "analysis.layers"),
-    (driver, "find_cuts", "analysis.cuts"),
-    (driver, "send_bandwidth", "costs.calibration"),
-    (driver, "analytic_layers", "costs.analytic_layers"),
-    (driver, "profile_layers", "costs.profile_layers"),
-    (driver, "costs_at", "costs.costs_at"),
-    (driver, "partition", "search"),
+    (analysis, "build_layers", "analysis.layers"),
+    (analysis, "find_cuts", "analysis.cuts"),
+    (costing, "local_topology", "costs.calibration"),
+    (costing, "analytic_layers", "costs.analytic_layers"),
+    (costing, "profile_layers", "costs.profile_layers"),
+    (costing, "costs_at", "costs.costs_at"),
+    (planning, "partition", "search"),
     (planner, "plan_pipeline", "search.PipeDream DP"),
     (planner, "partition_and_bind", "search.CP-SAT"),
     (planner, "split_balanced", "search.balanced packing"),
     (planner, "balanced_starts", "search.balanced_starts"),
-    (driver, "assemble", "binding"),
+    (planning, "assemble", "binding"),
     (planner, "build_stages", "binding.build_stages"),
     (planner, "find_shared", "binding.find_shared"),
     (planner, "plan_swaps", "binding.plan_swaps"),
     (planner, "instance_tasks", "binding.schedule"),
     (planner, "lower", "binding.lower"),
     (planner, "predict", "simulation"),
-    (driver, "predict", "simulation"),
-    (driver, "sim_cost", "simulation"),
+    (planning, "predict", "simulation"),
+    (planning, "sim_cost", "simulation"),
     (planner, "simulate", "simulation.simulate"),
-    (driver, "build_stage_modules", "codegen"),
-    (driver, "Pipeline", "runtime setup"),
+    (compile_phases, "build_stage_modules", "codegen"),
+    (compile_phases, "start_runtime", "runtime setup"),
 ]
 PLANNING = ("search", "binding", "simulation", "codegen")  # costs (analytic or profiled) are reported apart
 
@@ -172,7 +177,7 @@ def plan(case: Case, devices: int, fixed: bool) -> Run:
 def profile_seconds(case: Case, devices: int) -> tuple[float, int]:
     """Seconds of profile_layers (uncached) on the graph traced at the first microbatch size, and
     the number of distinct layers it measured."""
-    from stagewise.compiler.trace import trace
+    from stagewise.passes.capture import trace
 
     batch = case.target.shape[0]
     m = max(d for d in range(1, devices + 1) if batch % d == 0)
@@ -186,19 +191,19 @@ def profile_seconds(case: Case, devices: int) -> tuple[float, int]:
 
 def cpsat_seconds(case: Case, devices: int) -> tuple[float, int, float]:
     """partition_and_bind on the case's analytic layer costs over devices of speeds 1, 1, 2, 2, ..."""
-    from stagewise.compiler.trace import trace
+    from stagewise.passes.capture import trace
 
     batch = case.target.shape[0]
     gm = trace(case.model, case.inputs, case.target, case.loss_fn).graph_module
     layers = build_layers(gm, case.model)
     cuts = find_cuts(gm, layers, batch)
     costs = costs_at(analytic_layers(gm, layers, batch, sw.Device("cpu")), batch)
-    cluster = Cluster(devices=tuple(DeviceModel(speed=1.0 + (d >= devices // 2)) for d in range(devices)),
-                      bandwidth=tuple(tuple(1e10 for _ in range(devices)) for _ in range(devices)))
+    specs = [DeviceSpec("cpu", "cpu", speed=1.0 + (d >= devices // 2)) for d in range(devices)]
     start = time.perf_counter()
     binding = partition_and_bind([c.fwd_s + c.bwd_s for c in costs],
                                  [c.bytes_per_sample * batch for c in cuts] + [0.0],
-                                 [c.state_bytes + c.stash_bytes * devices for c in costs], cluster,
+                                 [c.state_bytes + c.stash_bytes * devices for c in costs], specs,
+                                 Topology.uniform(devices, 1e10),
                                  cut_allowed=[c.legal for c in cuts], time_limit_s=5.0)
     return time.perf_counter() - start, len(layers), binding.optimal
 

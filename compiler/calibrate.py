@@ -22,6 +22,7 @@ import torch
 
 from stagewise.ir.devices import Device, resolve_devices, torch_device
 from stagewise.ir.topology import Topology
+from stagewise.runtime.sync import Sync
 
 COPY_BYTES = 8 * 2**20  # large enough to be bandwidth-bound, small enough to stay fast
 MATMUL_N = 256
@@ -196,8 +197,6 @@ def handoff_seconds(rounds: int = 200) -> float:
     """Seconds one stream thread of the in-process runtime takes to see an event another stream
     thread sets (a `Sync` wake-up and the GIL hand-off): the simulator charges it per instruction.
     Measured once per process by two threads passing a counter back and forth."""
-    from stagewise.runtime.sync import Sync
-
     sync, state = Sync(2, timeout_s=10.0), {"turn": 0}
 
     def play(parity: int) -> None:

@@ -2,72 +2,66 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
+from stagewise.compiler.batches import split_batch
+from stagewise.compiler.checkpoint_write import save
+from stagewise.compiler.runtime_setup import Runtime
 from stagewise.ir.errors import BatchSizeError, ExampleInputsError
 from stagewise.ir.plan import Plan, Program, SharedTensor
+from stagewise.passes.costs import plan_charges
+from stagewise.passes.simulate import SimCost, SimResult, simulate
 from stagewise.runtime.distributed import DistributedTransport
 from stagewise.runtime.executor import DEFAULT_TIMEOUT_S, StreamExecutor
-from stagewise.runtime.launch import distributed_context
+from stagewise.runtime.launch import DistributedContext
 from stagewise.runtime.pool import MemoryPool
 from stagewise.runtime.transport import LocalTransport
 from stagewise.runtime.worker import StageWorker
 
 
+@dataclass(frozen=True)
+class Compiled:
+    """What compiling found beside the plan (a loaded pipeline has none): the planner's per-stage
+    costs of the chosen plan (`pipe.sim_cost`, for benches and tests that vary them) and the seconds
+    each compile phase took (`pipe.compile_times`)."""
+
+    sim_cost: SimCost
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+
+
 class Pipeline:
     """Stage modules, their device programs, and the runtime that executes them."""
 
-    def __init__(
-        self,
-        plan: Plan,
-        modules: list[fx.GraphModule],
-        optimizer: Callable,
-        clip_grad_norm: float | None,
-        swapped: frozenset[int] = frozenset(),
-    ):
+    def __init__(self, plan: Plan, runtime: Runtime, compiled: Compiled | None = None):
         self.plan = plan
-        self.sim_cost = None  # the planner's per-stage costs, when compiled (not after load)
-        self.compile_times: dict[str, float] = {}
-        self.optimizer_factory = optimizer
-        self.clip_grad_norm = clip_grad_norm
-        self.context = distributed_context()
-        local = set(range(len(plan.devices))) if self.context is None else {self.context.rank}
-        self.pools = [MemoryPool(i, self._torch_device(i), d.memory) for i, d in enumerate(plan.devices)]
-        if self.context is None:
-            self.transport = LocalTransport(self.pools)
-        else:
-            self.transport = DistributedTransport(plan, self.context.rank, self.pools, DEFAULT_TIMEOUT_S)
-        received_with_grad = {(t.dst, t.value) for t in plan.transfers if t.requires_grad}
-        last = max(s.position for s in plan.stages)
-        stash_swaps = {(i.stage, i.microbatch) for p in plan.programs for i in p.instructions
-                       if i.kind == "swap_out" and i.what == "stash"}
-        self.workers = [
-            StageWorker(
-                stage,
-                module,
-                self.pools[stage.device],
-                optimizer,
-                owned=self._owned_names(stage.index, module),
-                grad_inputs={v for (dst, v) in received_with_grad if dst == stage.index},
-                is_last=stage.position == last,
-                shared_names=self._shared_names(stage.index, module),
-                swapped=stage.index in swapped,
-                swapped_stashes=frozenset(mb for s, mb in stash_swaps if s == stage.index),
-            )
-            for stage, module in zip(plan.stages, modules, strict=True)
-            if stage.device in local
-        ]
-        self.executor = StreamExecutor(
-            tuple(p for p in plan.programs if p.device in local),
-            self.workers,
-            self.transport,
-            clip_grad_norm,
-            {s.index: s.device for s in plan.stages},
-        )
+        self.runtime = runtime
+        self.sim_cost = compiled.sim_cost if compiled is not None else None
+        self.compile_times: dict[str, float] = dict(compiled.phase_seconds) if compiled is not None else {}
         self.timeout_s = DEFAULT_TIMEOUT_S
+
+    # ---- the runtime's parts ---------------------------------------------------------------
+    @property
+    def context(self) -> DistributedContext | None:
+        return self.runtime.context
+
+    @property
+    def pools(self) -> list[MemoryPool]:
+        return self.runtime.pools
+
+    @property
+    def transport(self) -> LocalTransport | DistributedTransport:
+        return self.runtime.transport
+
+    @property
+    def workers(self) -> list[StageWorker]:
+        return self.runtime.workers
+
+    @property
+    def executor(self) -> StreamExecutor:
+        return self.runtime.executor
 
     # ---- the public surface -------------------------------------------------------------
     @property
@@ -114,8 +108,6 @@ class Pipeline:
 
     def step(self, *args, target=None, **kwargs) -> torch.Tensor:
         """One synchronous training iteration on a minibatch; returns its mean loss."""
-        from stagewise.compiler.driver import split_batch
-
         inputs = self._inputs(args, kwargs)
         m = self.plan.microbatches
         batch = next(iter(inputs.values())).shape[0]
@@ -170,16 +162,12 @@ class Pipeline:
                     if source is not None:
                         tensor.copy_(source)
 
-    def simulate(self, peak_flops: float | None = None, bandwidth: float | None = None):
-        """The predicted timeline of one iteration of these programs: with the planner's costs
-        (profiled or analytic), or, given peak_flops / bandwidth, FLOP-based costs for that hardware."""
-        from stagewise.passes.costs import CPU_PEAK_FLOPS, LOCAL_BANDWIDTH, analytic_cost
-        from stagewise.passes.simulate import simulate
-
-        cost = self.sim_cost
-        if cost is None or peak_flops is not None or bandwidth is not None:
-            cost = analytic_cost(self.plan, peak_flops or CPU_PEAK_FLOPS, bandwidth or LOCAL_BANDWIDTH)
-        return simulate(self.plan.programs, cost)
+    def simulate(self, peak_flops: float | None = None, bandwidth: float | None = None) -> SimResult:
+        """The predicted timeline of one iteration of these programs, with the costs the plan's
+        prediction charged (profiled or analytic; the plan keeps them, so a loaded pipeline predicts
+        the same), or for other hardware: devices of `peak_flops` FLOP/s (the analytic model's compute
+        bound), links of `bandwidth` bytes/s (passes/costs.py `plan_charges`)."""
+        return simulate(self.plan.programs, plan_charges(self.plan, peak_flops, bandwidth))
 
     def save(self, directory) -> None:
         """Write the pipeline to `directory` for `sw.load`: plan.json, programs.txt, stage_<i>.py (the
@@ -194,18 +182,9 @@ class Pipeline:
         are; `sw.load` under torchrun reads them on every rank, so across machines put
         `directory` on a shared filesystem (or copy it to each machine first).
         """
-        from stagewise.compiler.checkpoint import save
-
-        save(self, directory)
+        save(self.plan, self.runtime, directory)
 
     # ---- helpers --------------------------------------------------------------------------
-    def _torch_device(self, index: int) -> torch.device:
-        """This process's device; under torchrun on CUDA the local rank's GPU."""
-        device = torch.device(self.plan.devices[index].name)
-        if self.context is not None and device.type == "cuda":
-            return torch.device("cuda", self.context.local_rank)
-        return device
-
     def _inputs(self, args, kwargs) -> dict:
         names = self.plan.input_names
         if self.plan.input_kind == "positional":
@@ -231,17 +210,3 @@ class Pipeline:
             if name in group:
                 return (name,) + tuple(a for a in group if a != name)
         return (name,)
-
-    def _shared_names(self, stage: int, module: torch.nn.Module) -> dict[str, str]:
-        local = {n for n, _ in module.named_parameters(remove_duplicate=False)}
-        local |= {n for n, _ in module.named_buffers(remove_duplicate=False)}
-        result = {}
-        for tensor in self.plan.shared:
-            if stage in tensor.stages:
-                result[tensor.fqn] = next(n for n in tensor.names if n in local)
-        return result
-
-    def _owned_names(self, stage: int, module: torch.nn.Module) -> set[str]:
-        """Parameters whose gradient this stage counts once in the global norm."""
-        not_owned = {n for t in self.plan.shared if stage in t.stages and t.owner != stage for n in t.names}
-        return {n for n, _ in module.named_parameters() if n not in not_owned}

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import torch
 
 from stagewise.ir.errors import DeviceError
-from stagewise.ir.plan import DeviceSpec
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -67,6 +66,19 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """A serialisable description of one device of the plan."""
+
+    name: str
+    kind: str
+    memory: int | None = None
+    speed: float = 1.0
+    peak_flops: float | None = None  # FLOP/s, for analytic costs of hardware one does not have
+    memory_bandwidth: float | None = None  # bytes/s of the device's own memory (roofline)
+    host_bandwidth: float | None = None  # bytes/s of the host <-> device link (swaps)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,10 @@ class TraceError(StagewiseError):
     """Neither torch.fx nor torch.export could capture the model."""
 
 
+class ProfileError(StagewiseError):
+    """A layer cannot be profiled: it fails on synthetic inputs or does not fit even at u=1."""
+
+
 class BatchSizeError(StagewiseError):
     """The batch cannot be split into the requested number of equal microbatches."""
 

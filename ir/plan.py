@@ -9,6 +9,10 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 
+from stagewise.ir.costs import RuntimeCosts
+from stagewise.ir.devices import DeviceSpec
+from stagewise.ir.topology import Level, Topology
+
 STREAMS = ("compute", "swap_in", "swap_out", "p2p_in", "p2p_out")
 
 
@@ -179,19 +183,6 @@ class Program:
 
 
 @dataclass(frozen=True)
-class DeviceSpec:
-    """A serialisable description of one device of the plan."""
-
-    name: str
-    kind: str
-    memory: int | None = None
-    speed: float = 1.0
-    peak_flops: float | None = None  # FLOP/s, for analytic costs of hardware one does not have
-    memory_bandwidth: float | None = None  # bytes/s of the device's own memory (roofline)
-    host_bandwidth: float | None = None  # bytes/s of the host <-> device link (swaps)
-
-
-@dataclass(frozen=True)
 class Plan:
     """Everything compile decided: layers, cuts, shared tensors, stages, transfers, programs."""
 
@@ -218,6 +209,7 @@ class Plan:
     predicted_stage_s: tuple[float, ...] = ()  # forward + backward of one microbatch, per stage
     predicted_peak_bytes: tuple[int, ...] = ()  # per device
     considered: tuple[str, ...] = ()  # the candidate plans the planner simulated, one line each
+    costs: PlanCosts | None = None  # what the predictions charged: a loaded plan predicts the same
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -251,6 +243,8 @@ _NESTED = {}
 
 
 def _convert(hint: str, value):
+    if isinstance(value, dict):  # a nested dataclass: `Name` or `Name | None`
+        return _build(_NESTED[hint.split("|")[0].strip()], value)
     if isinstance(value, list):
         inner = hint[hint.find("[") + 1 : hint.find(",")] if hint.startswith("tuple[") else ""
         nested = _NESTED.get(inner.strip())
@@ -287,10 +281,22 @@ class LayerCost:
         return self.param_bytes + self.grad_bytes + self.optim_bytes
 
 
+@dataclass(frozen=True)
+class PlanCosts:
+    """What the plan's predictions charged, so that a loaded plan predicts the same: each layer's
+    costs at the plan's microbatch size (profiled or analytic), the links between its devices,
+    what the runtime adds, and the stages whose training state lives in host memory."""
+
+    layers: tuple[LayerCost, ...]
+    topology: Topology
+    runtime: RuntimeCosts
+    swapped: tuple[int, ...] = ()
+
+
 _NESTED.update(
     {
         cls.__name__: cls
         for cls in (Layer, CrossingValue, Cut, SharedTensor, Transfer, Stage, Instruction, Program, DeviceSpec,
-                    LayerCost)
+                    LayerCost, PlanCosts, Topology, Level, RuntimeCosts)
     }
 )

@@ -4,14 +4,18 @@ PipeDream (Fig. 2.6, §2.4.1) models a cluster as levels: m_1 devices joined by 
 form a server, m_2 servers joined by B_2 form the cluster, and so on. Its partitioner works
 level by level; the CP-SAT binder and the simulator need the flat form, the bandwidth of the
 link between every pair (i, j). `Topology` keeps both: `bandwidth[i][j]` in bytes/s, and the
-`levels` it was built from (empty when the matrix came from measurements).
+`levels` it was built from (empty when the matrix came from measurements). compile() measures
+the matrix between the devices it is given (compiler/calibrate.py); the planner reads the links
+of the devices a pipeline uses (`among`), PipeDream's DP their levels (`hierarchy`), CP-SAT every
+pair, and the simulator every link (`links`).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 
 from stagewise.ir.devices import parse_bandwidth
 from stagewise.ir.errors import DeviceError
@@ -27,18 +31,21 @@ class Level:
 
 @dataclass(frozen=True)
 class Topology:
-    """`bandwidth[i][j]`: bytes/s from device i to device j (the diagonal is unused: a device
-    sends to itself for free). `levels`, innermost first, when the matrix is hierarchical."""
+    """`bandwidth[i][j]`: bytes/s from device i to device j; None on the diagonal (a device has no
+    link to itself: it sends to itself for free). `levels`, innermost first, when the matrix is
+    hierarchical."""
 
-    bandwidth: tuple[tuple[float, ...], ...]
+    bandwidth: tuple[tuple[float | None, ...], ...]
     levels: tuple[Level, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.bandwidth)
         if n == 0 or any(len(row) != n for row in self.bandwidth):
             raise DeviceError(f"a topology needs a square bandwidth matrix, one row per device; got {n} rows")
-        if any(not b > 0 for i, row in enumerate(self.bandwidth) for j, b in enumerate(row) if i != j):
-            raise DeviceError("every link bandwidth of a topology must be positive bytes/s")
+        if any((b is not None) if i == j else not (b is not None and b > 0)
+               for i, row in enumerate(self.bandwidth) for j, b in enumerate(row)):
+            raise DeviceError("every link bandwidth of a topology must be positive bytes/s, and the diagonal "
+                              "None (a device has no link to itself)")
         if self.levels and math.prod(level.workers for level in self.levels) != n:
             raise DeviceError(
                 f"the topology's levels hold {math.prod(lv.workers for lv in self.levels)} devices, "
@@ -65,12 +72,12 @@ class Topology:
 
         Two devices talk over the bandwidth of the lowest level whose group holds both.
         """
-        parsed = tuple(Level(int(w), parse_bandwidth(b, "link bandwidth")) for w, b in levels)
+        parsed = tuple(Level(int(w), _link_bandwidth(b)) for w, b in levels)
         if not parsed or any(level.workers < 1 for level in parsed):
             raise DeviceError("a topology needs at least one level of at least one worker")
         n = math.prod(level.workers for level in parsed)
         matrix = tuple(
-            tuple(math.inf if i == j else parsed[_common_level(parsed, i, j)].bandwidth for j in range(n))
+            tuple(None if i == j else parsed[_common_level(parsed, i, j)].bandwidth for j in range(n))
             for i in range(n)
         )
         return cls(matrix, parsed)
@@ -81,7 +88,7 @@ class Topology:
         n = len(matrix)
         return cls(
             tuple(
-                tuple(math.inf if i == j else parse_bandwidth(matrix[i][j], "link bandwidth") for j in range(n))
+                tuple(None if i == j else _link_bandwidth(matrix[i][j]) for j in range(n))
                 for i in range(n)
             )
         )
@@ -93,12 +100,33 @@ class Topology:
 
     def link(self, src: int, dst: int) -> float:
         """Bytes/s from src to dst; math.inf for a device and itself."""
-        return math.inf if src == dst else self.bandwidth[src][dst]
+        bandwidth = self.bandwidth[src][dst]
+        return math.inf if bandwidth is None else bandwidth
 
     def links(self) -> dict[tuple[int, int], float]:
-        """Every off-diagonal link, in the form `SimCost.links` takes."""
-        n = self.n_devices
-        return {(i, j): self.bandwidth[i][j] for i in range(n) for j in range(n) if i != j}
+        """Every link between two devices, in the form `SimCost.links` takes."""
+        return {(i, j): b for i, row in enumerate(self.bandwidth) for j, b in enumerate(row) if b is not None}
+
+    @property
+    def slowest_link(self) -> float:
+        """The least bandwidth between two devices (math.inf for one device: nothing to send)."""
+        return min(self.links().values(), default=math.inf)
+
+    def hierarchy(self) -> tuple[Level, ...]:
+        """The levels PipeDream's DP plans over: the topology's own, else every device on one level
+        joined by the slowest link (exact when all links are equal, conservative otherwise)."""
+        return self.levels or (Level(self.n_devices, self.slowest_link),)
+
+    def among(self, devices: Sequence[int]) -> Topology:
+        """The links between `devices` only, renumbered 0.. in the order given. The levels are
+        kept when the devices are the first k and k fills whole groups of the hierarchy's levels
+        (k = 8 or 4 or 2 of 2 servers of 4), else dropped (`hierarchy` then flattens)."""
+        if any(not 0 <= d < self.n_devices for d in devices) or len(set(devices)) != len(devices):
+            raise DeviceError(f"devices {list(devices)} are not distinct devices of the topology's "
+                              f"{self.n_devices}")
+        matrix = tuple(tuple(self.bandwidth[i][j] for j in devices) for i in devices)
+        leading = list(devices) == list(range(len(devices)))
+        return Topology(matrix, _leading_levels(self.levels, len(devices)) if leading else ())
 
     def group(self, device: int, level: int) -> int:
         """Index of the level-`level` group (0: the device itself, 1: its server, ...) holding device."""
@@ -115,18 +143,14 @@ class Topology:
 
     # ---- JSON -----------------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        """JSON-friendly: the diagonal (infinite) is written as null."""
-        return {
-            "bandwidth": [[None if math.isinf(b) else b for b in row] for row in self.bandwidth],
-            "levels": [[lv.workers, lv.bandwidth] for lv in self.levels],
-        }
+        """JSON-friendly (the diagonal is null), and the form a `Plan`'s JSON holds it in."""
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict) -> Topology:
-        matrix = tuple(
-            tuple(math.inf if b is None else float(b) for b in row) for row in data["bandwidth"]
-        )
-        return cls(matrix, tuple(Level(int(w), float(b)) for w, b in data.get("levels", ())))
+        matrix = tuple(tuple(None if b is None else float(b) for b in row) for row in data["bandwidth"])
+        levels = tuple(Level(int(lv["workers"]), float(lv["bandwidth"])) for lv in data.get("levels", ()))
+        return cls(matrix, levels)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
@@ -134,6 +158,33 @@ class Topology:
     @classmethod
     def from_json(cls, text: str) -> Topology:
         return cls.from_dict(json.loads(text))
+
+
+def _link_bandwidth(value: float | str | None) -> float:
+    """A link's bytes/s, from a number or a string such as '25GB/s'."""
+    bandwidth = parse_bandwidth(value, "link bandwidth")
+    if bandwidth is None:
+        raise DeviceError("every link between two devices needs a bandwidth, e.g. 25e9 or '25GB/s'")
+    return bandwidth
+
+
+def _leading_levels(levels: Sequence[Level], k: int) -> tuple[Level, ...]:
+    """The levels of the first k devices: whole groups of each level, then a part of the next
+    level's group if k ends inside one; () when k is no such count."""
+    kept: list[Level] = []
+    size = 1
+    for level in levels:
+        if size == k:
+            break
+        if k % (size * level.workers) == 0:
+            kept.append(level)
+            size *= level.workers
+        elif k % size == 0 and k // size < level.workers:
+            kept.append(Level(k // size, level.bandwidth))
+            size = k
+        else:
+            break
+    return tuple(kept) if size == k else ()
 
 
 def _common_level(levels, i: int, j: int) -> int:

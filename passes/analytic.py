@@ -16,25 +16,21 @@ every floating-point value the layer makes, an upper bound.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
-from stagewise.ir.plan import Layer
-from stagewise.passes.profile import (
-    OPTIMIZER_STATE_FACTOR,
-    LayerProfile,
-    PiecewiseLinear,
-    layer_signature,
-    layer_state_bytes,
-    shapes_at,
-    tree_bytes,
-)
+from stagewise.ir.plan import Layer, LayerCost
+from stagewise.passes.profile_fit import LayerProfile, PiecewiseLinear
+from stagewise.passes.profile_layer import OPTIMIZER_STATE_FACTOR, layer_signature, layer_state_bytes
+from stagewise.passes.profile_shapes import shapes_at, tree_bytes
 
 # Used when a device gives no figures: a modest CPU core set, and an older datacenter GPU.
 DEFAULT_PEAK_FLOPS = {"cpu": 5e10, "cuda": 1e14}
 DEFAULT_MEMORY_BANDWIDTH = {"cpu": 2e10, "cuda": 1e12}
+BACKWARD_PER_FORWARD = 2.0  # a backward computes two matmuls per forward matmul (Narayanan §4.2)
 
 
 def analytic_layers(
@@ -71,7 +67,7 @@ def analytic_layers(
             grad_bytes=state.grad,
             optim_bytes=state.optim,
             fwd_s=fwd,
-            bwd_s=PiecewiseLinear(fwd.xs, tuple(2 * y for y in fwd.ys)),
+            bwd_s=PiecewiseLinear(fwd.xs, tuple(BACKWARD_PER_FORWARD * y for y in fwd.ys)),
             recompute_s=fwd,
             act_bytes=_linear(act, traced_microbatch),
             stash_bytes=_linear(saved[layer.index] if saved else sum(_float_bytes(n.meta.get("val")) for n in nodes),
@@ -112,6 +108,14 @@ def roofline(flops_per_u: float, bytes_per_u: float, fixed_bytes: float, peak: f
         return PiecewiseLinear((0.0, 1.0), (0.0, a))
     knee = c / (a - b)
     return PiecewiseLinear((0.0, knee, knee + 1.0), (c, a * knee, a * (knee + 1.0)))
+
+
+def compute_bound(cost: LayerCost, flops: float, peak_flops: float) -> LayerCost:
+    """`cost` with its times the roofline's compute bound at `peak_flops`, for hardware one does not
+    have: the forward's `flops` over the peak, the backward and a recompute as `analytic_layers`
+    charges them (its bytes, which do not depend on the rate, stay)."""
+    forward = flops / peak_flops
+    return replace(cost, fwd_s=forward, bwd_s=BACKWARD_PER_FORWARD * forward, recompute_s=forward)
 
 
 def _linear(value_at_traced: float, traced_microbatch: int) -> PiecewiseLinear:

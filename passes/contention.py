@@ -28,7 +28,9 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
 from stagewise.ir.plan import Layer, LayerCost
-from stagewise.passes.profile import layer_module, layer_signature, real_inputs, shapes_at
+from stagewise.passes.profile_layer import layer_module, layer_signature
+from stagewise.passes.profile_measure import real_inputs
+from stagewise.passes.profile_shapes import shapes_at
 
 MIN_WINDOW_S = 0.03  # each measurement keeps every thread busy at least this long
 WINDOW_STEPS = 6  # ... and for at least this many steps of one thread alone

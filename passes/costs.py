@@ -1,39 +1,70 @@
-"""Stage costs from a plan alone: FLOPs recorded in the plan over a device's peak rate.
+"""What the simulator charges a plan: per-stage seconds and bytes from per-layer costs, the links of
+the topology, and what the runtime adds.
 
-For `pipe.simulate(peak_flops=...)` on hardware one does not have, and for a loaded pipeline,
-which keeps no per-layer profile: forward seconds are the stage's forward FLOPs
-(torch.utils.flop_counter on fake tensors, per microbatch) over the device's peak FLOP/s
-times its relative speed; backward is twice the forward (the usual 2x for matmul-bound
-layers, Narayanan §4.2); state is parameters plus gradients; the stash counted is the
-activations a stage receives and sends per microbatch (a lower bound: interior activations
-are not tracked yet).
+One function, `stage_charges`, serves the planner's candidates (passes/planner.py `sim_cost`) and
+`pipe.simulate()` (`plan_charges`), which reads the costs the plan records (`Plan.costs`: the
+per-layer costs, profiled or analytic, at the plan's microbatch size, the measured links and the
+runtime's costs), so that a loaded pipeline predicts exactly what compile predicted.
+
+For hardware one does not have, `plan_charges` takes a peak FLOP rate: each layer then costs the
+analytic model's compute bound at that rate (passes/analytic.py `compute_bound`; the plan records
+each layer's FLOPs but not the bytes it moves), and this machine's runtime costs are dropped; or
+a bandwidth: every link between the devices has it.
 """
 
 from __future__ import annotations
 
-from stagewise.ir.plan import Plan
-from stagewise.passes.analytic import DEFAULT_PEAK_FLOPS
+from collections.abc import Collection, Sequence
+
+from stagewise.ir.costs import NO_RUNTIME_COSTS, RuntimeCosts
+from stagewise.ir.errors import PlanError
+from stagewise.ir.plan import DeviceSpec, LayerCost, Plan, Stage, Transfer
+from stagewise.ir.topology import Topology
+from stagewise.passes.analytic import compute_bound
 from stagewise.passes.simulate import SimCost, transfer_bytes
 
-CPU_PEAK_FLOPS = DEFAULT_PEAK_FLOPS["cpu"]
-LOCAL_BANDWIDTH = 1e10  # bytes/s of a copy between logical devices in one process
 
-
-def analytic_cost(plan: Plan, peak_flops: float = CPU_PEAK_FLOPS, bandwidth: float = LOCAL_BANDWIDTH) -> SimCost:
-    forward, params, stash = [], [], []
-    values = transfer_bytes(plan.transfers, plan.microbatch_size)
-    for stage in plan.stages:
-        speed = plan.devices[stage.device].speed
-        flops = sum(plan.layers[i].flops for i in stage.layers)
-        forward.append(flops / (peak_flops * speed))
-        params.append(sum(plan.layers[i].param_bytes for i in stage.layers))
-        moved = {t.value for t in plan.transfers if stage.index in (t.src, t.dst)}
-        stash.append(sum(values[v] for v in moved))
+def stage_charges(stages: Sequence[Stage], transfers: Sequence[Transfer], swapped: Collection[int],
+                  costs: Sequence[LayerCost], devices: Sequence[DeviceSpec], microbatch_size: int,
+                  topology: Topology, runtime: RuntimeCosts = NO_RUNTIME_COSTS) -> SimCost:
+    """Per-stage seconds and bytes from per-layer costs (measured or analytic), scaled by device speed;
+    the topology's links between the devices; and what the runtime adds. A `swapped` stage's training
+    state lives in host memory: its swaps charge it, not its device."""
+    forward, backward, update, stash, state = [], [], [], [], []
+    for stage in sorted(stages, key=lambda s: s.index):
+        speed = devices[stage.device].speed
+        mine = [costs[i] for i in stage.layers]
+        forward.append(sum(c.fwd_s for c in mine) / speed)
+        backward.append(sum(c.bwd_s for c in mine) / speed)
+        update.append(sum(runtime.update_s[i] for i in stage.layers if i < len(runtime.update_s)) / speed)
+        stash.append(sum(c.stash_bytes for c in mine))
+        state.append(0 if stage.index in swapped else sum(c.state_bytes for c in mine))
     return SimCost(
-        forward_s=tuple(forward),
-        backward_s=tuple(2 * f for f in forward),
-        stash_bytes=tuple(stash),
-        state_bytes=tuple(2 * p for p in params),
-        value_bytes=values,
-        bandwidth=bandwidth,
+        forward_s=tuple(forward), backward_s=tuple(backward), update_s=tuple(update), stash_bytes=tuple(stash),
+        state_bytes=tuple(state), value_bytes=transfer_bytes(transfers, microbatch_size),
+        bandwidth=topology.slowest_link, links=topology.links(),
+        # a swap is charged the slowest send (a copy between devices; on a CPU, within its memory)
+        host_bandwidth=topology.slowest_link,
+        instruction_s=runtime.instruction_s, concurrency=runtime.concurrency,
+        wake_s=runtime.wake_s, update_concurrency=runtime.update_concurrency,
+        shared_devices=frozenset(d for d, spec in enumerate(devices) if spec.kind == "cpu"),
     )
+
+
+def plan_charges(plan: Plan, peak_flops: float | None = None, bandwidth: float | None = None) -> SimCost:
+    """What the simulator charges `plan`: the costs its predictions charged, or, with `peak_flops`,
+    each layer's FLOPs at that rate (times each device's relative speed) without this machine's
+    runtime costs; with `bandwidth`, that many bytes/s on every link and for swaps."""
+    recorded = plan.costs
+    if recorded is None:
+        raise PlanError("this plan records no costs to simulate it with (a plan saved before plans kept "
+                        "their costs): compile the model again, and save the new pipeline")
+    layers, runtime, topology = recorded.layers, recorded.runtime, recorded.topology
+    if peak_flops is not None:
+        layers = tuple(compute_bound(cost, layer.flops, peak_flops)
+                       for cost, layer in zip(layers, plan.layers, strict=True))
+        runtime = NO_RUNTIME_COSTS
+    if bandwidth is not None:
+        topology = Topology.uniform(len(plan.devices), bandwidth)
+    return stage_charges(plan.stages, plan.transfers, recorded.swapped, layers, plan.devices, plan.microbatch_size,
+                         topology, runtime)

@@ -1,10 +1,10 @@
 """Binding stages (or packs) to heterogeneous devices with OR-Tools CP-SAT.
 
 PipeDream's DP (§2.4.1 of Narayanan's dissertation) assumes identical workers in a regular
-hierarchy. Real device sets differ in speed, memory and the bandwidth of each pair's link, and
-then which stage goes where matters: a stage is as fast as the device it lands on, and a cut
-is as fast as the link between the two devices that share it. Both problems below minimise
-the bottleneck of the pipeline, the slowest of
+hierarchy. Real device sets differ in speed, memory and the bandwidth of each pair's link (the
+`Topology`'s matrix, ir/topology.py), and then which stage goes where matters: a stage is as
+fast as the device it lands on, and a cut is as fast as the link between the two devices that
+share it. Both problems below minimise the bottleneck of the pipeline, the slowest of
 
 * the compute of each device (work / speed, summed over what is bound to it), and
 * the transfer across each cut, 2 a / bandwidth (activation forward, gradient backward,
@@ -25,48 +25,42 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from ortools.sat.python import cp_model
 
+from stagewise.ir.topology import Topology
 from stagewise.passes.pipedream_dp import NoFeasiblePlan
 
 TICKS = 1_000_000  # integer resolution of the largest time coefficient
 
 
-@dataclass(frozen=True)
-class DeviceModel:
-    """One device: `speed` in work units per second, `memory` in bytes (None: unlimited)."""
+class Worker(Protocol):
+    """What the binder reads of a device (a `DeviceSpec` has both): `speed` in work units per
+    second, `memory` in bytes (None: unlimited)."""
 
-    speed: float = 1.0
-    memory: float | None = None
+    @property
+    def speed(self) -> float: ...
+
+    @property
+    def memory(self) -> float | None: ...
 
 
-@dataclass(frozen=True)
-class Cluster:
-    """Devices and the bandwidth (bytes/s) of the link from device d to device e."""
+def _fits(device: Worker, nbytes: float) -> bool:
+    return device.memory is None or nbytes <= device.memory
 
-    devices: tuple[DeviceModel, ...]
-    bandwidth: tuple[tuple[float, ...], ...]
 
-    def __post_init__(self) -> None:
-        n = len(self.devices)
-        if len(self.bandwidth) != n or any(len(row) != n for row in self.bandwidth):
-            raise ValueError(f"Cluster: bandwidth must be a {n}x{n} matrix, one row per device")
+def _cut_time(nbytes: float, topology: Topology, src: int, dst: int) -> float:
+    """2 a / B: the activation forward and its gradient backward; free on one device."""
+    if src == dst or nbytes == 0:
+        return 0.0
+    return 2.0 * nbytes / topology.link(src, dst)
 
-    @classmethod
-    def uniform(cls, n: int, bandwidth: float, speed: float = 1.0, memory: float | None = None) -> Cluster:
-        return cls(tuple(DeviceModel(speed, memory) for _ in range(n)),
-                   tuple(tuple(bandwidth for _ in range(n)) for _ in range(n)))
 
-    def fits(self, device: int, nbytes: float) -> bool:
-        memory = self.devices[device].memory
-        return memory is None or nbytes <= memory
-
-    def transfer_time(self, nbytes: float, src: int, dst: int) -> float:
-        """2 a / B: the activation forward and its gradient backward; free on one device."""
-        if src == dst or nbytes == 0:
-            return 0.0
-        return 2.0 * nbytes / self.bandwidth[src][dst]
+def _check_machine(devices: Sequence[Worker], topology: Topology) -> None:
+    if len(devices) != topology.n_devices:
+        raise ValueError(f"{len(devices)} devices on a topology of {topology.n_devices}: "
+                         "give the topology one row of links per device")
 
 
 @dataclass(frozen=True)
@@ -88,7 +82,9 @@ class Binding:
 
 
 @dataclass(frozen=True)
-class BoundStage:
+class BoundSpan:
+    """Layers first..last (inclusive) on one device."""
+
     first: int
     last: int
     device: int
@@ -98,19 +94,20 @@ class BoundStage:
 class PartitionBinding:
     """Contiguous stages, each on its own device, and the bottleneck time."""
 
-    stages: tuple[BoundStage, ...]
+    stages: tuple[BoundSpan, ...]
     bottleneck: float
     optimal: bool
 
 
-def binding_time(blocks: Sequence[Block], devices: Sequence[int], cluster: Cluster) -> float:
-    """Bottleneck of blocks bound to devices: busiest device or slowest cut (INF: does not fit)."""
-    if any(not cluster.fits(d, b.memory) for b, d in zip(blocks, devices, strict=True)):
+def binding_time(blocks: Sequence[Block], placement: Sequence[int], devices: Sequence[Worker],
+                 topology: Topology) -> float:
+    """Bottleneck of blocks placed on devices: busiest device or slowest cut (INF: does not fit)."""
+    if any(not _fits(devices[d], b.memory) for b, d in zip(blocks, placement, strict=True)):
         return math.inf
-    load = [0.0] * len(cluster.devices)
-    for block, device in zip(blocks, devices, strict=True):
-        load[device] += block.work / cluster.devices[device].speed
-    cuts = [cluster.transfer_time(blocks[i].out_bytes, devices[i], devices[i + 1]) for i in range(len(blocks) - 1)]
+    load = [0.0] * len(devices)
+    for block, device in zip(blocks, placement, strict=True):
+        load[device] += block.work / devices[device].speed
+    cuts = [_cut_time(blocks[i].out_bytes, topology, placement[i], placement[i + 1]) for i in range(len(blocks) - 1)]
     return max(load + cuts)
 
 
@@ -120,7 +117,8 @@ def _scale(values: Sequence[float]) -> float:
     return TICKS / top if top > 0 else 1.0
 
 
-def _solve(model: cp_model.CpModel, time_limit_s: float, workers: int) -> tuple[cp_model.CpSolver, int]:
+def _solve(model: cp_model.CpModel, time_limit_s: float,
+           workers: int) -> tuple[cp_model.CpSolver, cp_model.CpSolverStatus]:
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.num_workers = workers
@@ -128,7 +126,7 @@ def _solve(model: cp_model.CpModel, time_limit_s: float, workers: int) -> tuple[
     return solver, status
 
 
-def _no_solution(solver: cp_model.CpSolver, status: int, what: str) -> NoFeasiblePlan:
+def _no_solution(solver: cp_model.CpSolver, status: cp_model.CpSolverStatus, what: str) -> NoFeasiblePlan:
     if status == cp_model.INFEASIBLE:
         return NoFeasiblePlan(f"{what}: CP-SAT proved that no assignment fits the devices' memory. "
                               "Add devices or memory, or use smaller stages/packs.")
@@ -136,8 +134,8 @@ def _no_solution(solver: cp_model.CpSolver, status: int, what: str) -> NoFeasibl
                           f"(status {solver.status_name(status)}). Raise time_limit_s.")
 
 
-def bind_blocks(blocks: Sequence[Block], cluster: Cluster, *, one_per_device: bool = True,
-                time_limit_s: float = 10.0, workers: int = 2) -> Binding:
+def bind_blocks(blocks: Sequence[Block], devices: Sequence[Worker], topology: Topology, *,
+                one_per_device: bool = True, time_limit_s: float = 10.0, workers: int = 2) -> Binding:
     """Bind contiguous blocks to devices minimising the bottleneck.
 
     one_per_device=True: blocks are pipeline stages, each on its own device (needs at least as
@@ -146,11 +144,12 @@ def bind_blocks(blocks: Sequence[Block], cluster: Cluster, *, one_per_device: bo
     sum, and each pack must fit on its own (packs are swapped in one at a time).
     Raises NoFeasiblePlan when no binding fits.
     """
-    n_blocks, n_dev = len(blocks), len(cluster.devices)
+    _check_machine(devices, topology)
+    n_blocks, n_dev = len(blocks), len(devices)
     if one_per_device and n_blocks > n_dev:
         raise NoFeasiblePlan(f"{n_blocks} stages need {n_blocks} devices, only {n_dev} given")
-    compute = [[b.work / dev.speed for dev in cluster.devices] for b in blocks]
-    transfer = [[[cluster.transfer_time(blocks[i].out_bytes, d, e) for e in range(n_dev)]
+    compute = [[b.work / dev.speed for dev in devices] for b in blocks]
+    transfer = [[[_cut_time(blocks[i].out_bytes, topology, d, e) for e in range(n_dev)]
                  for d in range(n_dev)] for i in range(n_blocks - 1)]
     scale = _scale([x for row in compute for x in row] + [x for m in transfer for r in m for x in r])
 
@@ -161,7 +160,7 @@ def bind_blocks(blocks: Sequence[Block], cluster: Cluster, *, one_per_device: bo
     for i, block in enumerate(blocks):
         model.add_exactly_one(x[i])
         for d in range(n_dev):
-            if not cluster.fits(d, block.memory):
+            if not _fits(devices[d], block.memory):
                 model.add(x[i][d] == 0)
     for d in range(n_dev):
         column = [x[i][d] for i in range(n_blocks)]
@@ -174,8 +173,8 @@ def bind_blocks(blocks: Sequence[Block], cluster: Cluster, *, one_per_device: bo
     solver, status = _solve(model, time_limit_s, workers)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise _no_solution(solver, status, f"binding {n_blocks} blocks to {n_dev} devices")
-    devices = tuple(next(d for d in range(n_dev) if solver.value(x[i][d])) for i in range(n_blocks))
-    return Binding(devices, binding_time(blocks, devices, cluster), status == cp_model.OPTIMAL)
+    placement = tuple(next(d for d in range(n_dev) if solver.value(x[i][d])) for i in range(n_blocks))
+    return Binding(placement, binding_time(blocks, placement, devices, topology), status == cp_model.OPTIMAL)
 
 
 def _add_cut_constraints(model: cp_model.CpModel, bottleneck: cp_model.IntVar,
@@ -194,7 +193,7 @@ def _add_cut_constraints(model: cp_model.CpModel, bottleneck: cp_model.IntVar,
 
 
 def partition_and_bind(work: Sequence[float], activation_bytes: Sequence[float], memory: Sequence[float],
-                       cluster: Cluster, *, cut_allowed: Sequence[bool] | None = None,
+                       devices: Sequence[Worker], topology: Topology, *, cut_allowed: Sequence[bool] | None = None,
                        time_limit_s: float = 30.0, workers: int = 2) -> PartitionBinding:
     """Choose contiguous stages of the layers and a distinct device for each, exactly.
 
@@ -203,9 +202,10 @@ def partition_and_bind(work: Sequence[float], activation_bytes: Sequence[float],
     stay unused. Each device's layers must form one contiguous run: at most one layer starts
     a run on it. Meant for small instances (tens of layers, a handful of devices).
     """
-    n, n_dev = len(work), len(cluster.devices)
-    compute = [[w / dev.speed for dev in cluster.devices] for w in work]
-    transfer = [[[cluster.transfer_time(activation_bytes[i], d, e) if d != e else 0.0 for e in range(n_dev)]
+    _check_machine(devices, topology)
+    n, n_dev = len(work), len(devices)
+    compute = [[w / dev.speed for dev in devices] for w in work]
+    transfer = [[[_cut_time(activation_bytes[i], topology, d, e) for e in range(n_dev)]
                  for d in range(n_dev)] for i in range(n - 1)]
     scale = _scale([sum(max(row) for row in compute)] + [x for m in transfer for r in m for x in r])
 
@@ -220,10 +220,11 @@ def partition_and_bind(work: Sequence[float], activation_bytes: Sequence[float],
     for d in range(n_dev):
         _add_contiguity(model, [z[i][d] for i in range(n)])
         model.add(sum(round(compute[i][d] * scale) * z[i][d] for i in range(n)) <= bottleneck)
-        if cluster.devices[d].memory is not None:
+        capacity = devices[d].memory
+        if capacity is not None:
             # bytes as integers: exact for whole bytes, conservative for fractions
             need = sum(math.ceil(memory[i]) * z[i][d] for i in range(n))
-            model.add(need <= math.floor(cluster.devices[d].memory))
+            model.add(need <= math.floor(capacity))
     _add_cut_constraints(model, bottleneck, z, z[1:], transfer, scale)
     model.minimize(bottleneck)
 
@@ -234,7 +235,7 @@ def partition_and_bind(work: Sequence[float], activation_bytes: Sequence[float],
     stages = _runs(owner)
     blocks = [Block(sum(work[s.first:s.last + 1]), sum(memory[s.first:s.last + 1]), activation_bytes[s.last])
               for s in stages]
-    time = binding_time(blocks, [s.device for s in stages], cluster)
+    time = binding_time(blocks, [s.device for s in stages], devices, topology)
     return PartitionBinding(tuple(stages), time, status == cp_model.OPTIMAL)
 
 
@@ -248,10 +249,10 @@ def _add_contiguity(model: cp_model.CpModel, on: Sequence[cp_model.IntVar]) -> N
     model.add_at_most_one(starts)
 
 
-def _runs(owner: Sequence[int]) -> list[BoundStage]:
+def _runs(owner: Sequence[int]) -> list[BoundSpan]:
     stages, first = [], 0
     for i in range(1, len(owner) + 1):
         if i == len(owner) or owner[i] != owner[first]:
-            stages.append(BoundStage(first, i - 1, owner[first]))
+            stages.append(BoundSpan(first, i - 1, owner[first]))
             first = i
     return stages

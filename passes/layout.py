@@ -31,9 +31,9 @@ class Layout:
 
 def choose_layout(
     schedule: str, n_devices: int, replicas: int, legal_cuts: int, param_bytes: int, capacity: int | None,
-    state_per_param_byte: float = 4.0, stages: int | None = None,
+    state_per_param_byte: float, stages: int | None = None,
 ) -> Layout:
-    """`state_per_param_byte`: training-state bytes per weight byte (weights, gradients, optimizer state);
+    """`state_per_param_byte`: training-state bytes per weight byte (ir/costs.py `training_state_per_param_byte`);
     `stages`: the pipeline depth P of gpipe / 1f1b / varuna (default N / D)."""
     n, d = n_devices, replicas
     if stages is not None and schedule not in ("gpipe", "1f1b", "varuna"):

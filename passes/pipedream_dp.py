@@ -8,9 +8,10 @@ sub-pipelines that maximize throughput for smaller worker counts". So a dynamic 
 contiguous layer ranges and worker counts finds the optimum.
 
 The machine is hierarchical (Fig. 2.6): level k is made of m_k components of level k-1 joined
-by links of bandwidth B_k; m_0 = 1 is one device. The DPs are solved from the lowest level to
-the highest: the best pipeline of a layer range inside one server becomes the compute time of
-a stage replicated across servers.
+by links of bandwidth B_k; m_0 = 1 is one device (the `Topology`'s levels, ir/topology.py; a
+measured topology without levels is one level over its slowest link). The DPs are solved from
+the lowest level to the highest: the best pipeline of a layer range inside one server becomes
+the compute time of a stage replicated across servers.
 
 Two cases the printed recurrence A^k(i->j, m) misses are candidates here (see the digest of
 the dissertation, §1.2): the whole range as a single stage replicated on all m workers (pure
@@ -38,9 +39,13 @@ from functools import cache
 from itertools import accumulate
 
 from stagewise.ir.errors import PartitionError
-from stagewise.ir.topology import Level  # level k: m_k components joined by B_k
+from stagewise.ir.topology import Level, Topology
 
 INF = math.inf
+# Bytes each replica moves per weight byte in one all-reduce, times (r-1)/r. Ring all-reduce sends
+# 2(r-1)/r |w| and receives as much, hence 4 (as in PipeDream's released optimizer); the printed
+# T^k(i->j, m) uses 2.
+ALLREDUCE_FACTOR = 4.0
 
 
 class NoFeasiblePlan(PartitionError):
@@ -85,49 +90,28 @@ class LayerCosts:
 
 
 @dataclass(frozen=True)
-class Topology:
-    """Hierarchical machine of Fig. 2.6, innermost level first (levels[0] is level 1: devices).
+class StageSpan:
+    """What the DP decides of a stage: layers first..last (inclusive) replicated on `replicas`
+    workers of its level (the planner builds the IR's `Stage`s from these spans).
 
-    memory: capacity of one device in bytes (None: unlimited).
-    allreduce_factor: bytes each replica moves per weight byte in one all-reduce, times
-        (r-1)/r. Ring all-reduce sends 2(r-1)/r |w| and receives as much, hence 4 (as in
-        PipeDream's released optimizer); the printed T^k(i->j, m) uses 2.
-    """
-
-    levels: tuple[Level, ...]
-    memory: float | None = None
-    allreduce_factor: float = 4.0
-
-    @classmethod
-    def flat(cls, workers: int, bandwidth: float, memory: float | None = None) -> Topology:
-        """One server: `workers` devices joined by one link bandwidth."""
-        return cls(levels=(Level(workers, bandwidth),), memory=memory)
-
-    @property
-    def devices(self) -> int:
-        return math.prod(level.workers for level in self.levels)
-
-
-@dataclass(frozen=True)
-class Stage:
-    """Layers first..last (inclusive) replicated on `replicas` workers of its level.
-
-    For a stage of level k >= 2 each replica is a whole level-(k-1) component, which runs the
-    pipeline `inner` over the same layers; a level-1 stage runs on devices and has no inner.
+    For a span of level k >= 2 each replica is a whole level-(k-1) component, which runs the
+    pipeline `inner` over the same layers; a level-1 span runs on devices and has no inner.
     """
 
     first: int
     last: int
     replicas: int
-    inner: tuple[Stage, ...] = ()
+    inner: tuple[StageSpan, ...] = ()
 
 
 @dataclass(frozen=True)
 class PipelinePlan:
-    """The partitioner's output (§2.4.1): stages, their replication, and the bottleneck time."""
+    """The partitioner's output (§2.4.1): stage spans, their replication, the bottleneck time, and
+    the levels it was planned over."""
 
-    stages: tuple[Stage, ...]
+    stages: tuple[StageSpan, ...]
     bottleneck: float
+    levels: tuple[Level, ...]
 
     @property
     def workers(self) -> int:
@@ -143,8 +127,29 @@ class PipelinePlan:
         """Flattened (first, last, devices running it) per device-level stage, in layer order."""
         return _flatten(self.stages, 1)
 
+    def placed_stages(self) -> list[tuple[int, int, int]]:
+        """(first, last, device) per device-level stage of a straight plan, devices numbered group
+        by group as in `Topology.hierarchical`: a level-k stage takes the next whole level-(k-1)
+        group, so a plan that leaves workers idle leaves the rest of a group idle."""
+        placed: list[tuple[int, int, int]] = []
+        _place(self.stages, len(self.levels), 0, self.levels, placed)
+        return placed
 
-def _flatten(stages: Sequence[Stage], outer: int) -> list[tuple[int, int, int]]:
+
+def _place(stages: Sequence[StageSpan], k: int, device: int, levels: Sequence[Level],
+           placed: list[tuple[int, int, int]]) -> None:
+    group = math.prod(level.workers for level in levels[:k - 1])  # devices per level-(k-1) component
+    for stage in stages:
+        if stage.replicas != 1:
+            raise ValueError(f"{stage} is replicated: only a straight plan puts one device on each stage")
+        if stage.inner:
+            _place(stage.inner, k - 1, device, levels, placed)
+        else:
+            placed.append((stage.first, stage.last, device))
+        device += group
+
+
+def _flatten(stages: Sequence[StageSpan], outer: int) -> list[tuple[int, int, int]]:
     flat: list[tuple[int, int, int]] = []
     for stage in stages:
         if stage.inner:
@@ -164,7 +169,7 @@ class _Sums:
         return self._prefix[last + 1] - self._prefix[first]
 
 
-def allreduce_time(weight_bytes: float, replicas: int, bandwidth: float, factor: float = 4.0) -> float:
+def allreduce_time(weight_bytes: float, replicas: int, bandwidth: float, factor: float = ALLREDUCE_FACTOR) -> float:
     """Weight synchronisation of a stage on `replicas` workers (§2.4.1: (m-1)/m |w| each way)."""
     if replicas <= 1:
         return 0.0
@@ -172,7 +177,7 @@ def allreduce_time(weight_bytes: float, replicas: int, bandwidth: float, factor:
 
 
 def replicated_stage_time(compute: float, weight_bytes: float, replicas: int, bandwidth: float,
-                          factor: float = 4.0) -> float:
+                          factor: float = ALLREDUCE_FACTOR) -> float:
     """T^k(i->j, m): m inputs are processed at once while the all-reduce overlaps them, so the
     effective time per input is max(compute / m, all-reduce time)."""
     return max(compute / replicas, allreduce_time(weight_bytes, replicas, bandwidth, factor))
@@ -191,16 +196,16 @@ def stage_memory(resident: float, stash: float, replicas: int, downstream_worker
 class _Solver:
     """Tables of the DP, level by level; memoised so lower levels are solved once per range."""
 
-    def __init__(self, costs: LayerCosts, topology: Topology, straight: bool) -> None:
+    def __init__(self, costs: LayerCosts, levels: tuple[Level, ...], memory: float | None, straight: bool) -> None:
         n = costs.n_layers
-        self.costs, self.topology, self.straight = costs, topology, straight
+        self.costs, self.levels, self.memory, self.straight = costs, levels, memory, straight
         self.compute = _Sums(costs.compute)
         self.weights = _Sums(costs.param_bytes)
         self.stash = _Sums([0.0] * n if costs.stash_bytes is None else costs.stash_bytes)
         self.resident = _Sums(costs.param_bytes if costs.resident_bytes is None else costs.resident_bytes)
         self.cuts = [s for s in range(n - 1) if costs.can_cut_after(s)]
 
-    def stage_compute(self, k: int, first: int, last: int) -> tuple[float, tuple[Stage, ...]]:
+    def stage_compute(self, k: int, first: int, last: int) -> tuple[float, tuple[StageSpan, ...]]:
         """A^{k-1}(first->last, m_{k-1}): compute time of one replica of a level-k stage."""
         if k == 1:
             return self.compute(first, last), ()
@@ -208,24 +213,22 @@ class _Solver:
 
     def stage_time(self, k: int, first: int, last: int, replicas: int, downstream: int) -> float:
         """Time per input of a level-k stage, or INF when a level-1 stage overflows a device."""
-        level = self.topology.levels[k - 1]
-        if k == 1 and self.topology.memory is not None:
+        if k == 1 and self.memory is not None:
             need = stage_memory(self.resident(first, last), self.stash(first, last), replicas, downstream)
-            if need > self.topology.memory:
+            if need > self.memory:
                 return INF
         compute, _ = self.stage_compute(k, first, last)
-        return replicated_stage_time(compute, self.weights(first, last), replicas, level.bandwidth,
-                                     self.topology.allreduce_factor)
+        return replicated_stage_time(compute, self.weights(first, last), replicas, self.levels[k - 1].bandwidth)
 
     def transfer_time(self, k: int, last: int) -> float:
         """2 a_s / B_k: activations forward and their gradients backward across the cut."""
-        return 2.0 * self.costs.activation_bytes[last] / self.topology.levels[k - 1].bandwidth
+        return 2.0 * self.costs.activation_bytes[last] / self.levels[k - 1].bandwidth
 
     def max_replicas(self, m: int) -> int:
         return 1 if self.straight else m
 
     @cache  # noqa: B019 - one solver per call to plan_pipeline, dropped afterwards
-    def exact(self, k: int, last: int) -> dict[tuple[int, int], tuple[float, tuple[Stage, ...]]]:
+    def exact(self, k: int, last: int) -> dict[tuple[int, int], tuple[float, tuple[StageSpan, ...]]]:
         """E^k(i->last, m) for every start i and *exact* worker count m at level k.
 
         The first stage of the range is [i, s] on r workers; the rest is an optimal
@@ -233,8 +236,8 @@ class _Solver:
         so that the first stage knows how many workers follow it, which fixes its stash).
         m = r with s = last is the single replicated stage the printed recurrence omits.
         """
-        workers = self.topology.levels[k - 1].workers
-        table: dict[tuple[int, int], tuple[float, tuple[Stage, ...]]] = {}
+        workers = self.levels[k - 1].workers
+        table: dict[tuple[int, int], tuple[float, tuple[StageSpan, ...]]] = {}
         starts = [0] + [s + 1 for s in self.cuts]
         for first in reversed([i for i in starts if i <= last]):
             for m in range(1, workers + 1):
@@ -242,9 +245,9 @@ class _Solver:
         return table
 
     def _best_split(self, k: int, first: int, last: int, m: int,
-                    table: dict[tuple[int, int], tuple[float, tuple[Stage, ...]]]
-                    ) -> tuple[float, tuple[Stage, ...]]:
-        best: tuple[float, tuple[Stage, ...]] = (INF, ())
+                    table: dict[tuple[int, int], tuple[float, tuple[StageSpan, ...]]]
+                    ) -> tuple[float, tuple[StageSpan, ...]]:
+        best: tuple[float, tuple[StageSpan, ...]] = (INF, ())
         if m <= self.max_replicas(m):
             best = (self.stage_time(k, first, last, m, m), (self._stage(k, first, last, m),))
         for s in (c for c in self.cuts if first <= c < last):
@@ -257,10 +260,10 @@ class _Solver:
                     best = (time, (self._stage(k, first, s, r), *rest))
         return best
 
-    def _stage(self, k: int, first: int, last: int, replicas: int) -> Stage:
-        return Stage(first, last, replicas, self.stage_compute(k, first, last)[1])
+    def _stage(self, k: int, first: int, last: int, replicas: int) -> StageSpan:
+        return StageSpan(first, last, replicas, self.stage_compute(k, first, last)[1])
 
-    def balanced(self, bound: float, workers: int) -> tuple[Stage, ...] | None:
+    def balanced(self, bound: float, workers: int) -> tuple[StageSpan, ...] | None:
         """The straight one-level pipeline on exactly `workers` devices whose every stage and cut
         takes at most `bound` and whose stage times have the least sum of squares; None if none.
 
@@ -291,43 +294,46 @@ class _Solver:
         if result is None:
             return None
         firsts = (0, *(end + 1 for end in result[1][:-1]))
-        return tuple(Stage(a, b, 1) for a, b in zip(firsts, result[1], strict=True))
+        return tuple(StageSpan(a, b, 1) for a, b in zip(firsts, result[1], strict=True))
 
     @cache  # noqa: B019
-    def best(self, k: int, first: int, last: int) -> tuple[float, tuple[Stage, ...]]:
+    def best(self, k: int, first: int, last: int) -> tuple[float, tuple[StageSpan, ...]]:
         """A^k(first->last, m_k): the best pipeline using *at most* m_k workers (ties: fewer)."""
         table = self.exact(k, last)
-        best: tuple[float, tuple[Stage, ...]] = (INF, ())
-        for m in range(1, self.topology.levels[k - 1].workers + 1):
+        best: tuple[float, tuple[StageSpan, ...]] = (INF, ())
+        for m in range(1, self.levels[k - 1].workers + 1):
             candidate = table[first, m]
             if candidate[0] < best[0]:
                 best = candidate
         return best
 
 
-def plan_pipeline(costs: LayerCosts, topology: Topology, *, straight: bool = False) -> PipelinePlan:
-    """A^L(0->N, m_L) and its partition: stages, replication factors, bottleneck time.
+def plan_pipeline(costs: LayerCosts, topology: Topology, *, memory: float | None = None,
+                  straight: bool = False) -> PipelinePlan:
+    """A^L(0->N, m_L) and its partition: stages, replication factors, bottleneck time, over the
+    topology's levels (`Topology.hierarchy`) of devices of `memory` bytes each (None: unlimited).
 
     `straight` forbids replication (one worker per stage), PipeDream's straight pipeline; on one
     level its stages are then also balanced below the bottleneck (`_Solver.balanced`).
     Raises NoFeasiblePlan when no partition fits the device memory.
     """
-    solver = _Solver(costs, topology, straight)
-    time, stages = solver.best(len(topology.levels), 0, costs.n_layers - 1)
+    levels = topology.hierarchy()
+    solver = _Solver(costs, levels, memory, straight)
+    time, stages = solver.best(len(levels), 0, costs.n_layers - 1)
     if time == INF:
-        raise NoFeasiblePlan(_infeasible_reason(costs, topology))
-    if straight and len(topology.levels) == 1:
+        raise NoFeasiblePlan(_infeasible_reason(costs, topology, memory))
+    if straight and len(levels) == 1:
         stages = solver.balanced(time, len(stages)) or stages
-    return PipelinePlan(stages=stages, bottleneck=time)
+    return PipelinePlan(stages=stages, bottleneck=time, levels=levels)
 
 
-def _infeasible_reason(costs: LayerCosts, topology: Topology) -> str:
+def _infeasible_reason(costs: LayerCosts, topology: Topology, memory: float | None) -> str:
     resident = costs.param_bytes if costs.resident_bytes is None else costs.resident_bytes
     stash = [0.0] * costs.n_layers if costs.stash_bytes is None else costs.stash_bytes
     need = [r + s for r, s in zip(resident, stash, strict=True)]
     worst = max(range(costs.n_layers), key=need.__getitem__)
-    where = f"{topology.devices} devices of {topology.memory} bytes"
-    if topology.memory is not None and need[worst] > topology.memory:
+    where = f"{topology.n_devices} devices of {memory} bytes"
+    if memory is not None and need[worst] > memory:
         return (f"layer {worst} alone needs {need[worst]} bytes (weights and one stash), more than one of "
                 f"{where} holds. Use devices with more memory or a smaller microbatch.")
     return (f"no split of the {costs.n_layers} layers into contiguous stages fits on {where}: together "
@@ -335,16 +341,18 @@ def _infeasible_reason(costs: LayerCosts, topology: Topology) -> str:
             "memory, allow more cut-points, or reduce the microbatch size.")
 
 
-def bottleneck_time(plan: Sequence[Stage], costs: LayerCosts, topology: Topology) -> float:
+def bottleneck_time(plan: Sequence[StageSpan], costs: LayerCosts, topology: Topology, *,
+                    memory: float | None = None) -> float:
     """Time of the slowest stage or cut of a given plan under the DP's model (INF: does not fit).
 
     Scores a plan the DP did not make, for example the user's split points.
     """
     _check_cover(plan, 0, costs.n_layers - 1, costs)
-    return _pipeline_time(plan, costs, topology, len(topology.levels))
+    levels = topology.hierarchy()
+    return _pipeline_time(plan, _Solver(costs, levels, memory, straight=False), len(levels))
 
 
-def _check_cover(stages: Sequence[Stage], first: int, last: int, costs: LayerCosts) -> None:
+def _check_cover(stages: Sequence[StageSpan], first: int, last: int, costs: LayerCosts) -> None:
     """A plan's stages must tile first..last in order, cut only where cuts are allowed."""
     position = first
     for stage in stages:
@@ -359,9 +367,8 @@ def _check_cover(stages: Sequence[Stage], first: int, last: int, costs: LayerCos
         raise ValueError(f"stages {stages} do not tile layers {first}..{last}")
 
 
-def _pipeline_time(stages: Sequence[Stage], costs: LayerCosts, topology: Topology, k: int) -> float:
-    solver = _Solver(costs, topology, straight=False)
-    level = topology.levels[k - 1]
+def _pipeline_time(stages: Sequence[StageSpan], solver: _Solver, k: int) -> float:
+    level = solver.levels[k - 1]
     if sum(stage.replicas for stage in stages) > level.workers:
         return INF
     time, downstream = 0.0, sum(stage.replicas for stage in stages)
@@ -369,10 +376,9 @@ def _pipeline_time(stages: Sequence[Stage], costs: LayerCosts, topology: Topolog
         if k == 1:
             time = max(time, solver.stage_time(1, stage.first, stage.last, stage.replicas, downstream))
         else:
-            inner = _pipeline_time(stage.inner, costs, topology, k - 1)
+            inner = _pipeline_time(stage.inner, solver, k - 1)
             weights = solver.weights(stage.first, stage.last)
-            time = max(time, replicated_stage_time(inner, weights, stage.replicas, level.bandwidth,
-                                                   topology.allreduce_factor))
+            time = max(time, replicated_stage_time(inner, weights, stage.replicas, level.bandwidth))
         if index + 1 < len(stages):
             time = max(time, solver.transfer_time(k, stage.last))
         downstream -= stage.replicas

@@ -3,10 +3,12 @@
 For each candidate (schedule x microbatch count) it partitions the layers from their costs at
 that microbatch size: PipeDream's dynamic program (§2.4.1) over contiguous layers for equal
 devices, OR-Tools CP-SAT partition-and-binding when devices differ in speed or memory,
-Harmony's balanced time packing for packs (Alg. 2). It then lowers the candidate to the same
-instruction programs the runtime executes and simulates them (Srifty §3.3: an event-driven
-simulator over per-layer costs), and keeps the lowest predicted iteration time whose
-predicted per-device peak memory fits every device (Harmony §4.3, Varuna §4.4).
+Harmony's balanced time packing for packs (Alg. 2); the DP and CP-SAT read the links between
+the devices from their `Topology` (ir/topology.py: measured by compile). It then lowers the
+candidate to the same instruction programs the runtime executes and simulates them (Srifty
+§3.3: an event-driven simulator over per-layer costs and the same links), and keeps the lowest
+predicted iteration time whose predicted per-device peak memory fits every device (Harmony
+§4.3, Varuna §4.4).
 """
 
 from __future__ import annotations
@@ -16,19 +18,32 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
+from stagewise.ir.costs import NO_RUNTIME_COSTS, RuntimeCosts
 from stagewise.ir.devices import format_bytes
 from stagewise.ir.errors import CapacityError, PartitionError, StagewiseError
-from stagewise.ir.plan import Cut, DeviceSpec, Layer, LayerCost, Program, SharedTensor, Stage, Transfer
-from stagewise.passes.cpsat import Cluster, DeviceModel, partition_and_bind
+from stagewise.ir.plan import (
+    Cut,
+    DeviceSpec,
+    Layer,
+    LayerCost,
+    PlanCosts,
+    Program,
+    SharedTensor,
+    Stage,
+    Transfer,
+)
+from stagewise.ir.topology import Topology
+from stagewise.passes.costs import stage_charges
+from stagewise.passes.cpsat import partition_and_bind
 from stagewise.passes.harmony_packing import split_balanced
 from stagewise.passes.layout import Layout, choose_layout
 from stagewise.passes.lower import lower
 from stagewise.passes.partition import balanced_starts
-from stagewise.passes.pipedream_dp import LayerCosts, NoFeasiblePlan, Topology, plan_pipeline
+from stagewise.passes.pipedream_dp import LayerCosts, NoFeasiblePlan, plan_pipeline
 from stagewise.passes.replicate import replicate
 from stagewise.passes.schedule import instance_tasks
 from stagewise.passes.shared import find_shared
-from stagewise.passes.simulate import SimCost, SimResult, simulate, transfer_bytes
+from stagewise.passes.simulate import SimCost, SimResult, simulate
 from stagewise.passes.stages import build_stages
 from stagewise.passes.swap import SwapPlan, plan_swaps
 
@@ -52,19 +67,6 @@ class Assembled:
 
 
 @dataclass(frozen=True)
-class RuntimeCosts:
-    """What executing a plan costs beyond its layers on this machine (measured by compile): the
-    runtime's seconds per instruction, how in-process CPU devices slow each other when they
-    compute at once, and each layer's share of the optimizer step."""
-
-    instruction_s: float = 0.0
-    concurrency: tuple[float, ...] = ()
-    update_s: tuple[float, ...] = ()  # per layer
-    wake_s: float = 0.0  # a CPU device's compute right after it waited
-    update_concurrency: tuple[float, ...] = ()  # as `concurrency`, for the optimizer step
-
-
-@dataclass(frozen=True)
 class Prediction:
     iteration_s: float
     stage_s: tuple[float, ...]  # forward + backward seconds of one microbatch, per stage instance
@@ -73,19 +75,21 @@ class Prediction:
 
 
 def assemble(
-    gm: fx.GraphModule, layers, cuts, microbatch_size: int, schedule: str, microbatches: int, starts: Sequence[int],
+    gm: fx.GraphModule, layers, cuts, traced_microbatch: int, schedule: str, microbatches: int, starts: Sequence[int],
     stage_devices: Sequence[int], layout: Layout, swap: str, capacities: list[int | None], clip: bool,
     state_per_param_byte: float, optimizer_on_host: bool = False, stash_bytes: Sequence[float] = (),
     built: dict | None = None,
 ) -> Assembled:
     """Stages, replicas, shared tensors, swaps and programs of one plan (`stash_bytes`: what each
-    layer stashes per microbatch at this size, for deciding where stashed activations are swapped).
-    `built`: one compile's stages by graph, starts, devices and size, since its candidates share
-    partitions (gpipe, 1f1b and varuna at a microbatch size)."""
+    layer stashes per microbatch at the plan's size, for deciding where stashed activations are
+    swapped). `traced_microbatch`: the microbatch size `gm`'s values have, which their bytes per
+    sample are counted at (a candidate of another size may be built on the same graph: the bytes
+    per sample do not depend on the size). `built`: one compile's stages by graph, starts and
+    devices, since its candidates share partitions (gpipe, 1f1b and varuna at a microbatch size)."""
     built = {} if built is None else built
-    key = (id(gm), tuple(starts), tuple(stage_devices), microbatch_size)
+    key = (id(gm), tuple(starts), tuple(stage_devices))
     if key not in built:
-        built[key] = build_stages(gm, layers, list(starts), microbatch_size, device_of=list(stage_devices))
+        built[key] = build_stages(gm, layers, list(starts), traced_microbatch, device_of=list(stage_devices))
     stages, transfers = built[key]
     stages, transfers = replicate(stages, transfers, layout.replicas, microbatches, layout.device_of)
     shared = find_shared(gm, stages)
@@ -98,30 +102,22 @@ def assemble(
 
 
 def sim_cost(plan: Assembled, costs: Sequence[LayerCost], devices: Sequence[DeviceSpec], microbatch_size: int,
-             bandwidth: float, runtime: RuntimeCosts = RuntimeCosts()) -> SimCost:
-    """Per-stage seconds and bytes from per-layer costs (measured or analytic), scaled by device speed,
-    plus what the runtime adds."""
-    forward, backward, update, stash, state = [], [], [], [], []
-    for stage in sorted(plan.stages, key=lambda s: s.index):
-        speed = devices[stage.device].speed
-        mine = [costs[i] for i in stage.layers]
-        forward.append(sum(c.fwd_s for c in mine) / speed)
-        backward.append(sum(c.bwd_s for c in mine) / speed)
-        update.append(sum(runtime.update_s[i] for i in stage.layers if i < len(runtime.update_s)) / speed)
-        stash.append(sum(c.stash_bytes for c in mine))
-        state.append(0 if stage.index in plan.swaps.stages else sum(c.state_bytes for c in mine))
-    return SimCost(
-        forward_s=tuple(forward), backward_s=tuple(backward), update_s=tuple(update), stash_bytes=tuple(stash),
-        state_bytes=tuple(state), value_bytes=transfer_bytes(plan.transfers, microbatch_size), bandwidth=bandwidth,
-        host_bandwidth=bandwidth, instruction_s=runtime.instruction_s, concurrency=runtime.concurrency,
-        wake_s=runtime.wake_s, update_concurrency=runtime.update_concurrency,
-        shared_devices=frozenset(d for d, spec in enumerate(devices) if spec.kind == "cpu"),
-    )
+             topology: Topology, runtime: RuntimeCosts = NO_RUNTIME_COSTS) -> SimCost:
+    """What the simulator charges a candidate (passes/costs.py `stage_charges`)."""
+    return stage_charges(plan.stages, plan.transfers, plan.swaps.stages, costs, devices, microbatch_size, topology,
+                         runtime)
 
 
-def predict(plan: Assembled, costs, devices, microbatch_size: int, bandwidth: float,
-            runtime: RuntimeCosts = RuntimeCosts()) -> tuple[Prediction, SimResult]:
-    cost = sim_cost(plan, costs, devices, microbatch_size, bandwidth, runtime)
+def recorded_costs(plan: Assembled, costs: Sequence[LayerCost], topology: Topology,
+                   runtime: RuntimeCosts = NO_RUNTIME_COSTS) -> PlanCosts:
+    """What `sim_cost` reads to charge `plan`, for the IR `Plan` to keep (`costs` at the plan's
+    microbatch size): `pipe.simulate()` charges the same from it, after `sw.load` too."""
+    return PlanCosts(tuple(costs), topology, runtime, tuple(sorted(plan.swaps.stages)))
+
+
+def predict(plan: Assembled, costs, devices, microbatch_size: int, topology: Topology,
+            runtime: RuntimeCosts = NO_RUNTIME_COSTS) -> tuple[Prediction, SimResult]:
+    cost = sim_cost(plan, costs, devices, microbatch_size, topology, runtime)
     result = simulate(plan.programs, cost)
     peaks = tuple(int(result.peak_bytes.get(d, 0)) for d in range(len(devices)))
     fits = all(d.memory is None or peak <= d.memory for d, peak in zip(devices, peaks, strict=True))
@@ -131,9 +127,10 @@ def predict(plan: Assembled, costs, devices, microbatch_size: int, bandwidth: fl
 
 def partition(
     schedule: str, layers: tuple[Layer, ...], cuts: tuple[Cut, ...], costs: Sequence[LayerCost], layout: Layout,
-    devices: Sequence[DeviceSpec], microbatch_size: int, bandwidth: float,
+    devices: Sequence[DeviceSpec], microbatch_size: int, topology: Topology,
 ) -> tuple[list[int], list[int]]:
-    """Stage starts and each stage's device for one candidate."""
+    """Stage starts and each stage's device for one candidate, over the links of `topology` (one row
+    per device)."""
     legal = [c.legal for c in cuts]
     times = [c.fwd_s + c.bwd_s for c in costs]
     positions = layout.positions
@@ -151,7 +148,7 @@ def partition(
         return starts, [layout.device_of(s, 0) for s in range(len(starts))]
     heterogeneous = len({(d.speed, d.memory) for d in devices}) > 1
     if heterogeneous and layout.replicas == 1 and len(layers) <= CPSAT_MAX_LAYERS:
-        return _cpsat(times, cuts, costs, devices, microbatch_size, bandwidth)
+        return _cpsat(times, cuts, costs, devices, microbatch_size, topology)
     capacity = min((d.memory for d in devices if d.memory), default=None)
     if len(layers) > DP_MAX_LAYERS:
         starts = balanced_starts(layers, cuts, positions, times)
@@ -164,13 +161,15 @@ def partition(
         resident_bytes=[c.state_bytes for c in costs],
         cut_allowed=legal,
     )
+    at = [layout.device_of(s, 0) for s in range(positions)]  # the devices of the first pipeline
     try:
-        plan = plan_pipeline(dp_costs, Topology.flat(positions, bandwidth, capacity), straight=True)
+        # the DP plans over the links (and levels) of those devices, renumbered in pipeline order
+        plan = plan_pipeline(dp_costs, topology.among(at), memory=capacity, straight=True)
     except NoFeasiblePlan:
         starts = balanced_starts(layers, cuts, positions)  # memory is then the swap planner's business
-        return starts, [layout.device_of(s, 0) for s in range(len(starts))]
-    starts = [stage.first for stage in plan.stages]
-    return starts, [layout.device_of(s, 0) for s in range(len(starts))] if len(starts) == positions else list(range(len(starts)))
+        return starts, at[:len(starts)]
+    placed = plan.placed_stages()  # fewer stages than positions leave the last devices idle
+    return [first for first, _, _ in placed], [at[device] for _, _, device in placed]
 
 
 def _packs(times, legal, count: int, layers, cuts, costs, devices) -> list[int]:
@@ -202,14 +201,10 @@ def _balanced_at_legal(times, legal, count: int, layers, cuts) -> list[int]:
     return starts
 
 
-def _cpsat(times, cuts, costs, devices, microbatch_size: int, bandwidth: float) -> tuple[list[int], list[int]]:
-    cluster = Cluster(
-        devices=tuple(DeviceModel(speed=d.speed, memory=d.memory) for d in devices),
-        bandwidth=tuple(tuple(bandwidth for _ in devices) for _ in devices),
-    )
+def _cpsat(times, cuts, costs, devices, microbatch_size: int, topology: Topology) -> tuple[list[int], list[int]]:
     memory = [c.state_bytes + c.stash_bytes * len(devices) for c in costs]
-    binding = partition_and_bind(times, [c.bytes_per_sample * microbatch_size for c in cuts] + [0.0], memory, cluster,
-                                 cut_allowed=[c.legal for c in cuts], time_limit_s=5.0)
+    binding = partition_and_bind(times, [c.bytes_per_sample * microbatch_size for c in cuts] + [0.0], memory, devices,
+                                 topology, cut_allowed=[c.legal for c in cuts], time_limit_s=5.0)
     return [s.first for s in binding.stages], [s.device for s in binding.stages]
 
 
@@ -267,8 +262,8 @@ def choose(
     options: list[Candidate],
     build: Callable[[Candidate], tuple[Assembled, Sequence[LayerCost], int]],
     devices: Sequence[DeviceSpec],
-    bandwidth: float,
-    runtime: RuntimeCosts = RuntimeCosts(),
+    topology: Topology,
+    runtime: RuntimeCosts = NO_RUNTIME_COSTS,
 ) -> tuple[Assembled, Prediction, list[tuple[Candidate, Prediction | str]]]:
     """The candidate with the lowest predicted iteration time that fits; the table of all tried."""
     tried: list[tuple[Candidate, Prediction | str]] = []
@@ -279,7 +274,7 @@ def choose(
         except StagewiseError as error:
             tried.append((option, str(error).splitlines()[0]))
             continue
-        prediction, _ = predict(plan, costs, devices, size, bandwidth, runtime)
+        prediction, _ = predict(plan, costs, devices, size, topology, runtime)
         tried.append((option, prediction))
         key = (not prediction.fits, prediction.iteration_s)
         if best is None or key < best[0]:
@@ -302,4 +297,5 @@ def choose(
     return plan, prediction, tried
 
 
-__all__ = ["Assembled", "Candidate", "Prediction", "RuntimeCosts", "assemble", "candidates", "choose", "choose_layout", "partition", "predict"]
+__all__ = ["Assembled", "Candidate", "Prediction", "RuntimeCosts", "assemble", "candidates", "choose", "choose_layout",
+           "partition", "predict", "recorded_costs", "sim_cost"]

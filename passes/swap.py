@@ -39,6 +39,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from stagewise.ir.costs import optimizer_state_per_param_byte
 from stagewise.ir.errors import PlanError
 from stagewise.ir.plan import Instruction, Task
 
@@ -231,7 +232,7 @@ def plan_swaps(mode: str, stages, layers, capacities: list[int | None], state_pe
         stages=chosen,
         weight_bytes=weights,
         grad_bytes=weights,
-        optimizer_bytes={k: round(v * (state_per_param_byte - 2)) for k, v in weights.items()},
+        optimizer_bytes={k: round(v * optimizer_state_per_param_byte(state_per_param_byte)) for k, v in weights.items()},
         depth=depth,
         stash=swapped_stash,
         stash_bytes=stash,

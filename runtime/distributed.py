@@ -6,6 +6,8 @@ into a buffer from this device's memory pool, and an all-reduce one collective o
 group created up front. Every wait polls, so a peer that died or stopped answering becomes a
 `PeerError` naming the instruction and the peer within `timeout_s`, and a thread of this rank
 that failed first makes the others stop quietly (`Aborted`) instead of waiting on the network.
+`barrier`, `gather_to_first` and `from_first` serve what every rank does together outside the
+programs (saving a checkpoint).
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import hashlib
 import json
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import asdict
 
 import torch
@@ -22,66 +23,17 @@ import torch.distributed as dist
 
 from stagewise.ir.errors import CapacityError, PeerError, PlanError
 from stagewise.ir.plan import Plan, Transfer
+from stagewise.runtime.links import check_link_order, directed_links, reduction_groups, transfer_key
+from stagewise.runtime.pending import POLL_S, Pending
 from stagewise.runtime.pool import MemoryPool
 from stagewise.runtime.sync import Aborted, Sync
 from stagewise.runtime.transport import LocalTransport
 
-POLL_S = 0.05  # how often a waiting thread re-checks its deadline and whether this rank failed
-LOSS_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 # What the ranks execute together and must agree on. Not the planner's predictions: each rank
 # measures its own layer costs, so predicted times differ between ranks in the last digits.
 EXECUTED_FIELDS = ("devices", "input_names", "input_kind", "target_name", "graph_inputs", "microbatches",
                    "microbatch_size", "schedule", "shared", "stages", "transfers", "programs", "state_names",
                    "aliases")
-
-
-class Pending:
-    """One issued send, receive or collective, whose completion the caller polls.
-
-    Gloo's point-to-point works report `is_completed()` only after `wait()` was called, and a
-    `wait(timeout)` that expires closes the connection to the peer; so under gloo a daemon thread
-    makes the one blocking `wait()` (it returns at once when the peer's socket closes) and the
-    caller polls its event. Under NCCL `is_completed()` queries the work's CUDA event directly.
-    """
-
-    def __init__(self, work: dist.Work, blocking_wait: bool, what: str, peers: str,
-                 on_done: Callable[[], None] | None = None):
-        self.work = work
-        self.what = what  # the instruction, for errors
-        self.peers = peers  # "rank 1" or "ranks 0,1", for errors
-        self.error: BaseException | None = None
-        self.event: threading.Event | None = None
-        self.on_done = on_done  # under gloo: called once finished (a receive wakes who waits on its message)
-        if blocking_wait:
-            self.event = threading.Event()
-            threading.Thread(target=self._wait, name=f"wait {what}", daemon=True).start()
-
-    def _wait(self) -> None:
-        try:
-            self.work.wait()
-        except BaseException as error:  # noqa: BLE001 - re-raised by the polling thread
-            self.error = error
-        finally:
-            self.event.set()
-            if self.on_done is not None:
-                self.on_done()
-
-    def done(self, poll_s: float) -> bool:
-        """True once the work finished (raising its error as `PeerError`), after waiting up to `poll_s`."""
-        if self.event is not None:
-            finished = self.event.wait(poll_s)
-        else:
-            finished = self.work.is_completed()
-            if finished:
-                try:
-                    self.work.wait()
-                except BaseException as error:  # noqa: BLE001 - turned into PeerError below
-                    self.error = error
-            else:
-                time.sleep(min(poll_s, 1e-3))
-        if finished and self.error is not None:
-            raise PeerError(f"{self.what}: {self.peers} failed ({self.error}); see that rank's log") from self.error
-        return finished
 
 
 class DistributedTransport:
@@ -99,7 +51,7 @@ class DistributedTransport:
         self.transfers = {(t.value, t.src, t.dst): (i, t) for i, t in enumerate(plan.transfers)}
         self.blocking_wait = dist.get_backend() == "gloo"
         if not self.blocking_wait:
-            _check_link_order(plan)
+            check_link_order(plan)
         self.sends: list[Pending] = []
         self.sends_lock = threading.Lock()
         self.receives: dict[tuple, tuple[Pending, torch.Tensor]] = {}  # posted, not yet taken: key -> (work, buffer)
@@ -132,10 +84,10 @@ class DistributedTransport:
         _check_shape(tensor, transfer, key, instruction)
         payload = tensor.detach().contiguous()
         link = self.links[(src_device, dst_device)]
-        work = self.issue(lambda: dist.isend(payload, dst_device, group=link, tag=self._tag(key)), instruction,
+        work = self._issue(lambda: dist.isend(payload, dst_device, group=link, tag=self._tag(key)), instruction,
                            f"rank {dst_device}")
+        self.pools[src_device].count_sent(payload.numel() * payload.element_size())
         with self.sends_lock:  # the compute thread may send too (a forward run early)
-            self.pools[src_device].p2p_bytes += payload.numel() * payload.element_size()
             self.sends.append(Pending(work, self.blocking_wait, instruction, f"rank {dst_device}"))
 
     def recv(self, key: tuple, instruction: str) -> torch.Tensor:
@@ -194,7 +146,7 @@ class DistributedTransport:
             buffer = pool.take_buffer(like, ("buffer",) + key, instruction)
             link = self.links[(src_device, self.rank)]
             try:
-                work = self.issue(lambda: dist.irecv(buffer, src_device, group=link, tag=self._tag(key)), instruction,
+                work = self._issue(lambda: dist.irecv(buffer, src_device, group=link, tag=self._tag(key)), instruction,
                                    f"rank {src_device}")
             except BaseException:
                 pool.release(("buffer",) + key)
@@ -220,7 +172,7 @@ class DistributedTransport:
         buckets = {}
         for dtype in dict.fromkeys(t.dtype for t in tensors):
             flat = torch.cat([t.detach().reshape(-1) for t in tensors if t.dtype == dtype])
-            work = self.issue(lambda flat=flat: dist.all_reduce(flat, group=self.groups[group], async_op=True),
+            work = self._issue(lambda flat=flat: dist.all_reduce(flat, group=self.groups[group], async_op=True),
                                instruction, peers)
             buckets[dtype] = (flat, Pending(work, self.blocking_wait, instruction, peers))
         for _, pending in buckets.values():
@@ -237,7 +189,7 @@ class DistributedTransport:
         payload = torch.zeros((), dtype=torch.float64, device=self.pools[self.rank].device)
         if partial is not None:
             payload += partial.detach().double()
-        work = self.issue(lambda: dist.all_reduce(payload, group=self.world, async_op=True), "sum of the loss", "every rank")
+        work = self._issue(lambda: dist.all_reduce(payload, group=self.world, async_op=True), "sum of the loss", "every rank")
         self._await(Pending(work, self.blocking_wait, "sum of the loss", "every rank"))
         return payload.to(partial.dtype if partial is not None else torch.float32).cpu()
 
@@ -271,7 +223,7 @@ class DistributedTransport:
         with self.sends_lock:
             self.sends = [s for s in self.sends if s not in finished]
 
-    def issue(self, start, instruction: str, peers: str) -> dist.Work:
+    def _issue(self, start, instruction: str, peers: str) -> dist.Work:
         """Start a torch.distributed op; a peer already known dead makes gloo raise right here."""
         try:
             with self.issue_lock:
@@ -279,14 +231,37 @@ class DistributedTransport:
         except RuntimeError as error:
             raise PeerError(f"{instruction}: cannot reach {peers} ({error}); see that rank's log") from error
 
+    # ---- every rank at once (saving a checkpoint) ---------------------------------------------
+    def barrier(self, what: str, advice: str) -> None:
+        """Wait up to `timeout_s` for every rank to get here; a rank that never does is a PeerError
+        saying `what` waited and the `advice`, not a wait for the process group's timeout."""
+        work = self._issue(lambda: dist.barrier(group=self.world, async_op=True), what, "every rank")
+        pending = Pending(work, self.blocking_wait, what, "every rank")
+        start = time.monotonic()
+        while not pending.done(POLL_S):
+            if time.monotonic() - start > self.timeout_s:
+                raise PeerError(f"{what}: waited {self.timeout_s:g} s for the other ranks; {advice}")
+
+    def gather_to_first(self, value: object) -> list | None:
+        """Every rank's `value`, in rank order, on rank 0 (None on the others)."""
+        gathered = [None] * dist.get_world_size(self.world) if self.rank == 0 else None
+        dist.gather_object(value, gathered, dst=0, group=self.world)
+        return gathered
+
+    def from_first(self, value: object) -> object:
+        """Rank 0's `value`, on every rank."""
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.world)
+        return box[0]
+
     # ---- naming ------------------------------------------------------------------------------
     def _transfer(self, key: tuple) -> Transfer:
-        return self.transfers[_transfer_key(key)][1]
+        return self.transfers[transfer_key(key)][1]
 
     def _tag(self, key: tuple) -> int:
         """A tag both ranks derive alike from the key: (transfer, act|grad, microbatch)."""
         what, _, microbatch = key[:3]
-        index = self.transfers[_transfer_key(key)][0]
+        index = self.transfers[transfer_key(key)][0]
         return (index * 2 + (what == "grad")) * self.plan.microbatches + microbatch
 
     def _check_same_plan(self) -> None:
@@ -297,7 +272,7 @@ class DistributedTransport:
         digest = int.from_bytes(hashlib.sha256(executed.encode()).digest()[:7], "big")
         values = [torch.tensor([digest], dtype=torch.int64, device=self.pools[self.rank].device) for _ in range(2)]
         for value, op in zip(values, (dist.ReduceOp.MIN, dist.ReduceOp.MAX), strict=True):
-            work = self.issue(lambda value=value, op=op: dist.all_reduce(value, op, group=self.world, async_op=True),
+            work = self._issue(lambda value=value, op=op: dist.all_reduce(value, op, group=self.world, async_op=True),
                                "comparing plans", "the other ranks")
             self._await(Pending(work, self.blocking_wait, "comparing plans", "the other ranks"))
         if values[0].item() != values[1].item():
@@ -305,61 +280,6 @@ class DistributedTransport:
                 "the ranks compiled different plans; compile with the same model, seed, inputs and options "
                 "on every rank (or compile on rank 0 and load the saved pipeline everywhere)"
             )
-
-
-def reduction_groups(plan: Plan) -> list[tuple[int, ...]]:
-    """The distinct device groups of every all-reduce of every program, sorted (the creation order).
-
-    An all-reduce instruction lists member stages; the executor reduces over their devices
-    (sorted, each once), having summed the stages it holds itself. A group within one device
-    needs no process group.
-    """
-    device_of = {s.index: s.device for s in plan.stages}
-    groups = {tuple(sorted({device_of[s] for s in ins.group}))
-              for p in plan.programs for ins in p.instructions if ins.kind == "allreduce"}
-    return sorted(g for g in groups if len(g) > 1)
-
-
-def directed_links(plan: Plan) -> list[tuple[int, int]]:
-    """(sender, receiver) device pairs of every transfer and its gradient, sorted.
-
-    Each direction gets its own group: under NCCL a group's point-to-point ops run on one
-    stream in issue order, and a rank's send and receive threads would interleave differently
-    on the two ranks, which can deadlock; one direction has one issuing thread on each side.
-    """
-    device_of = {s.index: s.device for s in plan.stages}
-    links = set()
-    for t in plan.transfers:
-        src, dst = device_of[t.src], device_of[t.dst]
-        if src != dst:
-            links.add((src, dst))
-            if t.requires_grad:
-                links.add((dst, src))
-    return sorted(links)
-
-
-def misordered_links(plan: Plan) -> list[tuple[int, int]]:
-    """Directed links whose sender issues its messages in another order than the receiver expects.
-
-    Gloo matches a message to its receive by tag, so the order does not matter; NCCL ignores
-    tags and pairs a link's sends and receives in issue order, so there it must agree.
-    """
-    by_device = {p.device: p for p in plan.programs}
-    wrong = []
-    for src, dst in directed_links(plan):
-        sent = [(i.what, v, i.microbatch, i.stage, i.peer_stage) for i in by_device[src].instructions
-                if i.kind == "send" and i.peer == dst for v in i.values]
-        expected = [(i.what, v, i.microbatch, i.peer_stage, i.stage) for i in by_device[dst].instructions
-                    if i.kind == "recv" and i.peer == src for v in i.values]
-        if sent != expected:
-            wrong.append((src, dst))
-    return wrong
-
-
-def _transfer_key(key: tuple) -> tuple[str, int, int]:
-    """(value, producer stage, consumer stage) of a message: a gradient flows against its transfer."""
-    what, value, _, src_stage, dst_stage = key
-    return (value, src_stage, dst_stage) if what == "act" else (value, dst_stage, src_stage)
 
 
 def _check_world(plan: Plan, rank: int) -> None:
@@ -371,16 +291,6 @@ def _check_world(plan: Plan, rank: int) -> None:
             f"the plan has {len(plan.devices)} devices but this is rank {dist.get_rank()} of {world} processes "
             f"asked to run device {rank}; launch one process per device "
             f"(torchrun --nproc-per-node {len(plan.devices)})"
-        )
-
-
-def _check_link_order(plan: Plan) -> None:
-    wrong = misordered_links(plan)
-    if wrong:
-        raise PlanError(
-            f"devices {wrong} (sender, receiver) issue their messages in another order than the receiver "
-            f"expects, which {dist.get_backend()} cannot match (it ignores tags); use the gloo backend or "
-            "another schedule"
         )
 
 

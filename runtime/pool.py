@@ -21,6 +21,9 @@ KINDS = ("weights", "buffers", "grads", "optimizer", "stash", "buffer")
 
 
 class MemoryPool:
+    """One device's ledger. Any stream's thread may allocate, release and count here, so every
+    change goes through a method that holds `lock`."""
+
     def __init__(self, device_index: int, device: torch.device, capacity: int | None):
         self.index = device_index
         self.device = device
@@ -32,7 +35,7 @@ class MemoryPool:
         self.peak = 0
         self.swap_in_bytes = 0
         self.swap_out_bytes = 0
-        self.swapped: dict[str, int] = defaultdict(int)  # bytes moved per kind: weights, grads, optimizer
+        self.swapped: dict[str, int] = defaultdict(int)  # bytes moved per kind: weights, grads, optimizer, stash
         self.p2p_bytes = 0
         # (buffer, on CUDA the event after its last use); reused only once that use is done
         self.free_buffers: dict[tuple, list[tuple[torch.Tensor, torch.cuda.Event | None]]] = defaultdict(list)
@@ -87,19 +90,37 @@ class MemoryPool:
         with self.lock:
             self.free_buffers[(tuple(buffer.shape), buffer.dtype)].append((buffer.detach(), last_use))
 
+    def count_swap_out(self, what: str, nbytes: int) -> None:
+        """`nbytes` of `what` (weights, grads, optimizer, stash) copied to host memory; any stream may count."""
+        with self.lock:
+            self.swap_out_bytes += nbytes
+            self.swapped[what] += nbytes
+
+    def count_swap_in(self, what: str, nbytes: int) -> None:
+        """`nbytes` of `what` brought back from host memory; any stream may count."""
+        with self.lock:
+            self.swap_in_bytes += nbytes
+            self.swapped[what] += nbytes
+
+    def count_sent(self, nbytes: int) -> None:
+        """`nbytes` sent from this device to another; the compute and p2p_out streams both send."""
+        with self.lock:
+            self.p2p_bytes += nbytes
+
     def stats(self) -> dict[str, int]:
-        return {
-            "device": self.index,
-            "peak_bytes": self.peak,
-            "current_bytes": self.current,
-            "capacity_bytes": self.capacity,
-            "swap_in_bytes": self.swap_in_bytes,
-            "swap_out_bytes": self.swap_out_bytes,
-            "p2p_bytes": self.p2p_bytes,
-            "reused_buffers": self.reused_buffers,
-            **{f"swap_{kind}_bytes": self.swapped[kind] for kind in ("weights", "grads", "optimizer", "stash")},
-            **{f"{kind}_bytes": self.by_kind[kind] for kind in KINDS},
-        }
+        with self.lock:
+            return {
+                "device": self.index,
+                "peak_bytes": self.peak,
+                "current_bytes": self.current,
+                "capacity_bytes": self.capacity,
+                "swap_in_bytes": self.swap_in_bytes,
+                "swap_out_bytes": self.swap_out_bytes,
+                "p2p_bytes": self.p2p_bytes,
+                "reused_buffers": self.reused_buffers,
+                **{f"swap_{kind}_bytes": self.swapped[kind] for kind in ("weights", "grads", "optimizer", "stash")},
+                **{f"{kind}_bytes": self.by_kind[kind] for kind in KINDS},
+            }
 
     def _breakdown(self) -> str:
         return ", ".join(f"{k} {format_bytes(v)}" for k, v in self.by_kind.items() if v)

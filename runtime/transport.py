@@ -33,8 +33,8 @@ class LocalTransport:
         with torch.no_grad():
             buffer.copy_(tensor.detach(), non_blocking=True)
         _finish_on_gpu(tensor, buffer)
+        self.pools[src_device].count_sent(tensor.numel() * tensor.element_size())
         with self.sync.locked():  # the compute thread may send too (a forward run early)
-            self.pools[src_device].p2p_bytes += tensor.numel() * tensor.element_size()
             self.mailbox[key] = buffer
             self.sync.changed(("message", key))
 

@@ -23,11 +23,12 @@ import torch.fx as fx
 
 from stagewise.ir.errors import PlanError
 from stagewise.ir.plan import Stage
+from stagewise.runtime.checkpoint_access import CheckpointAccess
 from stagewise.runtime.pool import MemoryPool, nbytes
 from stagewise.runtime.stash import HostBuffers, Stash, storage_of, unpack
 
 
-class StageWorker:
+class StageWorker(CheckpointAccess):
     def __init__(
         self,
         stage: Stage,
@@ -248,8 +249,7 @@ class StageWorker:
             self._set(what, name, empty)
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
-        self.pool.swap_out_bytes += moved
-        self.pool.swapped[what] += moved
+        self.pool.count_swap_out(what, moved)
         self.pool.release((what, self.stage.index))
 
     def swap_in(self, what: str, instruction: str, microbatch: int | None = None) -> None:
@@ -267,8 +267,7 @@ class StageWorker:
         if what == "grads":
             for name in parts:
                 del self.host[(what, name)]
-        self.pool.swap_in_bytes += size
-        self.pool.swapped[what] += size
+        self.pool.count_swap_in(what, size)
         if what == "weights":
             self._note_resident()
 
@@ -279,9 +278,7 @@ class StageWorker:
             raise PlanError(f"`{instruction}`: stage {self.stage.index} holds no stash of microbatch {microbatch} on the device")
         moved = stash.to_host(self.host_bytes)  # complete (on CUDA: synchronized) when it returns
         self.pool.allocate("stash", ("stash", self.stage.index, microbatch), stash.nbytes() - moved, instruction)
-        with self.pool.lock:  # the swap-in stream counts too
-            self.pool.swap_out_bytes += moved
-            self.pool.swapped["stash"] += moved
+        self.pool.count_swap_out("stash", moved)
 
     def _stash_in(self, microbatch: int, instruction: str) -> None:
         """The stash back into the pool and onto the device, before the microbatch's backward."""
@@ -290,9 +287,7 @@ class StageWorker:
             raise PlanError(f"`{instruction}`: stage {self.stage.index} has no stash of microbatch {microbatch} in host memory")
         self.pool.allocate("stash", ("stash", self.stage.index, microbatch), stash.nbytes(), instruction)
         moved = stash.to_device(self.host_bytes)
-        with self.pool.lock:  # the swap-out stream counts too
-            self.pool.swap_in_bytes += moved
-            self.pool.swapped["stash"] += moved
+        self.pool.count_swap_in("stash", moved)
 
     def _device_copy(self, what: str, name: str, host: torch.Tensor) -> torch.Tensor:
         """A device copy of a host tensor, of its own even where the device is the CPU; weights in
@@ -395,6 +390,3 @@ class StageWorker:
         """`tensor` in host memory (pinned on CUDA), as a tensor of its own when `copy`."""
         host = tensor.detach().to("cpu", dtype, copy=copy)
         return host.pin_memory() if self.device.type == "cuda" and not host.is_pinned() else host
-
-
-# ---- stashed activations: by handle, so that they can move to host memory (Harmony's sX) ------

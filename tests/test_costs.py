@@ -18,13 +18,15 @@ from stagewise.compiler.calibrate import (
     relative_speeds,
     send_bandwidth,
 )
-from stagewise.compiler.trace import trace
 from stagewise.ir.devices import Device, parse_bandwidth, parse_flops
 from stagewise.ir.errors import DeviceError
 from stagewise.ir.plan import DeviceSpec, LayerCost
-from stagewise.ir.topology import Topology
+from stagewise.ir.topology import Level, Topology
 from stagewise.passes import profile as prof
+from stagewise.passes import profile_context as context
+from stagewise.passes import profile_sizes
 from stagewise.passes.analytic import analytic_layers, roofline
+from stagewise.passes.capture import trace
 from stagewise.passes.contention import costliest_layer, host_contention
 from stagewise.passes.layers import build_layers
 from stagewise.passes.profile import (
@@ -32,12 +34,11 @@ from stagewise.passes.profile import (
     PiecewiseLinear,
     ProfileError,
     costs_at,
-    probe_sizes,
     profile_layers,
-    shapes_at,
-    slow_start,
     traced_microbatch_size,
 )
+from stagewise.passes.profile_shapes import shapes_at
+from stagewise.passes.profile_sizes import probe_sizes, slow_start
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.models.mlp import mlp
 
@@ -206,18 +207,18 @@ def test_layers_are_timed_in_context(gpt_graph, monkeypatch):
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     inputs = dict(zip(names, prof.real_inputs([shapes.values[n] for n in names], torch.device("cpu")), strict=True))
     outputs = {n.name for n in gm.graph.output_node().all_input_nodes}
-    times = prof._layers_back_to_back(layers, [prof.layer_module(gm, layer) for layer in layers], inputs, outputs,
-                                      torch.device("cpu"))
+    times = context._layers_back_to_back(layers, [prof.layer_module(gm, layer) for layer in layers], inputs, outputs,
+                                         torch.device("cpu"))
     assert all(fwd > 0 for fwd, _ in times)
     assert all(bwd > 0 for (_, bwd), layer in zip(times, layers, strict=True) if layer.params)  # gradients reached every layer
 
     def timed(fn, device):  # every forward "takes" 2 s, every backward 3 s
         return (3.0 if isinstance(fn, functools.partial) else 2.0), fn()
 
-    monkeypatch.setattr(prof, "_timed", timed)
-    assert prof.in_context_factors(gm, layers, raw, shapes, cpu, repeats=1) == [(1.0, 1.0)] * len(layers)
-    monkeypatch.setattr(prof, "CONTEXT_RANGE", (0.0, math.inf))
-    factors = prof.in_context_factors(gm, layers, raw, shapes, cpu, repeats=1)
+    monkeypatch.setattr(context, "timed", timed)
+    assert context.in_context_factors(gm, layers, raw, shapes, cpu, repeats=1) == [(1.0, 1.0)] * len(layers)
+    monkeypatch.setattr(context, "CONTEXT_RANGE", (0.0, math.inf))
+    factors = context.in_context_factors(gm, layers, raw, shapes, cpu, repeats=1)
     by_name = dict(zip((p.name for p in raw), factors, strict=True))
     for p in raw:
         if p.name not in ("blocks.2", "blocks.3"):  # they share blocks.1's signature; its probe is theirs
@@ -283,8 +284,8 @@ def test_capacity_bounds_the_microbatch(mlp_graph):
     profiles = profile_layers(gm, layers, Device("cpu", memory=capacity), quiet=True, repeats=1)
     largest = profiles[0].max_microbatch
     assert largest is not None and all(p.max_microbatch == largest for p in profiles)
-    assert prof._fits(shapes_at(gm, layers, largest, 8), state, capacity)
-    assert not prof._fits(shapes_at(gm, layers, largest + 1, 8), state, capacity)
+    assert profile_sizes.fits(shapes_at(gm, layers, largest, 8), state, capacity)
+    assert not profile_sizes.fits(shapes_at(gm, layers, largest + 1, 8), state, capacity)
     assert max(c.u for c in profiles[0].probes) == largest
 
 
@@ -387,6 +388,16 @@ def test_uniform_topology_and_bad_matrices():
         Topology.from_matrix([[None, 1], [0, None]])
     with pytest.raises(DeviceError):
         Topology(((math.inf, 1.0),))
+
+
+def test_a_topology_among_some_devices_keeps_their_links_and_whole_levels():
+    t = Topology.two_level(servers=2, per_server=4, intra="100GB/s", inter="10GB/s")
+    assert t.among(range(4)).levels == t.levels[:1] and t.among(range(8)) == t
+    assert t.among([3, 4]).links() == {(0, 1): 1e10, (1, 0): 1e10} and t.among([3, 4]).levels == ()
+    assert t.among(range(6)).hierarchy() == (Level(6, 1e10),)  # no whole groups: one level, the slowest link
+    assert Topology.uniform(1, 1e9).slowest_link == math.inf
+    with pytest.raises(DeviceError, match="distinct"):
+        t.among([0, 0])
 
 
 def test_export_graphs_are_profiled_at_several_sizes(monkeypatch):

@@ -27,8 +27,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import stagewise as sw
-from stagewise.runtime.distributed import directed_links, misordered_links
 from stagewise.runtime.launch import distributed_context
+from stagewise.runtime.links import directed_links, misordered_links
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.models.mlp import mlp
 from tests.reference import ADAMW, ATOL, RTOL, SGD, assert_state_equal, eager_train, pipeline_train

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import stagewise as sw
-from stagewise.compiler import checkpoint
+from stagewise.compiler import checkpoint_write
 from tests.reference import ATOL, RTOL, assert_state_equal, pipeline_train, token_batches
 from tests.test_distributed import _compile, _join, _save, _spawn
 from tests.test_save_load import assert_optimizer_state_equal, optimizer_state
@@ -90,9 +90,9 @@ def _failing_save(pipe, rank: int, out: str, how: str) -> dict:
     directory = _case_dir(out, CASES[0])
     before = {p.name: p.read_bytes() for p in directory.iterdir()}
     target = directory
-    snapshot = checkpoint._snapshot
+    snapshot = checkpoint_write._snapshot
     if how == "snapshot" and rank == 1:
-        checkpoint._snapshot = _failing
+        checkpoint_write._snapshot = _failing
     if how == "write":
         target = Path(out) / "a-file" / "ck"
         if rank == 0:
@@ -104,7 +104,7 @@ def _failing_save(pipe, rank: int, out: str, how: str) -> dict:
     except Exception as raised:  # noqa: BLE001 - the parent checks what it was
         error = (type(raised).__name__, str(raised))
     finally:
-        checkpoint._snapshot = snapshot
+        checkpoint_write._snapshot = snapshot
     seconds = time.monotonic() - start
     dist.barrier()  # both ranks are past the failed save before rank 0 lists the directory
     return {

@@ -6,6 +6,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import stagewise as sw
+from stagewise.compiler.calibrate import local_topology
+from stagewise.ir.costs import training_state_per_param_byte
+from stagewise.ir.plan import CrossingValue, Cut, DeviceSpec, Layer, LayerCost
+from stagewise.ir.topology import Topology
+from stagewise.passes.costs import plan_charges
+from stagewise.passes.layout import choose_layout
+from stagewise.passes.planner import partition
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.reference import ADAMW, SGD, check_equal_training, pipeline_train, token_batches
 
@@ -126,7 +133,7 @@ def test_fewer_stages_than_devices_trains_like_eager_and_leaves_devices_idle():
 def test_stages_auto_simulates_every_depth_and_keeps_the_fastest(cores, monkeypatch):
     """PipeDream §2.4.1: the planner may use fewer workers than it has; in-process CPU devices get
     at most a stage per core that computes at full speed."""
-    monkeypatch.setattr("stagewise.compiler.driver.computes_at_full_speed", lambda: float(cores))
+    monkeypatch.setattr("stagewise.compiler.options.computes_at_full_speed", lambda: float(cores))
     batches = token_batches(2, batch=8)
     pipe = check_equal_training(TinyGPT(layers=4), batches, 4, loss_fn=lm_loss, optimizer=SGD,
                                 microbatches=4, schedule="gpipe", stages="auto", cost="analytic")
@@ -149,7 +156,7 @@ def test_bad_stage_counts_are_clear_errors(kwargs, match):
 
 def test_stages_and_replicas_auto_search_p_by_d_below_the_devices(monkeypatch):
     """Both searches at once: every D dividing the devices, every depth up to N / D."""
-    monkeypatch.setattr("stagewise.compiler.driver.computes_at_full_speed", lambda: 4.0)
+    monkeypatch.setattr("stagewise.compiler.options.computes_at_full_speed", lambda: 4.0)
     batches = token_batches(2, batch=8)
     pipe = check_equal_training(TinyGPT(layers=4), batches, 4, loss_fn=lm_loss, optimizer=ADAMW, microbatches=4,
                                 schedule="1f1b", stages="auto", replicas="auto", cost="analytic")
@@ -166,3 +173,53 @@ def test_a_schedule_that_places_its_own_stages_refuses_stages_and_replicas_in_a_
         with pytest.raises(sw.PartitionError, match="interleaved"):
             sw.compile(TinyGPT(), 2, (x,), loss_fn=lm_loss, example_target=y, cost="analytic", schedule="interleaved",
                        **kwargs)
+
+
+def _chain(seconds: list[float], activation_bytes: list[float]):
+    """Layers in a chain: each computes `seconds` (a third forward, two thirds backward) and sends
+    `activation_bytes` per sample to the next across a legal cut; no parameters."""
+    n = len(seconds)
+    layers = tuple(Layer(i, f"layer{i}", (f"n{i}",), (), (), (), ()) for i in range(n))
+    cuts = tuple(Cut(i, (CrossingValue(f"n{i}", activation_bytes[i], True, True),), True) for i in range(n - 1))
+    costs = [LayerCost(i, 1, t / 3, 2 * t / 3, t / 3, 0, 0, 0, int(activation_bytes[i]) if i < n - 1 else 0, 0, 0)
+             for i, t in enumerate(seconds)]
+    return layers, cuts, costs
+
+
+def _partition(devices: list[DeviceSpec], topology: Topology, seconds, activation_bytes):
+    layers, cuts, costs = _chain(seconds, activation_bytes)
+    layout = choose_layout("gpipe", len(devices), 1, len(cuts), 0, None, training_state_per_param_byte(0.0))
+    return partition("gpipe", layers, cuts, costs, layout, devices, 1, topology)
+
+
+def test_the_dp_partitions_over_the_topology_levels():
+    """PipeDream's DP plans over the topology's levels (Fig. 2.6): heavy cuts go on the fast links
+    inside a server and the light one across servers, so all four devices work; over one level of
+    the slow link the DP keeps the heavy cuts inside stages and uses two."""
+    devices = [DeviceSpec("cpu", "cpu")] * 4
+    seconds, activations = [10.0] * 4, [100.0, 1.0, 100.0]
+    servers = Topology.two_level(servers=2, per_server=2, intra=100.0, inter=1.0)
+    assert _partition(devices, servers, seconds, activations) == ([0, 1, 2, 3], [0, 1, 2, 3])
+    assert _partition(devices, Topology.uniform(4, 1.0), seconds, activations) == ([0, 2], [0, 1])
+
+
+@pytest.mark.parametrize("fast", [(0, 2), (1, 2)])
+def test_cpsat_binds_the_stages_across_the_fast_link(fast):
+    """Devices of different speeds are bound by CP-SAT over every pair's link: the two stages take
+    the pair joined by the only fast link (every other cut would take 100 times longer)."""
+    devices = [DeviceSpec("cpu", "cpu"), DeviceSpec("cpu", "cpu"), DeviceSpec("cpu", "cpu", speed=1.5)]
+    matrix = [[None if i == j else (1000.0 if {i, j} == set(fast) else 1.0) for j in range(3)] for i in range(3)]
+    starts, stage_devices = _partition(devices, Topology.from_matrix(matrix), [10.0] * 3, [100.0, 100.0])
+    assert len(starts) == 2 and set(stage_devices) == set(fast)
+
+
+def test_compile_measures_the_links_and_the_simulator_charges_them():
+    """compile() measures the link between every pair of its devices; the plan keeps that topology
+    and the simulator charges transfers on its links (slower links: a longer iteration)."""
+    x, y = _gpt_batch()
+    pipe = sw.compile(TinyGPT(), 2, (x,), loss_fn=lm_loss, example_target=y, cost="analytic", schedule="gpipe",
+                      microbatches=2)
+    topology = pipe.plan.costs.topology
+    assert topology == local_topology(2)
+    assert plan_charges(pipe.plan).links == topology.links()
+    assert pipe.simulate(bandwidth=1e4).iteration_time > pipe.simulate().iteration_time

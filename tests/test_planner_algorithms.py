@@ -11,10 +11,13 @@ import itertools
 import math
 import random
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import pytest
 
-from stagewise.passes.cpsat import Block, Cluster, DeviceModel, bind_blocks, partition_and_bind
+from stagewise.ir.topology import Topology
+from stagewise.passes.cpsat import Block, bind_blocks, partition_and_bind
 from stagewise.passes.harmony_packing import (
     BACKWARD,
     FORWARD,
@@ -32,11 +35,9 @@ from stagewise.passes.harmony_packing import (
 )
 from stagewise.passes.pipedream_dp import (
     LayerCosts,
-    Level,
     NoFeasiblePlan,
     PipelinePlan,
-    Stage,
-    Topology,
+    StageSpan,
     bottleneck_time,
     plan_pipeline,
 )
@@ -53,7 +54,7 @@ def splits(first: int, last: int, cut_allowed: Sequence[bool] | None) -> Iterato
             yield [(a, b) for a, b in zip([first] + [c + 1 for c in chosen], ends, strict=True)]
 
 
-def brute_pipelines(first: int, last: int, k: int, costs: LayerCosts, topo: Topology) -> Iterator[list[Stage]]:
+def brute_pipelines(first: int, last: int, k: int, costs: LayerCosts, topo: Topology) -> Iterator[list[StageSpan]]:
     """Every level-k plan of first..last on at most m_k workers, inner plans included."""
     workers = topo.levels[k - 1].workers
     for ranges in splits(first, last, costs.cut_allowed):
@@ -61,15 +62,15 @@ def brute_pipelines(first: int, last: int, k: int, costs: LayerCosts, topo: Topo
             if sum(reps) > workers:
                 continue
             if k == 1:
-                yield [Stage(a, b, r) for (a, b), r in zip(ranges, reps, strict=True)]
+                yield [StageSpan(a, b, r) for (a, b), r in zip(ranges, reps, strict=True)]
                 continue
             inners = [list(brute_pipelines(a, b, k - 1, costs, topo)) for a, b in ranges]
             for choice in itertools.product(*inners):
-                yield [Stage(a, b, r, tuple(inner))
+                yield [StageSpan(a, b, r, tuple(inner))
                        for (a, b), r, inner in zip(ranges, reps, choice, strict=True)]
 
 
-def brute_time(stages: Sequence[Stage], k: int, costs: LayerCosts, topo: Topology) -> float:
+def brute_time(stages: Sequence[StageSpan], k: int, costs: LayerCosts, topo: Topology, memory: float | None) -> float:
     """PipeDream's model written out directly: slowest stage or cut, INF if a device overflows."""
     bandwidth = topo.levels[k - 1].bandwidth
     worst = 0.0
@@ -82,20 +83,20 @@ def brute_time(stages: Sequence[Stage], k: int, costs: LayerCosts, topo: Topolog
             following = sum(s.replicas for s in stages[index:])
             need = sum(costs.resident_bytes[i] for i in layers) + math.ceil(following / r) * sum(
                 costs.stash_bytes[i] for i in layers)
-            if topo.memory is not None and need > topo.memory:
+            if memory is not None and need > memory:
                 return math.inf
             compute = sum(costs.compute[i] for i in layers)
         else:
-            compute = brute_time(st.inner, k - 1, costs, topo)
+            compute = brute_time(st.inner, k - 1, costs, topo, memory)
         worst = max(worst, compute / r, allreduce)
         if index + 1 < len(stages):
             worst = max(worst, 2 * costs.activation_bytes[st.last] / bandwidth)
     return worst
 
 
-def brute_best(costs: LayerCosts, topo: Topology) -> float:
+def brute_best(costs: LayerCosts, topo: Topology, memory: float | None) -> float:
     top = len(topo.levels)
-    return min((brute_time(p, top, costs, topo) for p in brute_pipelines(0, costs.n_layers - 1, top, costs, topo)),
+    return min((brute_time(p, top, costs, topo, memory) for p in brute_pipelines(0, costs.n_layers - 1, top, costs, topo)),
                default=math.inf)
 
 
@@ -110,25 +111,26 @@ def random_costs(rng: random.Random, n: int) -> LayerCosts:
     )
 
 
-def random_topology(rng: random.Random, costs: LayerCosts, levels: int) -> Topology:
+def random_topology(rng: random.Random, costs: LayerCosts, levels: int) -> tuple[Topology, float | None]:
+    """A hierarchy of `levels` levels and a device memory (None: unlimited)."""
     shape = [rng.randint(1, 4)] if levels == 1 else [rng.randint(1, 2), rng.randint(1, 3)]
     bandwidths = sorted((rng.choice([1.0, 2.0, 5.0, 10.0]) for _ in shape), reverse=True)
     biggest = max(r + 2 * s for r, s in zip(costs.resident_bytes, costs.stash_bytes, strict=True))
     memory = rng.choice([None, biggest, 2 * biggest, sum(costs.resident_bytes), biggest - 1])
-    return Topology(levels=tuple(Level(m, b) for m, b in zip(shape, bandwidths, strict=True)), memory=memory)
+    return Topology.hierarchical(list(zip(shape, bandwidths, strict=True))), memory
 
 
-def check_dp_against_brute_force(costs: LayerCosts, topo: Topology) -> None:
-    expected = brute_best(costs, topo)
+def check_dp_against_brute_force(costs: LayerCosts, topo: Topology, memory: float | None) -> None:
+    expected = brute_best(costs, topo, memory)
     if expected == math.inf:
         with pytest.raises(NoFeasiblePlan, match="devices of"):
-            plan_pipeline(costs, topo)
+            plan_pipeline(costs, topo, memory=memory)
         return
-    plan = plan_pipeline(costs, topo)
+    plan = plan_pipeline(costs, topo, memory=memory)
     assert plan.bottleneck == pytest.approx(expected, rel=1e-12)
     # the plan it returns really achieves that time under the independent model
-    assert brute_time(plan.stages, len(topo.levels), costs, topo) == pytest.approx(expected, rel=1e-12)
-    assert bottleneck_time(plan.stages, costs, topo) == pytest.approx(expected, rel=1e-12)
+    assert brute_time(plan.stages, len(topo.levels), costs, topo, memory) == pytest.approx(expected, rel=1e-12)
+    assert bottleneck_time(plan.stages, costs, topo, memory=memory) == pytest.approx(expected, rel=1e-12)
     assert plan.workers <= topo.levels[-1].workers
 
 
@@ -136,14 +138,14 @@ def check_dp_against_brute_force(costs: LayerCosts, topo: Topology) -> None:
 def test_dp_equals_brute_force_one_level(seed: int) -> None:
     rng = random.Random(seed)
     costs = random_costs(rng, rng.randint(1, 6))
-    check_dp_against_brute_force(costs, random_topology(rng, costs, levels=1))
+    check_dp_against_brute_force(costs, *random_topology(rng, costs, levels=1))
 
 
 @pytest.mark.parametrize("seed", range(12))
 def test_dp_equals_brute_force_two_levels(seed: int) -> None:
     rng = random.Random(1000 + seed)
     costs = random_costs(rng, rng.randint(2, 5))
-    check_dp_against_brute_force(costs, random_topology(rng, costs, levels=2))
+    check_dp_against_brute_force(costs, *random_topology(rng, costs, levels=2))
 
 
 def test_dp_instances_exercise_replication_memory_and_spare_workers() -> None:
@@ -153,9 +155,9 @@ def test_dp_instances_exercise_replication_memory_and_spare_workers() -> None:
     for seed in range(40):
         rng = random.Random(seed)
         costs = random_costs(rng, rng.randint(1, 6))
-        topo = random_topology(rng, costs, levels=1)
+        topo, memory = random_topology(rng, costs, levels=1)
         try:
-            plan = plan_pipeline(costs, topo)
+            plan = plan_pipeline(costs, topo, memory=memory)
         except NoFeasiblePlan:
             infeasible += 1
             continue
@@ -167,8 +169,8 @@ def test_dp_instances_exercise_replication_memory_and_spare_workers() -> None:
 def test_dp_reproduces_figure_2_7() -> None:
     """Fig. 2.7: stage 1 takes 2+4 units, stage 2 takes 1+2; on 3 workers the first is replicated twice."""
     costs = LayerCosts(compute=[6, 3], activation_bytes=[1, 1], param_bytes=[0, 100])
-    plan = plan_pipeline(costs, Topology.flat(3, bandwidth=10.0))  # 3-way DP would all-reduce 26.7
-    assert plan.stages == (Stage(0, 0, 2), Stage(1, 1, 1))
+    plan = plan_pipeline(costs, Topology.uniform(3, bandwidth=10.0))  # 3-way DP would all-reduce 26.7
+    assert plan.stages == (StageSpan(0, 0, 2), StageSpan(1, 1, 1))
     assert plan.bottleneck == pytest.approx(3.0)
     assert plan.in_flight == 2  # NOAM = ceil(3 workers / 2 input replicas)
 
@@ -176,8 +178,8 @@ def test_dp_reproduces_figure_2_7() -> None:
 def test_dp_picks_a_single_replicated_stage_when_data_parallelism_wins() -> None:
     """The no-split candidate the printed recurrence omits (pure DP, as for ResNet-50)."""
     costs = LayerCosts(compute=[4, 4, 4, 4], activation_bytes=[1000] * 4, param_bytes=[1] * 4)
-    plan = plan_pipeline(costs, Topology.flat(4, bandwidth=10.0))
-    assert plan.stages == (Stage(0, 3, 4),)
+    plan = plan_pipeline(costs, Topology.uniform(4, bandwidth=10.0))
+    assert plan.stages == (StageSpan(0, 3, 4),)
     assert plan.bottleneck == pytest.approx(4.0)  # 16 / 4; all-reduce 4*3*4/(4*10) = 1.2
 
 
@@ -185,31 +187,49 @@ def test_dp_uses_fewer_workers_when_more_would_be_slower() -> None:
     """Cutting costs 2*500/10 = 100 and replicating costs an all-reduce of 1000 bytes: one worker
     (time 10) beats every plan on 2..4 workers, which the printed recurrence could not choose."""
     costs = LayerCosts(compute=[5, 5], activation_bytes=[500, 0], param_bytes=[1000, 1000])
-    plan = plan_pipeline(costs, Topology.flat(4, bandwidth=10.0))
+    plan = plan_pipeline(costs, Topology.uniform(4, bandwidth=10.0))
     assert plan.workers == 1 and plan.bottleneck == pytest.approx(10.0)
 
 
 def test_dp_memory_limit_forces_a_split_and_infeasible_raises() -> None:
     costs = LayerCosts(compute=[1, 1, 1, 1], activation_bytes=[0] * 4, param_bytes=[10] * 4)
-    plan = plan_pipeline(costs, Topology.flat(4, bandwidth=1.0, memory=20))
+    plan = plan_pipeline(costs, Topology.uniform(4, bandwidth=1.0), memory=20)
     assert all(s.last - s.first + 1 <= 2 for s in plan.stages)
     with pytest.raises(NoFeasiblePlan):
-        plan_pipeline(costs, Topology.flat(4, bandwidth=1.0, memory=9))
+        plan_pipeline(costs, Topology.uniform(4, bandwidth=1.0), memory=9)
 
 
 def test_dp_hierarchy_keeps_heavy_cuts_inside_a_server() -> None:
     """Fig. 2.6: a cut with large activations belongs on the fast in-server link B1."""
     costs = LayerCosts(compute=[10, 10, 10, 10], activation_bytes=[100, 1, 100, 0], param_bytes=[0] * 4)
-    topo = Topology(levels=(Level(2, 100.0), Level(2, 1.0)))
+    topo = Topology.hierarchical([(2, 100.0), (2, 1.0)])
     plan = plan_pipeline(costs, topo, straight=True)
     assert [(s.first, s.last) for s in plan.stages] == [(0, 1), (2, 3)]  # crosses servers at the light cut
     assert plan.device_stages() == [(0, 0, 1), (1, 1, 1), (2, 2, 1), (3, 3, 1)]
     assert plan.bottleneck == pytest.approx(10.0)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_a_straight_hierarchical_plan_places_each_stage_in_its_server(seed: int) -> None:
+    """A level-2 stage runs its inner pipeline on the devices of one server: the placed stages tile
+    the layers, take distinct devices, and sit in the server of the stage that holds them."""
+    rng = random.Random(300 + seed)
+    costs = random_costs(rng, rng.randint(2, 6))
+    topo = Topology.hierarchical([(2, 100.0), (rng.randint(1, 3), 1.0)])
+    try:
+        plan = plan_pipeline(costs, topo, straight=True)
+    except NoFeasiblePlan:
+        return
+    placed = plan.placed_stages()
+    assert [(a, b) for a, b, _ in placed] == [(a, b) for a, b, _ in plan.device_stages()]
+    assert len({d for _, _, d in placed}) == len(placed)
+    for server, stage in enumerate(plan.stages):
+        assert all(d // 2 == server for a, _, d in placed if stage.first <= a <= stage.last)
+
+
 def test_straight_pipeline_never_replicates() -> None:
     costs = LayerCosts(compute=[6, 3], activation_bytes=[1, 1], param_bytes=[0, 0])
-    plan = plan_pipeline(costs, Topology.flat(3, bandwidth=100.0), straight=True)
+    plan = plan_pipeline(costs, Topology.uniform(3, bandwidth=100.0), straight=True)
     assert all(s.replicas == 1 for s in plan.stages) and plan.bottleneck == pytest.approx(6.0)
 
 
@@ -219,28 +239,28 @@ def test_straight_plan_balances_the_stages_below_its_bottleneck(seed: int) -> No
     times have the least sum of squares (brute force)."""
     rng = random.Random(seed)
     costs = random_costs(rng, rng.randint(2, 8))
-    topo = Topology(levels=(Level(rng.randint(2, 4), rng.choice([1.0, 5.0, 100.0])),),
-                    memory=random_topology(rng, costs, 1).memory)
+    topo = Topology.hierarchical([(rng.randint(2, 4), rng.choice([1.0, 5.0, 100.0]))])
+    memory = random_topology(rng, costs, 1)[1]
     try:
-        plan = plan_pipeline(costs, topo, straight=True)
+        plan = plan_pipeline(costs, topo, memory=memory, straight=True)
     except NoFeasiblePlan:
         return
-    assert brute_time(plan.stages, 1, costs, topo) == pytest.approx(plan.bottleneck, rel=1e-12)
+    assert brute_time(plan.stages, 1, costs, topo, memory) == pytest.approx(plan.bottleneck, rel=1e-12)
 
     def squares(stages) -> float:
         return sum(sum(costs.compute[i] for i in range(st.first, st.last + 1)) ** 2 for st in stages)
 
     best = min(squares(stages) for ranges in splits(0, costs.n_layers - 1, costs.cut_allowed)
                if len(ranges) == len(plan.stages)
-               for stages in [[Stage(a, b, 1) for a, b in ranges]]
-               if brute_time(stages, 1, costs, topo) <= plan.bottleneck * (1 + 1e-12))
+               for stages in [[StageSpan(a, b, 1) for a, b in ranges]]
+               if brute_time(stages, 1, costs, topo, memory) <= plan.bottleneck * (1 + 1e-12))
     assert squares(plan.stages) == pytest.approx(best, rel=1e-12)
 
 
 def test_straight_plan_spreads_the_stages_beside_a_heavy_one() -> None:
     """A head worth 5 blocks is the bottleneck; the 12 blocks before it go 4 + 4 + 4, not 5 + 5 + 2."""
     costs = LayerCosts(compute=[1.0] * 12 + [5.0], activation_bytes=[1.0] * 13, param_bytes=[0.0] * 13)
-    plan = plan_pipeline(costs, Topology.flat(4, bandwidth=100.0), straight=True)
+    plan = plan_pipeline(costs, Topology.uniform(4, bandwidth=100.0), straight=True)
     assert [(s.first, s.last) for s in plan.stages] == [(0, 3), (4, 7), (8, 11), (12, 12)]
 
 
@@ -248,24 +268,43 @@ def test_bottleneck_time_rejects_plans_that_do_not_tile() -> None:
     costs = LayerCosts(compute=[1, 1, 1], activation_bytes=[0] * 3, param_bytes=[0] * 3,
                        cut_allowed=[True, False])
     with pytest.raises(ValueError):
-        bottleneck_time([Stage(0, 0, 1), Stage(2, 2, 1)], costs, Topology.flat(2, 1.0))
+        bottleneck_time([StageSpan(0, 0, 1), StageSpan(2, 2, 1)], costs, Topology.uniform(2, 1.0))
     with pytest.raises(ValueError):
-        bottleneck_time([Stage(0, 1, 1), Stage(2, 2, 1)], costs, Topology.flat(2, 1.0))
-    assert isinstance(plan_pipeline(costs, Topology.flat(2, 1.0)), PipelinePlan)
+        bottleneck_time([StageSpan(0, 1, 1), StageSpan(2, 2, 1)], costs, Topology.uniform(2, 1.0))
+    assert isinstance(plan_pipeline(costs, Topology.uniform(2, 1.0)), PipelinePlan)
 
 
 # --------------------------------------------------------------------------- brute force: CP-SAT
 
 
-def random_cluster(rng: random.Random, n: int, memory_scale: float) -> Cluster:
+@dataclass(frozen=True)
+class DeviceModel:
+    """What the binder reads of a device."""
+
+    speed: float = 1.0
+    memory: float | None = None
+
+
+class Machine(NamedTuple):
+    """Devices and the topology joining them: the binder's two arguments (`*cluster`)."""
+
+    devices: tuple[DeviceModel, ...]
+    topology: Topology
+
+    @classmethod
+    def uniform(cls, n: int, bandwidth: float, memory: float | None = None) -> Machine:
+        return cls(tuple(DeviceModel(1.0, memory) for _ in range(n)), Topology.uniform(n, bandwidth))
+
+
+def random_cluster(rng: random.Random, n: int, memory_scale: float) -> Machine:
     devices = tuple(DeviceModel(speed=rng.choice([1.0, 1.5, 2.0, 3.0]),
                                 memory=rng.choice([None, memory_scale, 2 * memory_scale]))
                     for _ in range(n))
     bandwidth = tuple(tuple(rng.choice([1.0, 2.0, 8.0]) for _ in range(n)) for _ in range(n))
-    return Cluster(devices, bandwidth)
+    return Machine(devices, Topology.from_matrix(bandwidth))
 
 
-def brute_binding(blocks: Sequence[Block], cluster: Cluster, one_per_device: bool) -> float:
+def brute_binding(blocks: Sequence[Block], cluster: Machine, one_per_device: bool) -> float:
     n_dev = len(cluster.devices)
     assignments = (itertools.permutations(range(n_dev), len(blocks)) if one_per_device
                    else itertools.product(range(n_dev), repeat=len(blocks)))
@@ -278,7 +317,7 @@ def brute_binding(blocks: Sequence[Block], cluster: Cluster, one_per_device: boo
         for b, d in zip(blocks, devices, strict=True):
             load[d] += b.work / cluster.devices[d].speed
         cuts = [0.0 if devices[i] == devices[i + 1] else
-                2 * blocks[i].out_bytes / cluster.bandwidth[devices[i]][devices[i + 1]]
+                2 * blocks[i].out_bytes / cluster.topology.bandwidth[devices[i]][devices[i + 1]]
                 for i in range(len(blocks) - 1)]
         best = min(best, max(load + cuts))
     return best
@@ -295,16 +334,16 @@ def test_bind_blocks_equals_brute_force(seed: int, one_per_device: bool) -> None
     expected = brute_binding(blocks, cluster, one_per_device)
     if expected == math.inf:
         with pytest.raises(NoFeasiblePlan, match="no assignment fits"):
-            bind_blocks(blocks, cluster, one_per_device=one_per_device)
+            bind_blocks(blocks, *cluster, one_per_device=one_per_device)
         return
-    result = bind_blocks(blocks, cluster, one_per_device=one_per_device)
+    result = bind_blocks(blocks, *cluster, one_per_device=one_per_device)
     assert result.optimal
     assert result.bottleneck == pytest.approx(expected, rel=1e-5)
     if one_per_device:
         assert len(set(result.devices)) == len(blocks)
 
 
-def brute_partition(work, act, memory, cluster: Cluster, cut_allowed) -> float:
+def brute_partition(work, act, memory, cluster: Machine, cut_allowed) -> float:
     n_dev, best = len(cluster.devices), math.inf
     for ranges in splits(0, len(work) - 1, cut_allowed):
         if len(ranges) > n_dev:
@@ -326,9 +365,9 @@ def test_partition_and_bind_equals_brute_force(seed: int) -> None:
     expected = brute_partition(work, act, memory, cluster, cut_allowed)
     if expected == math.inf:
         with pytest.raises(NoFeasiblePlan):
-            partition_and_bind(work, act, memory, cluster, cut_allowed=cut_allowed)
+            partition_and_bind(work, act, memory, *cluster, cut_allowed=cut_allowed)
         return
-    result = partition_and_bind(work, act, memory, cluster, cut_allowed=cut_allowed)
+    result = partition_and_bind(work, act, memory, *cluster, cut_allowed=cut_allowed)
     assert result.optimal and result.bottleneck == pytest.approx(expected, rel=1e-5)
     stages = result.stages
     assert stages[0].first == 0 and stages[-1].last == n - 1
@@ -345,30 +384,30 @@ def test_partition_and_bind_agrees_with_straight_dp_on_identical_devices(seed: i
                        activation_bytes=[rng.choice([0, 1, 4]) for _ in range(n)],
                        param_bytes=[rng.randint(1, 6) for _ in range(n)])
     memory = max(costs.param_bytes) + rng.randint(0, 8)
-    topo = Topology.flat(n_dev, bandwidth=2.0, memory=memory)
-    cluster = Cluster.uniform(n_dev, 2.0, memory=memory)
+    topo = Topology.uniform(n_dev, bandwidth=2.0)
+    cluster = Machine.uniform(n_dev, 2.0, memory=memory)
     try:
-        dp = plan_pipeline(costs, topo, straight=True)
+        dp = plan_pipeline(costs, topo, memory=memory, straight=True)
     except NoFeasiblePlan:
         with pytest.raises(NoFeasiblePlan):
-            partition_and_bind(costs.compute, costs.activation_bytes, costs.param_bytes, cluster)
+            partition_and_bind(costs.compute, costs.activation_bytes, costs.param_bytes, *cluster)
         return
-    exact = partition_and_bind(costs.compute, costs.activation_bytes, costs.param_bytes, cluster)
+    exact = partition_and_bind(costs.compute, costs.activation_bytes, costs.param_bytes, *cluster)
     assert exact.bottleneck == pytest.approx(dp.bottleneck, rel=1e-5)
 
 
 def test_heterogeneous_binding_puts_the_heavy_stage_on_the_fast_device() -> None:
-    cluster = Cluster((DeviceModel(1.0), DeviceModel(4.0)), ((1.0, 1.0), (1.0, 1.0)))
-    result = bind_blocks([Block(8, 1), Block(2, 1)], cluster)
+    cluster = Machine((DeviceModel(1.0), DeviceModel(4.0)), Topology.from_matrix(((1.0, 1.0), (1.0, 1.0))))
+    result = bind_blocks([Block(8, 1), Block(2, 1)], *cluster)
     assert result.devices == (1, 0) and result.bottleneck == pytest.approx(2.0)
 
 
 def test_cpsat_reports_infeasible_memory_clearly() -> None:
-    cluster = Cluster.uniform(2, 1.0, memory=4)
+    cluster = Machine.uniform(2, 1.0, memory=4)
     with pytest.raises(NoFeasiblePlan, match="memory"):
-        partition_and_bind([1, 1, 1], [0, 0, 0], [3, 3, 3], cluster)
+        partition_and_bind([1, 1, 1], [0, 0, 0], [3, 3, 3], *cluster)
     with pytest.raises(NoFeasiblePlan, match="3 stages need 3 devices"):
-        bind_blocks([Block(1, 1)] * 3, cluster)
+        bind_blocks([Block(1, 1)] * 3, *cluster)
 
 
 # --------------------------------------------------------------------------- Harmony Appendix A

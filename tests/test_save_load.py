@@ -144,3 +144,20 @@ def test_state_dict_round_trip_uses_original_names():
     fresh = TinyGPT()
     pipe.load_state_dict(fresh.state_dict())
     assert_state_equal(pipe.state_dict(), fresh.state_dict())
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "auto"])
+def test_a_loaded_pipeline_simulates_what_compile_predicted(tmp_path, schedule):
+    """The plan keeps the costs its prediction charged (each layer's analytic costs at the plan's
+    microbatch size, the measured links, what the runtime adds): `simulate()` charges them again,
+    after `sw.load` as before, so it predicts the plan's time exactly."""
+    batches = token_batches(1)
+    pipe = sw.compile(TinyGPT(), 2, batches[0][0], loss_fn=lm_loss, example_target=batches[0][1],
+                      microbatches=None if schedule == "auto" else 2, schedule=schedule, cost="analytic")
+    predicted = pipe.plan.predicted_iteration_s
+    assert pipe.simulate().iteration_time == predicted
+    pipe.save(tmp_path / "ck")
+    loaded = sw.load(tmp_path / "ck")
+    assert loaded.plan.costs == pipe.plan.costs
+    assert loaded.simulate().iteration_time == predicted
+    assert loaded.simulate().peak_bytes == pipe.simulate().peak_bytes

@@ -1,4 +1,4 @@
-"""One capture of a model serves every microbatch size (compiler/trace.Capture).
+"""One capture of a model serves every microbatch size (passes/capture.Capture).
 
 torch.export is asked once for a graph with a symbolic batch; the graph at a size is that graph
 with the symbol bound: node values and FLOPs as fake-tensor propagation gives them, literal sizes
@@ -14,7 +14,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 import stagewise as sw
-from stagewise.compiler.trace import annotate, capture, trace
+from stagewise.passes.capture import annotate, capture, trace
 from tests.hf import gpt2, lm_batches
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.reference import SGD, assert_state_equal, eager_train, pipeline_train
@@ -151,7 +151,7 @@ class _Mixed(nn.Module):
 def test_fake_propagation_runs_repeated_leaf_modules_once_with_the_same_values():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from stagewise.compiler.trace import _CountingProp
+    from stagewise.passes.capture_annotate import _CountingProp
 
     class EveryModule(_CountingProp):
         def _module_key(self, n):

@@ -1,0 +1,204 @@
+"""Writing a checkpoint (the layout and the guarantees: compiler/checkpoint.py).
+
+The directory is written beside the target and renamed into place, so an interrupted save never
+leaves a half-written checkpoint where a good one was. Under torch.distributed every rank
+snapshots its stages to CPU memory and gathers them to rank 0, which writes them; every rank
+returns only after the rename (or raises the same failure).
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from stagewise.codegen.source import stage_source
+from stagewise.compiler.runtime_setup import Runtime
+from stagewise.ir.errors import PlanError
+from stagewise.ir.plan import Plan
+from stagewise.runtime.distributed import DistributedTransport
+from stagewise.runtime.worker import StageWorker
+
+
+def save(plan: Plan, runtime: Runtime, directory) -> None:
+    """Write the pipeline of `plan` to `directory`, atomically; under torch.distributed every rank
+    must call it."""
+    if runtime.context is None:
+        records = (_snapshot(plan, worker) for worker in runtime.workers)  # one stage at a time
+        _write(plan, runtime, Path(directory), records)
+        return
+    _save_distributed(plan, runtime, Path(directory))
+
+
+def _save_distributed(plan: Plan, runtime: Runtime, target: Path) -> None:
+    """Gather every rank's stages to rank 0, which writes them; everyone returns after the rename."""
+    transport = runtime.transport
+    if not isinstance(transport, DistributedTransport):
+        raise PlanError("saving across ranks needs the torch.distributed transport")
+    transport.barrier(
+        f"pipe.save({str(target)!r})",
+        "under torch.distributed every rank must call pipe.save(directory) (each holds only its own stages), "
+        "not only rank 0",
+    )
+    try:
+        mine = [_snapshot(plan, worker) for worker in runtime.workers]
+        local_error = None
+    except Exception as error:  # noqa: BLE001 - sent to rank 0 so that no rank waits for it
+        mine, local_error = f"{type(error).__name__}: {error}", error
+    parts = transport.gather_to_first(mine)
+    outcome = None
+    if parts is not None:  # rank 0
+        failed = [f"rank {r}: {p}" for r, p in enumerate(parts) if isinstance(p, str)]
+        if failed:
+            outcome = f"the checkpoint was not written: {'; '.join(failed)}"
+        else:
+            try:
+                _write(plan, runtime, target, (record for part in parts for record in part))
+            except Exception as error:  # noqa: BLE001 - told to the other ranks, then re-raised
+                local_error = local_error or error
+                outcome = f"rank 0 could not write {target} ({type(error).__name__}: {error})"
+    outcome = transport.from_first(outcome)  # the barrier: the rename is done (or failed)
+    if local_error is not None:
+        raise local_error
+    if outcome is not None:
+        raise PlanError(f"pipe.save({str(target)!r}) failed, {outcome}; any earlier checkpoint there is intact")
+
+
+def _snapshot(plan: Plan, worker: StageWorker) -> dict:
+    """One stage as the checkpoint holds it: its source, and its stage_<i>.pt already serialised
+    here (so a rank that cannot serialise its stage says so instead of failing mid-collective):
+    tensors and optimizer state on the CPU, host copies standing in for what a swapped stage
+    keeps off the device between steps."""
+    state = io.BytesIO()
+    torch.save({"attrs": _cpu_attrs(worker), "optimizer": worker.optimizer_state()}, state)
+    return {
+        "index": worker.stage.index,
+        "source": stage_source(worker.module, _stage_doc(plan, worker)),
+        "state": state.getvalue(),
+        "swapped": worker.swapped,
+    }
+
+
+def _write(plan: Plan, runtime: Runtime, target: Path, records) -> None:
+    """Write the plan and the stage records into a staging directory beside `target`, then rename."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        _put(staging / "plan.json", plan.to_json())
+        _put(staging / "programs.txt", "\n\n".join(str(p) for p in plan.programs) + "\n")
+        written, swapped = set(), set()
+        for record in records:
+            i = record["index"]
+            _put(staging / f"stage_{i}.py", record["source"])
+            _put(staging / f"stage_{i}.pt", record["state"])
+            written.add(i)
+            if record["swapped"]:
+                swapped.add(i)
+        missing = sorted({s.index for s in plan.stages} - written)
+        if missing:
+            raise PlanError(f"no rank held stages {missing}; the checkpoint would be incomplete")
+        settings = io.BytesIO()
+        torch.save(
+            {
+                "optimizer": runtime.optimizer_factory,
+                "clip_grad_norm": runtime.clip_grad_norm,
+                "swapped": frozenset(swapped),
+            },
+            settings,
+        )
+        _put(staging / "runtime.pt", settings.getvalue())
+        _sync_directory(staging)
+        _replace(staging, target)
+        _sync_directory(target.parent)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _stage_doc(plan: Plan, worker: StageWorker) -> str:
+    stage = worker.stage
+    layers = [plan.layers[j].name for j in stage.layers]
+    return (
+        f"Stage {stage.index} of {plan.model}, generated by stagewise.\n\n"
+        f"Layers: {', '.join(layers)}.\nInputs: {', '.join(stage.inputs)}.\n"
+        f"Outputs: {', '.join(stage.outputs)}.\n"
+    )
+
+
+def _cpu_attrs(worker: StageWorker) -> dict[str, object]:
+    """`_attrs` of the stage, copied so that every tensor is a CPU tensor holding its real value.
+
+    Tensors already on the CPU and in place are shared, not copied; the rest (device tensors,
+    parameters of a swapped stage, which are empty on the device and live in host memory) are
+    copied once each, so tied tensors stay one tensor.
+    """
+    module = worker.module
+    values = worker.state_tensors()  # host copies stand in for swapped-out parameters
+    memo: dict[int, object] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in memo:
+            continue
+        if param.device.type == "cpu" and param.numel() > 0:
+            memo[id(param)] = param
+        else:
+            memo[id(param)] = torch.nn.Parameter(values[name].detach().to("cpu", copy=True),
+                                                 requires_grad=param.requires_grad)
+    for tensor in [b for _, b in module.named_buffers(remove_duplicate=False)] + [
+        v for v in _attrs(module).values() if isinstance(v, torch.Tensor)
+    ]:
+        if id(tensor) not in memo:
+            memo[id(tensor)] = tensor if tensor.device.type == "cpu" else tensor.detach().to("cpu")
+    return copy.deepcopy(_attrs(module), memo)
+
+
+def _attrs(module: torch.nn.Module) -> dict[str, object]:
+    """The objects the stage code reaches by FQN: leaf submodules and top-level tensors."""
+    attrs = {}
+    graph = module.graph
+    for node in graph.nodes:
+        if node.op == "call_module":
+            attrs[node.target] = module.get_submodule(node.target)
+        elif node.op == "get_attr":
+            *path, leaf = node.target.split(".")
+            owner = module.get_submodule(".".join(path)) if path else module
+            attrs[node.target] = getattr(owner, leaf)
+    return attrs
+
+
+def _put(path: Path, data: str | bytes) -> None:
+    """Write a file and flush it to the disk, so the rename never publishes data still in flight."""
+    with open(path, "wb") as file:
+        file.write(data.encode() if isinstance(data, str) else data)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def _sync_directory(path: Path) -> None:
+    """Make a directory's entries (the files in it, a rename into it) durable, where the OS allows."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _replace(staging: Path, target: Path) -> None:
+    """Move the finished checkpoint into place; the old one is removed only after."""
+    if target.exists():
+        old = target.with_name(f".{target.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(target, old)
+        os.replace(staging, target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staging, target)

@@ -1,0 +1,200 @@
+"""Choosing the plan: build candidate plans on the analysed graph, let the planner simulate them
+and keep the fastest that fits, agree on it across ranks, and rebuild it at its own size."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from stagewise.compiler.analysis import Analysis
+from stagewise.compiler.costing import Costs
+from stagewise.compiler.options import CompileRequest
+from stagewise.ir.errors import PartitionError
+from stagewise.ir.plan import LayerCost
+from stagewise.passes.layout import choose_layout
+from stagewise.passes.partition import starts_from_split_points
+from stagewise.passes.planner import (
+    REPLICATING,
+    Assembled,
+    Candidate,
+    Prediction,
+    assemble,
+    candidates,
+    choose,
+    partition,
+    predict,
+    sim_cost,
+)
+from stagewise.passes.simulate import SimCost
+
+
+class Built(NamedTuple):
+    """One candidate built: the plan, its layers' costs and its microbatch size (unpacked so by
+    the planner's `choose`)."""
+
+    plan: Assembled
+    layer_costs: list[LayerCost]
+    microbatch_size: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Stage starts and each stage's device, decided elsewhere (the planner, or rank 0)."""
+
+    starts: tuple[int, ...]
+    stage_devices: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The plan compile keeps, built at its own microbatch size, and what the planner predicted."""
+
+    plan: Assembled
+    prediction: Prediction
+    considered: tuple[str, ...]  # every candidate tried, one line each (empty when none was searched)
+    sim_cost: SimCost  # the plan's per-stage costs, which `Pipeline.simulate` replays
+
+
+@dataclass
+class PlanBuilder:
+    """Builds candidate plans for one compile; candidates that partition alike share the partition
+    and the stages built from it."""
+
+    request: CompileRequest
+    analysis: Analysis
+    costs: Costs
+    partitions: dict[tuple, tuple[list[int], list[int]]] = field(default_factory=dict)
+    built: dict[tuple, tuple] = field(default_factory=dict)  # stages per partition, for `assemble`
+
+    def build(self, candidate: Candidate, placement: Placement | None = None, exact: bool = False) -> Built:
+        """`candidate` on the first graph (layers and per-sample bytes do not depend on the
+        microbatch size), or `exact`ly on the graph at its own size (what the runtime needs)."""
+        request, options = self.request, self.request.options
+        name, m = candidate.schedule, candidate.microbatches
+        graph = self.analysis.at(m) if exact else self.analysis.first
+        size = request.batch // m
+        layout = choose_layout(name, len(request.devices), candidate.replicas, graph.legal_cuts, graph.param_bytes,
+                               min((c for c in request.capacities if c), default=None), self.costs.state_ratio,
+                               candidate.stages)
+        layer_costs = self.costs.layers.at(size)
+        if placement is not None:
+            starts, stage_devices = list(placement.starts), list(placement.stage_devices)
+        elif options.split_points is not None:
+            starts = starts_from_split_points(graph.layers, graph.cuts, list(options.split_points))
+            if len(starts) != layout.positions:
+                raise PartitionError(
+                    f"split_points gives {len(starts)} stages but {len(request.devices)} devices with schedule {name!r} "
+                    f"need {layout.positions}; give {layout.positions - 1} split points, or stages={len(starts)}"
+                )
+            stage_devices = [layout.device_of(s, 0) for s in range(len(starts))]
+        else:
+            # the straight pipelines (gpipe, 1f1b, varuna) at one size share a partition
+            key = ("pipeline" if name in REPLICATING else name, size, layout.positions, layout.replicas)
+            if key not in self.partitions:
+                self.partitions[key] = partition(name, graph.layers, graph.cuts, layer_costs, layout, request.specs, size,
+                                                 self.costs.topology)
+            starts, stage_devices = self.partitions[key]
+        plan = assemble(graph.graph, graph.layers, graph.cuts, graph.microbatch_size, name, m, starts, stage_devices, layout,
+                        options.swap, request.capacities, options.clip_grad_norm is not None, self.costs.state_ratio,
+                        optimizer_on_host=options.optimizer_on_host,
+                        stash_bytes=[c.stash_bytes for c in layer_costs], built=self.built)
+        return Built(plan, layer_costs, size)
+
+
+def choose_plan(request: CompileRequest, analysis: Analysis, costs: Costs) -> Choice:
+    """The one plan asked for, or the fastest candidate that fits; the same on every rank, and
+    built at its own microbatch size."""
+    builder = PlanBuilder(request, analysis, costs)
+    options = request.options
+    if options.searched:
+        found, prediction, considered = _search(request, builder, analysis, costs)
+    else:
+        name = "gpipe" if options.schedule == "auto" else options.schedule
+        replicas = options.replicas if isinstance(options.replicas, int) else 1
+        depth = options.stages if isinstance(options.stages, int) else None
+        asked = Candidate(name, request.first_microbatches, replicas, depth)
+        built = builder.build(asked, exact=True)
+        prediction, _ = predict(built.plan, built.layer_costs, request.specs, built.microbatch_size, costs.topology,
+                                costs.runtime)
+        found, considered = built.plan, ()
+    chosen = _exactly(_agree_across_ranks(found, builder), builder, analysis)
+    size = request.batch // chosen.microbatches
+    cost = sim_cost(chosen, costs.layers.at(size), request.specs, size, costs.topology, costs.runtime)
+    return Choice(chosen, prediction, considered, cost)
+
+
+def _search(request: CompileRequest, builder: PlanBuilder, analysis: Analysis,
+            costs: Costs) -> tuple[Assembled, Prediction, tuple[str, ...]]:
+    """Simulate every candidate the options allow; the fastest that fits, its prediction, and a
+    line per candidate tried."""
+    options = request.options
+    options_to_try = candidates(options.schedule, options.microbatches, request.batch, len(request.devices),
+                             analysis.first.legal_cuts, _needs_swap(request, analysis, costs), options.replicas,
+                             options.stages, _stages_at_full_speed(request))
+    chosen, prediction, tried = choose(options_to_try, builder.build, request.specs, costs.topology, costs.runtime)
+    return chosen, prediction, tuple(_describe(option, result) for option, result in tried)
+
+
+def _stages_at_full_speed(request: CompileRequest) -> int | None:
+    """The deepest pipeline stages="auto" tries on in-process CPU devices: one stage per core that
+    computes at full speed. More compute threads than cores only time-slice, and a stage preempted
+    mid-compute holds up the whole pipeline, which processor sharing in the simulator does not
+    see (3 stages on this 2-core machine measured 5-18% slower than predicted, 2 stages 1-9%)."""
+    if request.distributed is not None or any(d.torch_device.type != "cpu" for d in request.devices):
+        return None
+    return max(1, int(request.cores_at_full_speed))
+
+
+def _needs_swap(request: CompileRequest, analysis: Analysis, costs: Costs) -> bool:
+    """Whether the devices' memory cannot hold the training state without swapping (with margin)."""
+    swap = request.options.swap
+    if swap in ("on", "all", "per-device"):
+        return True
+    if swap == "off" or all(c is None for c in request.capacities):
+        return False
+    state = costs.state_ratio * analysis.first.param_bytes
+    return state > sum(c for c in request.capacities if c) * 0.75
+
+
+def _describe(candidate: Candidate, result: Prediction | str) -> str:
+    what = candidate.describe()
+    if isinstance(result, str):
+        return f"{what} not possible: {result}"
+    fits = "fits" if result.fits else "does not fit"
+    return f"{what} {result.iteration_s * 1e3:9.2f} ms/iteration, {fits}"
+
+
+def _exactly(chosen: Assembled, builder: PlanBuilder, analysis: Analysis) -> Assembled:
+    """The chosen plan rebuilt on the graph at its own microbatch size (transfer shapes, the sizes in
+    export graphs' stage code); the same capture, evaluated at that size (no new trace, but where
+    the model could not keep its batch symbolic)."""
+    if chosen.microbatches == analysis.first_microbatches:
+        return chosen
+    if len(analysis.at(chosen.microbatches).layers) != len(analysis.first.layers):
+        return builder.build(_candidate_of(chosen), exact=True).plan  # the graph changed with the size: plan again
+    return builder.build(_candidate_of(chosen), _placement_of(chosen), exact=True).plan
+
+
+def _candidate_of(plan: Assembled) -> Candidate:
+    stages = plan.layout.positions if plan.schedule in REPLICATING else None
+    return Candidate(plan.schedule, plan.microbatches, plan.layout.replicas, stages)
+
+
+def _placement_of(plan: Assembled) -> Placement:
+    return Placement(tuple(plan.starts), tuple(plan.stage_devices))
+
+
+def _agree_across_ranks(chosen: Assembled, builder: PlanBuilder) -> Assembled:
+    """Under torch.distributed every rank must run the same plan: rank 0's choice wins (this rank's
+    measurements may have led elsewhere: then it builds rank 0's plan here)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return chosen
+    mine = (_candidate_of(chosen), _placement_of(chosen))
+    decision = [mine]
+    torch.distributed.broadcast_object_list(decision, src=0)
+    if decision[0] == mine:
+        return chosen
+    candidate, placement = decision[0]
+    return builder.build(candidate, placement, exact=True).plan

@@ -1,0 +1,42 @@
+"""What a plan's costs are made of beside each layer's `LayerCost`: the bytes of training state a
+device holds per parameter byte, and what the runtime itself adds on the machine it runs on.
+
+The training state of a parameter is its weights, its gradient (same dtype, same bytes) and the
+optimizer's state (SGD none, SGD with momentum one copy, Adam/AdamW two moments). Every pass that
+sizes training state from parameter bytes goes through the two functions here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+WEIGHT_AND_GRADIENT_BYTES = 2.0  # per parameter byte: the weights, and their gradients of the same size
+ADAMW_OPTIMIZER_BYTES = 2.0  # per parameter byte: AdamW's two moments (the default where no optimizer is known)
+
+
+def training_state_per_param_byte(optimizer_bytes: float) -> float:
+    """Training-state bytes per parameter byte: weights + gradients + `optimizer_bytes` of optimizer
+    state per parameter byte (0 when the optimizer steps on the host, where its state lives)."""
+    return WEIGHT_AND_GRADIENT_BYTES + optimizer_bytes
+
+
+def optimizer_state_per_param_byte(training_state: float) -> float:
+    """The optimizer's share of `training_state` bytes per parameter byte: the inverse of
+    `training_state_per_param_byte`."""
+    return training_state - WEIGHT_AND_GRADIENT_BYTES
+
+
+@dataclass(frozen=True)
+class RuntimeCosts:
+    """What executing a plan costs beyond its layers on this machine (measured by compile): the
+    runtime's seconds per instruction, how in-process CPU devices slow each other when they
+    compute at once, and each layer's share of the optimizer step."""
+
+    instruction_s: float = 0.0
+    concurrency: tuple[float, ...] = ()
+    update_s: tuple[float, ...] = ()  # per layer
+    wake_s: float = 0.0  # a CPU device's compute right after it waited
+    update_concurrency: tuple[float, ...] = ()  # as `concurrency`, for the optimizer step
+
+
+NO_RUNTIME_COSTS = RuntimeCosts()  # a runtime that adds nothing: the layers' costs alone

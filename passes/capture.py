@@ -1,0 +1,300 @@
+"""Capture model + loss as one flat torch.fx graph whose nodes know their module path.
+
+torch.fx symbolic tracing first (it keeps `call_module` leaves and reads like the model);
+torch.export in non-strict mode when fx cannot (Hugging Face models), whose nodes carry
+`nn_module_stack`. Either way the result is a GraphModule with one placeholder per model
+input (plus `target`), parameters as `get_attr` nodes keyed by the original FQNs, and a
+scalar loss as its only output.
+
+A model is captured once (`capture`), and the graph at any microbatch size comes from that one
+capture (`Capture.at`): the planner weighs several microbatch counts.
+
+- an fx graph is shape-agnostic (sizes are computed by the graph itself); at a size it is
+  copied and fake tensors are propagated through it (node.meta['val'], ['flops']), a torch.nn
+  leaf module repeated with the same configuration and input shapes run only once;
+- torch.export (`dynamic=True`) is asked for a graph whose batch dimension is one symbol
+  (`Dim.AUTO` on dim 0 of every input). At a size the graph is copied with the symbol bound:
+  every node's value is the export's own symbolic value evaluated there, FLOPs come from
+  torch.utils.flop_counter's formulas on those shapes, and the symbolic size nodes
+  (`sym_size` feeding `view`, `reshape`, `expand`, `arange`) are folded into the literal sizes
+  the generated stage code then holds, as in a graph exported at that size.
+
+A size the symbolic graph does not cover is exported again, statically, at that size: the
+model cannot keep its batch symbolic (export specialised it: `if x.shape[0] == 4`, a
+data-dependent shape), the example batch is 1, or the size fails the export's own range
+constraints and guards. Size 1 is special: export assumes a symbolic size is at least 2
+(0/1 specialisation) yet accepts 1 at run time; a model whose Python code branches on a
+batch of one would then differ from eager, so at size 1 the graph is used only after one
+forward of it gives eager's loss on the same inputs (else it is exported at size 1).
+
+The parts live beside this module: capture_tracers (the two tracers and the normalisation of
+their graphs), symbolic_sizes (binding, evaluating and folding the symbolic sizes),
+capture_annotate (node values and FLOPs by fake-tensor propagation, FLOPs of an ATen node).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.node import map_arg
+from torch.utils._pytree import tree_flatten
+
+from stagewise.ir.errors import ExampleInputsError, LossError, TraceError
+from stagewise.passes.capture_annotate import annotate, check_loss, op_flops
+from stagewise.passes.capture_tracers import Exported, normalise, trace_export, trace_fx
+from stagewise.passes.symbolic_sizes import SYMBOLIC, Evaluator, NotCovered, bind, fold
+
+# (Traced.tracer, the name failures are reported under, the tracer), tried in this order
+_TRACERS = (("fx", "torch.fx symbolic trace", trace_fx), ("export", "torch.export (non-strict)", trace_export))
+
+
+@dataclass
+class Traced:
+    graph_module: fx.GraphModule
+    tracer: str  # "fx" | "export"
+    input_names: list[str]
+    input_kind: str  # "positional" | "keyword"
+    target_name: str | None
+
+    @property
+    def graph_inputs(self) -> tuple[str, ...]:
+        """Placeholder node names (fx renames an input called `input` to `input_1`)."""
+        return tuple(n.name for n in self.graph_module.graph.nodes if n.op == "placeholder")
+
+
+class Objective(torch.nn.Module):
+    """The model's forward followed by its loss, sharing the model's own parameter dicts.
+
+    Sharing `_modules`, `_parameters` and `_buffers` (rather than holding the model as a
+    child) keeps every FQN and module path exactly as in the user's model. Its own attributes
+    carry a prefix no model uses (read them as they are, no properties): an attribute `model`
+    would shadow a submodule named `model` (Llama's, Mistral's, BART's), and torch.export finds
+    submodules by attribute.
+    """
+
+    def __init__(self, model: torch.nn.Module, loss_fn, keyword: bool):
+        super().__init__()
+        object.__setattr__(self, "_stagewise_model", model)
+        object.__setattr__(self, "_stagewise_loss_fn", loss_fn)
+        object.__setattr__(self, "_stagewise_keyword", keyword)
+        object.__setattr__(self, "_modules", model._modules)
+        object.__setattr__(self, "_parameters", model._parameters)
+        object.__setattr__(self, "_buffers", model._buffers)
+
+    def forward(self, inputs, target=None):
+        model = self._stagewise_model
+        out = model.forward(**inputs) if self._stagewise_keyword else model.forward(*inputs)
+        if self._stagewise_loss_fn is not None:
+            return self._stagewise_loss_fn(out, target)
+        if isinstance(out, torch.Tensor | fx.Proxy):
+            return out
+        loss = getattr(out, "loss", None)
+        if loss is None and isinstance(out, dict):
+            loss = out.get("loss")
+        if loss is None:
+            raise LossError(
+                f"the model returns {type(out).__name__}, not a loss: pass loss_fn=(output, target) -> loss "
+                "and example_target=, or make the model return a scalar loss (or an object with .loss)"
+            )
+        return loss
+
+
+def input_names(model: torch.nn.Module, example_inputs) -> tuple[list[str], str]:
+    """Names of the model inputs, and whether `step` takes them positionally or as keywords."""
+    if isinstance(example_inputs, dict):
+        if not all(isinstance(k, str) for k in example_inputs):
+            raise ExampleInputsError("example_inputs dict keys must be the model's argument names (strings)")
+        return list(example_inputs), "keyword"
+    if isinstance(example_inputs, tuple):
+        try:
+            params = list(inspect.signature(model.forward).parameters.values())
+        except (TypeError, ValueError):
+            params = []
+        names = [
+            p.name if i < len(params) and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) else f"input_{i}"
+            for i, p in zip(range(len(example_inputs)), params + [None] * len(example_inputs), strict=False)
+        ]
+        return names, "positional"
+    raise ExampleInputsError(
+        f"example_inputs must be a tuple of positional arguments or a dict of keyword arguments, "
+        f"got {type(example_inputs).__name__}; for one tensor write example_inputs=(x,)"
+    )
+
+
+def trace(model: torch.nn.Module, example_inputs, example_target, loss_fn) -> Traced:
+    """Trace `model` (+ `loss_fn`) on one microbatch of example inputs (one size: static export)."""
+    return capture(model, example_inputs, example_target, loss_fn).at(example_inputs, example_target)
+
+
+def capture(model: torch.nn.Module, example_inputs, example_target, loss_fn, *, dynamic: bool = False) -> Capture:
+    """Capture `model` (+ `loss_fn`) once, on example inputs; `Capture.at` gives the graph at any size.
+
+    `dynamic`: export with a symbolic batch dimension, so that every size comes from this one
+    export. Such an export costs about 2x a static one (symbolic shape arithmetic in every op),
+    so ask for it when more than one size will be needed; fx tracing is shape-agnostic anyway.
+    """
+    names, kind = input_names(model, example_inputs)
+    objective = Objective(model, loss_fn, kind == "keyword")
+    target_name = "target" if loss_fn is not None else None
+    if target_name in names:
+        target_name = "loss_target"
+    wanted = names + ([target_name] if target_name else [])
+    failures = []
+    with _buffers_kept(model):
+        for tracer_name, label, tracer in _TRACERS:
+            try:
+                gm, exported = tracer(objective, example_inputs, example_target, len(names), dynamic)
+            except LossError:
+                raise
+            except Exception as err:  # noqa: BLE001 - every tracer failure is reported together
+                failures.append(f"{label}: {type(err).__name__}: {_first_line(err)}")
+                continue
+            normalise(gm, wanted)
+            return Capture(objective, tracer_name, names, kind, target_name, gm, exported)
+    raise TraceError(
+        "could not capture the model as a graph.\n  "
+        + "\n  ".join(failures)
+        + "\nWhat to do: replace Python control flow that depends on tensor values (if x.sum() > 0:) "
+        "with tensor operations (torch.where) or torch.cond, so that one graph describes every step."
+    )
+
+
+class Capture:
+    """One capture of model + loss: a graph template, and the graph at any microbatch size.
+
+    The template is normalised (placeholders named after the model's arguments, readable node
+    names) but has no values of its own size: `at` copies it, so graphs at different sizes
+    share the model's parameters and nothing else.
+    """
+
+    def __init__(self, objective: Objective, tracer: str, names: list[str], kind: str, target_name: str | None,
+                 template: fx.GraphModule, exported: Exported | None):
+        self.objective, self.tracer, self.template, self.exported = objective, tracer, template, exported
+        self.input_names, self.input_kind, self.target_name = names, kind, target_name
+        self.exports = 1 if exported is not None else 0  # graphs exported so far
+        self.flop_memo: dict[str, int] = {}
+
+    def at(self, inputs, target) -> Traced:
+        """The graph at the microbatch size of `inputs` (and `target`), with node.meta['val'] and
+        ['flops'] at that size."""
+        with _buffers_kept(self.objective._stagewise_model):
+            gm = self._graph_at(inputs, target)
+        return Traced(gm, self.tracer, self.input_names, self.input_kind, self.target_name)
+
+    def _graph_at(self, inputs, target) -> fx.GraphModule:
+        if self.tracer == "fx":
+            gm = _copy(self.template)
+            annotate(gm, inputs, target)
+            check_loss(gm)
+            return gm
+        leaves = self._leaves(inputs, target)
+        try:
+            gm, verify = self._specialised(self.template, leaves, inputs, target)
+            if not verify or self._agrees_with_eager(gm, inputs, target, leaves):
+                return gm
+        except NotCovered:
+            pass
+        # The capture does not describe this size: export again, at this size.
+        template, _ = trace_export(self.objective, inputs, target, len(self.input_names), False)
+        self.exports += 1
+        normalise(template, self.input_names + ([self.target_name] if self.target_name else []))
+        return self._specialised(template, leaves, inputs, target)[0]
+
+    def _leaves(self, inputs, target) -> list:
+        """The flat graph inputs, in placeholder order (as torch.export flattens its arguments)."""
+        args = (inputs, target) if self.objective._stagewise_loss_fn is not None else (inputs,)
+        return tree_flatten(args)[0]
+
+    def _specialised(self, template: fx.GraphModule, leaves: list, inputs, target) -> tuple[fx.GraphModule, bool]:
+        """A copy of an exported template with its symbols bound by `leaves`' shapes: values, FLOPs
+        and literal sizes at that size; and whether the size needs the check against eager."""
+        ranges = self.exported.ranges if self.exported is not None else {}
+        guards = self.exported.guards if self.exported is not None and template is self.template else None
+        bindings, verify = bind(template, leaves, ranges, guards)
+        graph = _copy_graph(template)
+        symbolic = [n for n in graph.nodes if isinstance(n.meta.get("val"), SYMBOLIC)]
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        evaluate = Evaluator(bindings, mode)
+        try:
+            for node in graph.nodes:
+                if node.op == "output":
+                    node.meta["val"] = map_arg(node.args[0], lambda n: n.meta["val"])
+                else:
+                    node.meta["val"] = evaluate.value(node.meta.get("val"))
+            for node in graph.nodes:
+                node.meta["flops"] = op_flops(template, node, mode, self.flop_memo)
+        except Exception:  # noqa: BLE001 - what is not evaluated here (Unsupported) is propagated
+            annotate(_module(template, graph), inputs, target)
+        fold(graph, symbolic)
+        gm = _module(template, graph)
+        check_loss(gm)
+        return gm, verify
+
+    def _agrees_with_eager(self, gm: fx.GraphModule, inputs, target, leaves: list) -> bool:
+        """One forward of the graph and of the model on the same inputs give the same loss."""
+        args = (inputs, target) if self.objective._stagewise_loss_fn is not None else (inputs,)
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=[]), _buffers_kept(gm):
+                torch.manual_seed(0)
+                want = self.objective(*args)
+                torch.manual_seed(0)
+                got = gm(*leaves)
+        except Exception:  # noqa: BLE001 - cannot compare: export at this size instead
+            return False
+        return (isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor) and got.shape == want.shape
+                and bool(torch.allclose(got, want, rtol=1e-4, atol=1e-6)))
+
+
+def _copy_graph(template: fx.GraphModule) -> fx.Graph:
+    """The template's graph copied, node meta copied shallowly (values of one size are set on the copy)."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(template.graph, {}))
+    return graph
+
+
+def _copy(template: fx.GraphModule) -> fx.GraphModule:
+    return _module(template, _copy_graph(template))
+
+
+def _module(template: fx.GraphModule, graph: fx.Graph) -> fx.GraphModule:
+    """A GraphModule of `graph` holding the template's own parameters, buffers and submodules,
+    every name of them included (also those the graph does not use: tied weights' other names)."""
+    gm = fx.GraphModule(template, graph, class_name=type(template).__name__)
+    for name, tensor in [*template.named_parameters(remove_duplicate=False),
+                         *template.named_buffers(remove_duplicate=False)]:
+        *path, leaf = name.split(".")
+        owner, source = gm, template
+        for part in path:
+            source = getattr(source, part)
+            if not hasattr(owner, part):
+                owner.add_module(part, torch.nn.Module())
+            owner = getattr(owner, part)
+        if hasattr(owner, leaf):
+            continue
+        if isinstance(tensor, torch.nn.Parameter):
+            owner.register_parameter(leaf, tensor)
+        else:
+            owner.register_buffer(leaf, tensor, persistent=leaf not in source._non_persistent_buffers_set)
+    return gm
+
+
+@contextlib.contextmanager
+def _buffers_kept(module: torch.nn.Module):
+    """Tracing, fake propagation or a check run may update buffers in place (BatchNorm): undo it."""
+    buffers = {k: b.detach().clone() for k, b in module.named_buffers()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for k, b in module.named_buffers():
+                b.copy_(buffers[k])
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip().splitlines()
+    return text[0][:300] if text else ""

@@ -1,0 +1,120 @@
+"""The two tracers the capture tries in turn, and the normalisation their graphs share.
+
+torch.fx symbolic tracing first (it keeps `call_module` leaves and reads like the model);
+torch.export in non-strict mode when fx cannot (Hugging Face models), whose nodes carry
+`nn_module_stack`. Both take (objective, example inputs, example target, number of inputs,
+dynamic) and give a GraphModule, with what torch.export says about it for the second.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten, tree_map
+
+from stagewise.ir.errors import TraceError
+
+
+@dataclass
+class Exported:
+    """What torch.export says about the graph's inputs: their guards, the symbols' ranges, and
+    whether the batch stayed symbolic (Dim.AUTO leaves it static where the model pins it)."""
+
+    guards: Callable | None
+    ranges: dict
+    symbolic: bool
+
+
+def trace_fx(objective, example_inputs, example_target, n_inputs, dynamic=False) -> tuple[fx.GraphModule, None]:
+    """torch.fx symbolic trace: keeps torch.nn leaves as call_module nodes."""
+    structure = {k: fx.PH for k in example_inputs} if isinstance(example_inputs, dict) else (fx.PH,) * n_inputs
+    tracer = fx.Tracer()
+    graph = tracer.trace(objective, concrete_args={"inputs": structure})
+    graph._codegen = fx.graph.CodeGen()
+    return fx.GraphModule(tracer.root, graph, type(objective._stagewise_model).__name__), None
+
+
+def trace_export(objective, example_inputs, example_target, n_inputs, dynamic=False) -> tuple[fx.GraphModule, Exported]:
+    """torch.export (non-strict): ATen graph, module paths from nn_module_stack.
+
+    `dynamic`: dim 0 of every input is `Dim.AUTO`, a symbol unless the model pins it; an export
+    that fails that way is retried with static shapes."""
+    args = (example_inputs, example_target) if objective._stagewise_loss_fn is not None else (example_inputs,)
+    # The same tensor passed twice (input_ids as labels) would become one graph input.
+    args = tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, args)
+    batched = [v for v in tree_flatten(args)[0] if isinstance(v, torch.Tensor) and v.dim() > 0]
+    program = None
+    if dynamic and batched and batched[0].shape[0] > 1:  # a batch of 1 would be pinned to 1 anyway
+        shapes = tree_map(lambda v: {0: torch.export.Dim.AUTO} if isinstance(v, torch.Tensor) and v.dim() > 0 else None,
+                          args)
+        with contextlib.suppress(Exception), _no_stack_traces():
+            program = torch.export.export(objective, args, dynamic_shapes=shapes, strict=False)
+    if program is None:
+        with _no_stack_traces():
+            program = torch.export.export(objective, args, strict=False)
+    gm = program.module()
+    guards = getattr(gm, "_guards_fn", None)
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn":
+            gm.graph.erase_node(node)
+    symbolic = any(isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() > 0
+                   and isinstance(n.meta["val"].shape[0], torch.SymInt) and n.meta["val"].shape[0].node.expr.free_symbols
+                   for n in gm.graph.nodes if n.op == "placeholder")
+    return gm, Exported(guards, dict(program.range_constraints), bool(symbolic))
+
+
+@contextlib.contextmanager
+def _no_stack_traces():
+    """torch.export records a Python stack trace for every node (a fifth of its time); nothing
+    here reads them."""
+    before = torch.fx.config.do_not_emit_stack_traces
+    torch.fx.config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        torch.fx.config.do_not_emit_stack_traces = before
+
+
+def normalise(gm: fx.GraphModule, wanted: list[str]) -> None:
+    """Plain codegen, placeholders named after the model's arguments (`wanted`), readable node names."""
+    graph = gm.graph
+    graph._codegen = fx.graph.CodeGen()
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    # fx's pytree placeholders hold a default of PH; unused ones (target=None) are dropped.
+    for node in placeholders[len(wanted) :]:
+        if node.users:
+            raise TraceError(f"unexpected extra graph input {node.name}")
+        graph.erase_node(node)
+    for node, name in zip(placeholders, wanted, strict=False):
+        node.target = name
+        node.args = ()
+        node._rename(name)
+    (output,) = [n for n in graph.nodes if n.op == "output"]
+    flat, _ = tree_flatten(output.args[0])
+    output.args = (flat[0],)
+    for node in graph.nodes:
+        node.meta["module_path"] = module_path(node)
+        if node.op in ("call_function", "call_method"):
+            base = re.sub(r"_\d+$", "", node.name)
+            prefix = node.meta["module_path"].replace(".", "_")
+            node._rename(f"{prefix}_{base}" if prefix and not base.startswith(prefix) else base)
+    graph.eliminate_dead_code()
+    graph.lint()
+    gm.recompile()
+
+
+def module_path(node: fx.Node) -> str:
+    """The FQN of the innermost module whose forward made this node ('' for the root)."""
+    if node.op == "call_module":
+        return str(node.target)
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    # export prefixes paths of modules reached through the root as L['self'].x or similar
+    return re.sub(r"^L\['self'\]\.?", "", path)

@@ -1,0 +1,120 @@
+"""Layers timed in context (PipeDream §2.4.1): how much slower each runs among the others than alone.
+
+Layers run alone are faster than in a stage: a probe repeats one layer on the same inputs, so
+its weights and activations stay in cache. All layers are run back to back at the traced
+size, forwards in order and backwards in reverse, each timed: the ratio to its probe scales
+the layer's times.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from stagewise.ir.devices import Device
+from stagewise.ir.plan import Layer
+from stagewise.passes.profile_fit import LayerProfile
+from stagewise.passes.profile_layer import layer_module
+from stagewise.passes.profile_measure import real_inputs, timed
+from stagewise.passes.profile_shapes import Shapes
+
+CONTEXT_REPEATS = 9  # passes timed for the factors: with 3 a whole-graph factor spread 0.97-1.59 here, with 9 1.03-1.12
+CONTEXT_MIN_REPEATS = 3  # ... but past CONTEXT_BUDGET_S of passes, this many do (a large model's identical
+CONTEXT_BUDGET_S = 1.0  # layers, each timed once a pass, still give their shared factor many samples)
+CONTEXT_RANGE = (0.5, 2.0)  # an in-context / alone ratio outside this is a disturbed measurement
+
+
+def in_context_factors(gm: fx.GraphModule, layers: Sequence[Layer], profiles: Sequence[LayerProfile],
+                       shapes: Shapes, device: Device, repeats: int = CONTEXT_REPEATS) -> list[tuple[float, float]]:
+    """Per layer, how much slower its forward and its backward run back to back with the other
+    layers than on their own: (forward factor, backward factor).
+
+    A probe repeats one layer on the same inputs, so its weights and activations stay in cache;
+    in a stage each layer meets the previous one's output and its own weights cold. PipeDream
+    (dissertation §2.4.1) times layers inside whole training iterations for this reason. Here
+    every layer runs in model order at the traced size on its predecessors' real outputs, each
+    forward timed, then every backward in reverse order, each fed the gradients its consumers
+    produced (median of `repeats` passes after a warm-up; of at least CONTEXT_MIN_REPEATS once the
+    passes took CONTEXT_BUDGET_S). Identical layers share the median of their factors. Measured only where the model already lives on `device` (no copy of a model
+    that may not fit); (1, 1) elsewhere, on OOM, and for a factor outside CONTEXT_RANGE.
+    """
+    where = device.torch_device
+    neutral = [(1.0, 1.0)] * len(layers)
+    if any(t.device.type != where.type for t in (*gm.parameters(), *gm.buffers())):
+        return neutral
+    modules = [layer_module(gm, layer).to(where) for layer in layers]
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    inputs = dict(zip(placeholders, real_inputs([shapes.values[name] for name in placeholders], where), strict=True))
+    outputs = {n.name for n in gm.graph.output_node().all_input_nodes}
+    times = [([], []) for _ in layers]
+    cuda = [where.index or 0] if where.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=cuda):
+            _layers_back_to_back(layers, modules, inputs, outputs, where)  # warm-up
+            began = time.perf_counter()
+            for run in range(repeats):
+                if run >= CONTEXT_MIN_REPEATS and time.perf_counter() - began > CONTEXT_BUDGET_S:
+                    break
+                for (fwd, bwd), seconds in zip(times, _layers_back_to_back(layers, modules, inputs, outputs, where),
+                                               strict=True):
+                    fwd.append(seconds[0])
+                    bwd.append(seconds[1])
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return neutral
+    traced = shapes.u
+    ratios = [(_ratio(statistics.median(fwd), p.fwd_s(traced)), _ratio(statistics.median(bwd), p.bwd_s(traced)))
+              for (fwd, bwd), p in zip(times, profiles, strict=True)]
+    by_signature: dict[str, list[tuple[float, float]]] = {}
+    for p, ratio in zip(profiles, ratios, strict=True):
+        by_signature.setdefault(p.signature, []).append(ratio)
+    return [tuple(statistics.median(r[k] for r in by_signature[p.signature]) for k in (0, 1)) for p in profiles]
+
+
+def _ratio(in_context: float, alone: float) -> float:
+    factor = in_context / alone if alone > 0 else 1.0
+    return factor if CONTEXT_RANGE[0] <= factor <= CONTEXT_RANGE[1] else 1.0
+
+
+def _layers_back_to_back(layers: Sequence[Layer], modules: Sequence[fx.GraphModule], inputs: dict[str, Any],
+                         outputs: set[str], where: torch.device) -> list[tuple[float, float]]:
+    """One pass: each layer's forward in order, then each backward in reverse; (fwd s, bwd s) per layer.
+    A layer's floating inputs are leaves of their own, so its backward stops at its boundary and
+    their gradients are what its producers' backwards receive."""
+    values = dict(inputs)
+    leaves: list[list[tuple[str, torch.Tensor]]] = []
+    results: list[tuple] = []
+    forward_s = []
+    for layer, module in zip(layers, modules, strict=True):
+        args, mine = [], []
+        for name in layer.inputs:
+            value = values[name]
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.requires_grad:
+                value = value.detach().requires_grad_()
+                mine.append((name, value))
+            args.append(value)
+        seconds, result = timed(lambda module=module, args=args: module(*args), where)
+        forward_s.append(seconds)
+        values.update(zip(layer.outputs, result, strict=True))
+        leaves.append(mine)
+        results.append(result)
+    grads = {name: torch.ones_like(values[name]) for name in outputs
+             if isinstance(values.get(name), torch.Tensor) and values[name].requires_grad}
+    backward_s = [0.0] * len(layers)
+    for i in reversed(range(len(layers))):
+        roots = [(t, grads.pop(name)) for name, t in zip(layers[i].outputs, results[i], strict=True)
+                 if name in grads and isinstance(t, torch.Tensor) and t.requires_grad]
+        if roots:
+            tensors, seeds = zip(*roots, strict=True)
+            backward_s[i], _ = timed(functools.partial(torch.autograd.backward, list(tensors), list(seeds)), where)
+        for name, leaf in leaves[i]:
+            if leaf.grad is not None:
+                grads[name] = grads[name] + leaf.grad if name in grads else leaf.grad
+        modules[i].zero_grad(set_to_none=True)
+    return list(zip(forward_s, backward_s, strict=True))

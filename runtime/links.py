@@ -1,0 +1,76 @@
+"""What the ranks of a distributed plan talk over, derived alike on every rank from the plan: the
+device groups of its all-reduces, the directed links of its transfers, and the tag of each
+message."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from stagewise.ir.errors import PlanError
+from stagewise.ir.plan import Plan
+
+
+def reduction_groups(plan: Plan) -> list[tuple[int, ...]]:
+    """The distinct device groups of every all-reduce of every program, sorted (the creation order).
+
+    An all-reduce instruction lists member stages; the executor reduces over their devices
+    (sorted, each once), having summed the stages it holds itself. A group within one device
+    needs no process group.
+    """
+    device_of = {s.index: s.device for s in plan.stages}
+    groups = {tuple(sorted({device_of[s] for s in ins.group}))
+              for p in plan.programs for ins in p.instructions if ins.kind == "allreduce"}
+    return sorted(g for g in groups if len(g) > 1)
+
+
+def directed_links(plan: Plan) -> list[tuple[int, int]]:
+    """(sender, receiver) device pairs of every transfer and its gradient, sorted.
+
+    Each direction gets its own group: under NCCL a group's point-to-point ops run on one
+    stream in issue order, and a rank's send and receive threads would interleave differently
+    on the two ranks, which can deadlock; one direction has one issuing thread on each side.
+    """
+    device_of = {s.index: s.device for s in plan.stages}
+    links = set()
+    for t in plan.transfers:
+        src, dst = device_of[t.src], device_of[t.dst]
+        if src != dst:
+            links.add((src, dst))
+            if t.requires_grad:
+                links.add((dst, src))
+    return sorted(links)
+
+
+def misordered_links(plan: Plan) -> list[tuple[int, int]]:
+    """Directed links whose sender issues its messages in another order than the receiver expects.
+
+    Gloo matches a message to its receive by tag, so the order does not matter; NCCL ignores
+    tags and pairs a link's sends and receives in issue order, so there it must agree.
+    """
+    by_device = {p.device: p for p in plan.programs}
+    wrong = []
+    for src, dst in directed_links(plan):
+        sent = [(i.what, v, i.microbatch, i.stage, i.peer_stage) for i in by_device[src].instructions
+                if i.kind == "send" and i.peer == dst for v in i.values]
+        expected = [(i.what, v, i.microbatch, i.peer_stage, i.stage) for i in by_device[dst].instructions
+                    if i.kind == "recv" and i.peer == src for v in i.values]
+        if sent != expected:
+            wrong.append((src, dst))
+    return wrong
+
+
+def check_link_order(plan: Plan) -> None:
+    """A backend that pairs messages in issue order (NCCL) needs every link's orders to agree."""
+    wrong = misordered_links(plan)
+    if wrong:
+        raise PlanError(
+            f"devices {wrong} (sender, receiver) issue their messages in another order than the receiver "
+            f"expects, which {dist.get_backend()} cannot match (it ignores tags); use the gloo backend or "
+            "another schedule"
+        )
+
+
+def transfer_key(key: tuple) -> tuple[str, int, int]:
+    """(value, producer stage, consumer stage) of a message: a gradient flows against its transfer."""
+    what, value, _, src_stage, dst_stage = key
+    return (value, src_stage, dst_stage) if what == "act" else (value, dst_stage, src_stage)
