@@ -8,7 +8,9 @@ import torch
 import torch.fx as fx
 
 from stagewise.ir.errors import BatchSizeError, ExampleInputsError
-from stagewise.ir.plan import Plan, Program, SharedTensor
+from stagewise.ir.instructions import StashOut
+from stagewise.ir.plan import Plan, SharedTensor
+from stagewise.ir.program import Program
 from stagewise.runtime.distributed import DistributedTransport
 from stagewise.runtime.executor import DEFAULT_TIMEOUT_S, StreamExecutor
 from stagewise.runtime.launch import distributed_context
@@ -43,7 +45,7 @@ class Pipeline:
         received_with_grad = {(t.dst, t.value) for t in plan.transfers if t.requires_grad}
         last = max(s.position for s in plan.stages)
         stash_swaps = {(i.stage, i.microbatch) for p in plan.programs for i in p.instructions
-                       if i.kind == "swap_out" and i.what == "stash"}
+                       if isinstance(i, StashOut)}
         self.workers = [
             StageWorker(
                 stage,

@@ -15,12 +15,12 @@ import json
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 
 from stagewise.ir.errors import CapacityError, PeerError, PlanError
+from stagewise.ir.instructions import ALL_REDUCES, Recv, Send, message_keys
 from stagewise.ir.plan import Plan, Transfer
 from stagewise.runtime.pool import MemoryPool
 from stagewise.runtime.sync import Aborted, Sync
@@ -292,7 +292,7 @@ class DistributedTransport:
     def _check_same_plan(self) -> None:
         """Every rank compiled on its own: different plans would exchange garbage or hang, so compare
         what they execute (EXECUTED_FIELDS)."""
-        data = asdict(self.plan)
+        data = json.loads(self.plan.to_json())  # the programs in their printed form
         executed = json.dumps({name: data[name] for name in EXECUTED_FIELDS})
         digest = int.from_bytes(hashlib.sha256(executed.encode()).digest()[:7], "big")
         values = [torch.tensor([digest], dtype=torch.int64, device=self.pools[self.rank].device) for _ in range(2)]
@@ -316,7 +316,7 @@ def reduction_groups(plan: Plan) -> list[tuple[int, ...]]:
     """
     device_of = {s.index: s.device for s in plan.stages}
     groups = {tuple(sorted({device_of[s] for s in ins.group}))
-              for p in plan.programs for ins in p.instructions if ins.kind == "allreduce"}
+              for p in plan.programs for ins in p.instructions if isinstance(ins, ALL_REDUCES)}
     return sorted(g for g in groups if len(g) > 1)
 
 
@@ -347,10 +347,10 @@ def misordered_links(plan: Plan) -> list[tuple[int, int]]:
     by_device = {p.device: p for p in plan.programs}
     wrong = []
     for src, dst in directed_links(plan):
-        sent = [(i.what, v, i.microbatch, i.stage, i.peer_stage) for i in by_device[src].instructions
-                if i.kind == "send" and i.peer == dst for v in i.values]
-        expected = [(i.what, v, i.microbatch, i.peer_stage, i.stage) for i in by_device[dst].instructions
-                    if i.kind == "recv" and i.peer == src for v in i.values]
+        sent = [key for i in by_device[src].instructions if isinstance(i, Send) and i.peer == dst
+                for key in message_keys(i)]
+        expected = [key for i in by_device[dst].instructions if isinstance(i, Recv) and i.peer == src
+                    for key in message_keys(i)]
         if sent != expected:
             wrong.append((src, dst))
     return wrong

@@ -6,6 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import stagewise as sw
+from stagewise.ir.instructions import Stream
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.reference import ADAMW, SGD, check_equal_training, pipeline_train, token_batches
 
@@ -79,7 +80,7 @@ def test_model_larger_than_the_devices_gets_a_swapping_schedule():
     devices = [sw.Device("cpu", memory=state // 3) for _ in range(2)]
     pipe = sw.compile(model, devices, (x,), loss_fn=lm_loss, example_target=y, cost="analytic")
     assert pipe.plan.schedule in ("harmony-pp", "harmony-dp")
-    assert any(ins.kind == "swap_in" for p in pipe.programs for ins in p.instructions)
+    assert any(ins.stream is Stream.SWAP_IN for p in pipe.programs for ins in p.instructions)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "varuna"])
