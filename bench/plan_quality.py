@@ -87,6 +87,7 @@ from rich.console import Console
 from rich.table import Table
 
 import stagewise as sw
+from stagewise.ir.instructions import COMPUTES, HostUpdate
 from stagewise.passes.simulate import simulate
 from stagewise.runtime.executor import StreamExecutor
 
@@ -241,16 +242,17 @@ _LOCK = threading.Lock()
 
 def install_busy_timer() -> None:
     """Sum each device's compute-instruction seconds (a wrapper; the library is not changed)."""
-    original = StreamExecutor._execute
+    original = StreamExecutor.dispatch
 
-    def _execute(executor, device, ins, label):
+    def dispatch(executor, device, index, ins):
         start = time.perf_counter()
-        original(executor, device, ins, label)
-        if ins.kind == "compute":
+        result = original(executor, device, index, ins)
+        if isinstance(ins, (*COMPUTES, HostUpdate)):
             with _LOCK:
                 BUSY[device] += time.perf_counter() - start
+        return result
 
-    StreamExecutor._execute = _execute
+    StreamExecutor.dispatch = dispatch
 
 
 @dataclass

@@ -19,7 +19,7 @@ it (the sum of the stage's per-layer profiles), measured five ways:
 - stages together, no runtime: every device's stages in a loop in one thread per device at once,
   without the runtime: how much devices of one process slow each other (cores, GIL, memory);
 - in pipeline, alone / concurrent: every instruction of the timed steps is timed (a wrapper around
-  StreamExecutor._execute; the library is not changed), split by whether another device computed
+  StreamExecutor.dispatch; the library is not changed), split by whether another device computed
   during < 10% or > 90% of it; with the compute threads' CPU time (time.thread_time) and the share
   of wall time they waited (for a core or the GIL);
 - the optimizer update (U instructions), measured next to what the planner charges (compile times the
@@ -62,6 +62,7 @@ from rich.console import Console
 from rich.table import Table
 
 import stagewise as sw
+from stagewise.ir.instructions import COMPUTES, Forward, HostUpdate, Recompute, Update
 from stagewise.passes.simulate import simulate
 from stagewise.runtime.executor import StreamExecutor
 from stagewise.runtime.worker import StageWorker
@@ -78,7 +79,7 @@ class Recorder:
         self.spans: list[tuple] = []
         self.inputs: dict[int, dict[str, torch.Tensor]] = {}
         self.lock = threading.Lock()
-        self.original = StreamExecutor._execute
+        self.original = StreamExecutor.dispatch
         self.original_forward = StageWorker.forward
 
     def install(self) -> None:
@@ -93,21 +94,22 @@ class Recorder:
 
         StageWorker.forward = _forward
 
-        def _execute(executor, device, ins, label):
+        def dispatch(executor, device, index, ins):
             usage = resource.getrusage(resource.RUSAGE_THREAD)
             start, cpu = time.perf_counter(), time.thread_time()
-            original(executor, device, ins, label)
+            result = original(executor, device, index, ins)
             if recorder.on:
                 end, cpu = time.perf_counter(), time.thread_time() - cpu
                 after = resource.getrusage(resource.RUSAGE_THREAD)
                 kernel = (after.ru_stime - usage.ru_stime, after.ru_minflt - usage.ru_minflt)
                 with recorder.lock:
                     recorder.spans.append((device, ins, start, end, cpu, kernel))
+            return result
 
-        StreamExecutor._execute = _execute
+        StreamExecutor.dispatch = dispatch
 
     def uninstall(self) -> None:
-        StreamExecutor._execute = self.original
+        StreamExecutor.dispatch = self.original
         StageWorker.forward = self.original_forward
 
 
@@ -213,7 +215,7 @@ class Compute:
 
 def compute_ratios(pipe, steps: int) -> Compute:
     cost = pipe.sim_cost
-    spans = [span for span in RECORDER.spans if span[1].kind == "compute"]
+    spans = [span for span in RECORDER.spans if isinstance(span[1], (*COMPUTES, HostUpdate))]
     by_device = collections.defaultdict(list)
     for d, _, a, b, _, _ in spans:
         by_device[d].append((a, b))
@@ -221,7 +223,7 @@ def compute_ratios(pipe, steps: int) -> Compute:
     overlapped = update = kernel = faults_total = 0.0
     count = 0
     for d, ins, a, b, cpu, (sys_s, faults) in spans:
-        if ins.phase == "U":
+        if isinstance(ins, (Update, HostUpdate)):
             update += b - a
             continue
         others = sorted((x, y) for e, iv in by_device.items() if e != d for x, y in iv if y > a and x < b)
@@ -232,7 +234,7 @@ def compute_ratios(pipe, steps: int) -> Compute:
                 covered += y - x
                 reach = y
         share = covered / (b - a) if b > a else 0.0
-        profiled = cost.forward_s[ins.stage] if ins.phase in ("F", "R") else cost.backward_s[ins.stage]
+        profiled = cost.forward_s[ins.stage] if isinstance(ins, (Forward, Recompute)) else cost.backward_s[ins.stage]
         overlapped += covered
         sums["all"][0] += b - a
         sums["all"][1] += profiled

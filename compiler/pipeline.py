@@ -11,7 +11,8 @@ from stagewise.compiler.batches import split_batch
 from stagewise.compiler.checkpoint_write import save
 from stagewise.compiler.runtime_setup import Runtime
 from stagewise.ir.errors import BatchSizeError, ExampleInputsError
-from stagewise.ir.plan import Plan, Program, SharedTensor
+from stagewise.ir.plan import Plan, SharedTensor
+from stagewise.ir.program import Program
 from stagewise.passes.costs import plan_charges
 from stagewise.passes.simulate import SimCost, SimResult, simulate
 from stagewise.runtime.distributed import DistributedTransport

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from stagewise.ir.instructions import StashOut
 from stagewise.ir.plan import Plan
 from stagewise.runtime.distributed import DistributedTransport
 from stagewise.runtime.executor import DEFAULT_TIMEOUT_S, StreamExecutor
@@ -47,7 +48,7 @@ def start_runtime(plan: Plan, modules: Sequence[fx.GraphModule | None], optimize
     received_with_grad = {(t.dst, t.value) for t in plan.transfers if t.requires_grad}
     last = max(s.position for s in plan.stages)
     stash_swaps = {(i.stage, i.microbatch) for p in plan.programs for i in p.instructions
-                   if i.kind == "swap_out" and i.what == "stash"}
+                   if isinstance(i, StashOut)}
     workers = [
         StageWorker(
             stage,

@@ -10,7 +10,30 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from stagewise.ir.plan import Program
+from stagewise.ir.instructions import (
+    AllReduceGradNorm,
+    AllReduceShared,
+    Backward,
+    Carried,
+    Forward,
+    Free,
+    GradNormPart,
+    HostUpdate,
+    Recompute,
+    Recv,
+    Send,
+    StashIn,
+    StashOut,
+    Stream,
+    SwapIn,
+    SwapOut,
+    Update,
+)
+from stagewise.ir.program import Program
+
+# a forward never moves past one of these (Varuna: updates, all-reduces, swaps stay where they are)
+_BARRIERS = (AllReduceShared, AllReduceGradNorm, GradNormPart, SwapIn, SwapOut, Free, StashIn, StashOut, Update,
+             HostUpdate)
 
 
 class DeviationPoints:
@@ -23,33 +46,34 @@ class DeviationPoints:
 
     def __init__(self, program: Program):
         code = program.instructions
-        self.compute = [i for i, ins in enumerate(code) if ins.stream == "compute"]
+        self.compute = [i for i, ins in enumerate(code) if ins.stream is Stream.COMPUTE]
         messages: dict[tuple, list[int]] = defaultdict(list)
         for i, ins in enumerate(code):
-            if ins.kind in ("recv", "send"):
-                messages[(ins.kind, ins.what, ins.stage, ins.microbatch)].append(i)
-        phases = {i: code[i].phase for i in self.compute if code[i].kind == "compute"}
-        self.recomputes = "R" in phases.values()
-        self.backward = {i for i, p in phases.items() if p in ("R", "B")}
-        recomputed = {(code[i].stage, code[i].microbatch) for i, p in phases.items() if p == "R"}
+            if isinstance(ins, (Send, Recv)):
+                messages[(type(ins), ins.carries, ins.stage, ins.microbatch)].append(i)
+        work = {i: ins for i in self.compute if isinstance(ins := code[i], (Forward, Recompute, Backward))}
+        self.recomputes = any(isinstance(ins, Recompute) for ins in work.values())
+        self.backward = {i for i, ins in work.items() if isinstance(ins, (Recompute, Backward))}
+        recomputed = {(ins.stage, ins.microbatch) for ins in work.values() if isinstance(ins, Recompute)}
         self.grad_recvs: dict[int, tuple[int, ...]] = {}
         for i in self.backward:
-            grads = tuple(messages[("recv", "grad", code[i].stage, code[i].microbatch)])
-            if grads and (code[i].phase == "R" or (code[i].stage, code[i].microbatch) not in recomputed):
+            ins = work[i]
+            grads = tuple(messages[(Recv, Carried.GRADIENTS, ins.stage, ins.microbatch)])
+            if grads and (isinstance(ins, Recompute) or (ins.stage, ins.microbatch) not in recomputed):
                 self.grad_recvs[i] = grads
         self.heads = set(self.grad_recvs)
         self.act_recvs: dict[int, tuple[int, ...]] = {}
         self.act_sends: dict[int, tuple[int, ...]] = {}
-        for i, p in phases.items():
-            if p == "F":
-                key = (code[i].stage, code[i].microbatch)
-                self.act_recvs[i] = tuple(j for j in messages[("recv", "act", *key)] if j < i)
-                self.act_sends[i] = tuple(j for j in messages[("send", "act", *key)] if j > i)
+        for i, ins in work.items():
+            if isinstance(ins, Forward):
+                key = (Carried.ACTIVATIONS, ins.stage, ins.microbatch)
+                self.act_recvs[i] = tuple(j for j in messages[(Recv, *key)] if j < i)
+                self.act_sends[i] = tuple(j for j in messages[(Send, *key)] if j > i)
         self.adoptable = {j for i in self.act_recvs for j in self.act_recvs[i] + self.act_sends[i]}
         self.barriers, count = [], 0
         for ins in code:
             self.barriers.append(count)
-            count += ins.kind in ("allreduce", "swap_in", "swap_out", "free") or (ins.kind == "compute" and ins.phase == "U")
+            count += isinstance(ins, _BARRIERS)
 
     def candidate(self, pending: list[int]) -> int | None:
         """The forward that may run before `pending[0]`: the first later one, if the head may be

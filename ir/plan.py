@@ -7,13 +7,13 @@ Small frozen dataclasses with no torch objects inside, so a Plan round-trips thr
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from stagewise.ir.costs import RuntimeCosts
 from stagewise.ir.devices import DeviceSpec
+from stagewise.ir.instructions import Phase
+from stagewise.ir.program import Program, programs_from_text
 from stagewise.ir.topology import Level, Topology
-
-STREAMS = ("compute", "swap_in", "swap_out", "p2p_in", "p2p_out")
 
 
 @dataclass(frozen=True)
@@ -113,73 +113,14 @@ class Stage:
 
 @dataclass(frozen=True)
 class Task:
-    """One unit of schedule: forward (F), recompute (R) or backward (B) of a stage on a
-    microbatch, or its update (U). A forward with `recompute` keeps only its inputs; an R
-    task re-runs it with autograd just before the backward (Varuna §3.2)."""
+    """One unit of schedule: forward, recompute or backward of a stage on a microbatch, or its
+    update. A forward with `recompute` keeps only its inputs; a recompute task re-runs it with
+    autograd just before the backward (Varuna §3.2)."""
 
-    kind: str
+    phase: Phase
     stage: int
     microbatch: int | None = None
     recompute: bool = False
-
-
-@dataclass(frozen=True)
-class Instruction:
-    """One step of a device program, run on one of the device's five streams.
-
-    kind: "compute" (phase F, R, B or U; an F with what="no-stash" keeps only its inputs for a
-    later R), "send", "recv" (what: "act" or "grad"), "allreduce" (what: "shared-grad" or
-    "grad-norm"; `group` lists the member stages), "swap_in" / "swap_out" (what: "weights",
-    "grads" or "optimizer", between the device pool and host memory; or "stash": the activations
-    `microbatch`'s forward saved for its backward) and "free" (drop a device copy whose host
-    copy is current: unchanged weights need no write-back).
-    """
-
-    kind: str
-    stream: str
-    stage: int | None = None
-    phase: str | None = None
-    microbatch: int | None = None
-    what: str | None = None
-    peer: int | None = None
-    values: tuple[str, ...] = ()
-    group: tuple[int, ...] = ()
-    peer_stage: int | None = None
-    waits: tuple[int, ...] = ()  # events: indices of earlier instructions (other streams) it waits for
-    nbytes: int = 0  # planned bytes a swap moves (the runtime counts what it really moves)
-
-    def __str__(self) -> str:
-        parts = [f"{self.stream:<8}", self.kind]
-        if self.phase:
-            parts.append(self.phase)
-        if self.what:
-            parts.append(self.what)
-        if self.stage is not None:
-            parts.append(f"stage={self.stage}")
-        if self.microbatch is not None:
-            parts.append(f"mb={self.microbatch}")
-        if self.peer is not None:
-            parts.append(("-> " if self.kind == "send" else "<- ") + f"dev{self.peer}")
-        if self.group:
-            parts.append("stages=" + ",".join(map(str, self.group)))
-        if self.values:
-            parts.append("[" + ", ".join(self.values) + "]")
-        if self.waits:
-            parts.append("after " + ",".join(f"#{i}" for i in self.waits))
-        return " ".join(parts)
-
-
-@dataclass(frozen=True)
-class Program:
-    """The ordered instructions one device executes in one training iteration."""
-
-    device: int
-    instructions: tuple[Instruction, ...]
-
-    def __str__(self) -> str:
-        lines = [f"program dev{self.device} ({len(self.instructions)} instructions)"]
-        lines += [f"  {i:3d}  {ins}" for i, ins in enumerate(self.instructions)]
-        return "\n".join(lines)
 
 
 @dataclass(frozen=True)
@@ -212,11 +153,16 @@ class Plan:
     costs: PlanCosts | None = None  # what the predictions charged: a loaded plan predicts the same
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1)
+        """JSON of every field; the programs in their printed form (typed instructions read back)."""
+        data = asdict(replace(self, programs=()))
+        data["programs"] = "\n".join(str(p) for p in self.programs)
+        return json.dumps(data, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        return _build(cls, json.loads(text))
+        data = json.loads(text)
+        programs = programs_from_text(data.pop("programs", ""))
+        return replace(_build(cls, data), programs=programs)
 
     def __str__(self) -> str:
         from stagewise.ir.report import render_plan
@@ -296,7 +242,7 @@ class PlanCosts:
 _NESTED.update(
     {
         cls.__name__: cls
-        for cls in (Layer, CrossingValue, Cut, SharedTensor, Transfer, Stage, Instruction, Program, DeviceSpec,
-                    LayerCost, PlanCosts, Topology, Level, RuntimeCosts)
+        for cls in (Layer, CrossingValue, Cut, SharedTensor, Transfer, Stage, DeviceSpec, LayerCost, PlanCosts, Topology,
+                    Level, RuntimeCosts)
     }
 )

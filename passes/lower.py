@@ -29,10 +29,57 @@ compute stream runs the tasks before the backward.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import replace
+from dataclasses import dataclass, field
 
-from stagewise.ir.plan import Instruction, Program, SharedTensor, Stage, Task, Transfer
+from stagewise.ir.instructions import (
+    AllReduceGradNorm,
+    AllReduceShared,
+    Backward,
+    Carried,
+    Forward,
+    GradNormPart,
+    HostUpdate,
+    Instruction,
+    Phase,
+    Recompute,
+    Recv,
+    Send,
+    State,
+    Update,
+)
+from stagewise.ir.plan import SharedTensor, Stage, Task, Transfer
+from stagewise.ir.program import Program, validate
+from stagewise.passes.events import with_events
 from stagewise.passes.swap import Residency, SwapPlan
+
+
+@dataclass(frozen=True)
+class _Wiring:
+    """What every device's lowering reads: who sends what to whom, and the all-reduce groups."""
+
+    stages: tuple[Stage, ...]
+    transfers: tuple[Transfer, ...]
+    groups: dict[tuple[int, ...], list[str]]
+    clip: bool
+    swap: SwapPlan
+    on_host: bool
+    by_index: dict[int, Stage] = field(init=False)
+    device_of: dict[int, int] = field(init=False)
+    incoming: dict = field(init=False)
+    outgoing: dict = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "by_index", {s.index: s for s in self.stages})
+        object.__setattr__(self, "device_of", {s.index: s.device for s in self.stages})
+        object.__setattr__(self, "incoming", _group(self.transfers, key="dst", peer="src"))
+        object.__setattr__(self, "outgoing", _group(self.transfers, key="src", peer="dst"))
+
+    @property
+    def everyone(self) -> tuple[int, ...]:
+        return tuple(s.index for s in self.stages)
+
+    def jit(self, stage: int) -> bool:
+        return _jit(stage, self.groups, self.by_index, self.clip)
 
 
 def lower(
@@ -44,94 +91,109 @@ def lower(
     swap: SwapPlan | None = None,
     optimizer_on_host: bool = False,
 ) -> tuple[Program, ...]:
-    """`tasks[d]` is device d's task list; each task names its stage (several may share a device)."""
-    swap = swap or SwapPlan()
-    by_index = {s.index: s for s in stages}
-    device_of = {s.index: s.device for s in stages}
-    incoming = _group(transfers, key="dst", peer="src")
-    outgoing = _group(transfers, key="src", peer="dst")
-    groups = _groups(shared)
-    programs = []
-    for device, device_tasks in enumerate(tasks):
-        code: list[Instruction] = []
-        residency = Residency(swap, code)
-        emitted: set[tuple[int, ...]] = set()
-        deferred: list[int] = []
-        updated: set[int] = set()  # stages whose device weights an update changed
-        runs = _runs(device_tasks)
-        adjacent = _adjacent(device_tasks)
-        later = [t.stage for t in device_tasks if t.kind == "U" and not _jit(t.stage, groups, by_index, clip_grad_norm)]
-        staged = bool(later) and (optimizer_on_host or (clip_grad_norm and any(swap.swaps(s) for s in later)))
-        last_work = max((r for r, run in enumerate(runs) if any(t.kind != "U" for t in run)), default=-1)
-        for r, run in enumerate(runs):
-            for task in run:
-                s = task.stage
-                if task.kind == "U":
-                    if not _jit(s, groups, by_index, clip_grad_norm):
-                        deferred.append(s)
-                        continue
-                    code += _all_reduces([s], groups, emitted, residency)
-                    if optimizer_on_host:
-                        _host_update(s, residency, code, clip=False)
-                    else:
-                        _update(s, residency, code, write_back=swap.mode == "per-device")
-                        updated.add(s)
-                    continue
-                residency.need(s, "weights")
-                stashes = task.kind == "R" or (task.kind == "F" and not task.recompute)
-                waits = residency.stash_arrives(s, task.microbatch) if stashes else ()
-                if task.kind == "B":
-                    residency.need(s, "grads")
-                    residency.stash_in(s, task.microbatch)
-                compute = _emit_task(task, code, incoming, outgoing, transfers, device_of, waits)
-                if task.kind == "B":
-                    residency.stash_ends_at(s, task.microbatch, compute)
-                elif task.kind == "F" and stashes and swap.swaps_stash(s) and (s, task.microbatch) not in adjacent:
-                    residency.stash_out(s, task.microbatch)
-                if swap.mode == "per-device":
-                    residency.evict(s, "weights", write=True)
-                    if task.kind == "B":
-                        residency.evict(s, "grads", write=True)
-            if swap.mode == "harmony" and (r + 1 == len(runs) or runs[r + 1][0].stage != run[0].stage):
-                if not (staged and r >= last_work):  # the staged updates may start with the last run's state
-                    _end_of_run(run, residency, run[0].stage in updated)
-        if staged:
-            everyone = tuple(st.index for st in stages)
-            _staged_updates(deferred, residency, code, groups, emitted, clip_grad_norm, optimizer_on_host, everyone)
-        elif deferred:
-            for s in deferred:
-                residency.need(s, "grads")
-            code += _all_reduces(deferred, groups, emitted, residency)
-            if clip_grad_norm:
-                everyone = tuple(st.index for st in stages)
-                code.append(Instruction("allreduce", "compute", deferred[0], None, None, "grad-norm", None, (), everyone))
-            for s in deferred:
-                _update(s, residency, code, write_back=True)
-        programs.append(Program(device, tuple(code)))
-    return tuple(with_events(p) for p in programs)
+    """`tasks[d]` is device d's task list; each task names its stage (several may share a device).
+    The programs are validated (stagewise.ir.program.validate) before they are returned."""
+    wiring = _Wiring(stages, transfers, _groups(shared), clip_grad_norm, swap or SwapPlan(), optimizer_on_host)
+    programs = tuple(with_events(Program(device, tuple(_lower_device(device_tasks, wiring))))
+                     for device, device_tasks in enumerate(tasks))
+    validate(programs)
+    return programs
 
 
-def _emit_task(task: Task, code: list, incoming, outgoing, transfers, device_of, waits: tuple[int, ...] = ()) -> int:
+def _lower_device(device_tasks: list[Task], wiring: _Wiring) -> list[Instruction]:
+    """One device's instructions: its runs of tasks with their swaps, then the deferred updates."""
+    code: list[Instruction] = []
+    residency = Residency(wiring.swap, code)
+    emitted: set[tuple[int, ...]] = set()
+    deferred: list[int] = []
+    updated: set[int] = set()  # stages whose device weights an update changed
+    runs = _runs(device_tasks)
+    later = [t.stage for t in device_tasks if t.phase is Phase.UPDATE and not wiring.jit(t.stage)]
+    staged = bool(later) and (wiring.on_host or (wiring.clip and any(wiring.swap.swaps(s) for s in later)))
+    last_work = max((r for r, run in enumerate(runs) if any(t.phase is not Phase.UPDATE for t in run)), default=-1)
+    adjacent = _adjacent(device_tasks)
+    for r, run in enumerate(runs):
+        for task in run:
+            if task.phase is Phase.UPDATE:
+                _lower_update(task.stage, wiring, residency, code, emitted, deferred, updated)
+            else:
+                _lower_work(task, wiring, residency, code, adjacent)
+        if wiring.swap.mode == "harmony" and (r + 1 == len(runs) or runs[r + 1][0].stage != run[0].stage):
+            if not (staged and r >= last_work):  # the staged updates may start with the last run's state
+                _end_of_run(run, residency, run[0].stage in updated)
+    if staged:
+        _staged_updates(deferred, residency, code, wiring.groups, emitted, wiring.clip, wiring.on_host, wiring.everyone)
+    elif deferred:
+        _deferred_updates(deferred, wiring, residency, code, emitted)
+    return code
+
+
+def _lower_update(s: int, wiring: _Wiring, residency: Residency, code: list, emitted: set, deferred: list[int],
+                  updated: set[int]) -> None:
+    """An update right after the stage's last backward (jit), or deferred to the end of the program."""
+    if not wiring.jit(s):
+        deferred.append(s)
+        return
+    code += _all_reduces([s], wiring.groups, emitted, residency)
+    if wiring.on_host:
+        _host_update(s, residency, code, clip=False)
+    else:
+        _update(s, residency, code, write_back=wiring.swap.mode == "per-device")
+        updated.add(s)
+
+
+def _lower_work(task: Task, wiring: _Wiring, residency: Residency, code: list, adjacent: set) -> None:
+    """A forward, recompute or backward with the state it needs brought in and its stash moved."""
+    s, mb = task.stage, task.microbatch
+    residency.need(s, State.WEIGHTS)
+    stashes = task.phase is Phase.RECOMPUTE or (task.phase is Phase.FORWARD and not task.recompute)
+    waits = residency.stash_arrives(s, mb) if stashes else ()
+    if task.phase is Phase.BACKWARD:
+        residency.need(s, State.GRADS)
+        residency.stash_in(s, mb)
+    compute = _emit_task(task, code, wiring, waits)
+    if task.phase is Phase.BACKWARD:
+        residency.stash_ends_at(s, mb, compute)
+    elif task.phase is Phase.FORWARD and stashes and wiring.swap.swaps_stash(s) and (s, mb) not in adjacent:
+        residency.stash_out(s, mb)
+    if wiring.swap.mode == "per-device":
+        residency.evict(s, State.WEIGHTS, write=True)
+        if task.phase is Phase.BACKWARD:
+            residency.evict(s, State.GRADS, write=True)
+
+
+def _deferred_updates(deferred: list[int], wiring: _Wiring, residency: Residency, code: list, emitted: set) -> None:
+    """Updates after every backward: the shared all-reduces, the global norm, then each step."""
+    for s in deferred:
+        residency.need(s, State.GRADS)
+    code += _all_reduces(deferred, wiring.groups, emitted, residency)
+    if wiring.clip:
+        code.append(AllReduceGradNorm(deferred[0], wiring.everyone))
+    for s in deferred:
+        _update(s, residency, code, write_back=True)
+
+
+def _emit_task(task: Task, code: list, wiring: _Wiring, waits: tuple[int, ...] = ()) -> int:
     """A forward, recompute or backward with its receives before and its sends after; returns the
     compute's index (`waits`: events the compute waits for beyond its receives)."""
     s, mb = task.stage, task.microbatch
-    if task.kind == "F":
-        for src, values in incoming[s].items():
-            code.append(_p2p("recv", s, mb, "act", src, device_of[src], values))
-        code.append(Instruction("compute", "compute", s, "F", mb, "no-stash" if task.recompute else None, waits=waits))
+    assert mb is not None, task
+    incoming, outgoing = wiring.incoming[s], wiring.outgoing[s]
+    if task.phase is Phase.FORWARD:
+        code += [_p2p(Recv, s, mb, Carried.ACTIVATIONS, src, wiring, values) for src, values in incoming.items()]
+        code.append(Forward(s, mb, stash=not task.recompute, waits=waits))
         compute = len(code) - 1
-        for dst, values in outgoing[s].items():
-            code.append(_p2p("send", s, mb, "act", dst, device_of[dst], values))
-    elif task.kind == "R":
-        code.append(Instruction("compute", "compute", s, "R", mb, waits=waits))
+        code += [_p2p(Send, s, mb, Carried.ACTIVATIONS, dst, wiring, values) for dst, values in outgoing.items()]
+    elif task.phase is Phase.RECOMPUTE:
+        code.append(Recompute(s, mb, waits=waits))
         compute = len(code) - 1
-    elif task.kind == "B":
-        for dst, values in _with_grad(outgoing[s], transfers, s, "src").items():
-            code.append(_p2p("recv", s, mb, "grad", dst, device_of[dst], values))
-        code.append(Instruction("compute", "compute", s, "B", mb, waits=waits))
+    else:
+        grads_in = _with_grad(outgoing, wiring.transfers, s, "src")
+        code += [_p2p(Recv, s, mb, Carried.GRADIENTS, dst, wiring, values) for dst, values in grads_in.items()]
+        code.append(Backward(s, mb, waits=waits))
         compute = len(code) - 1
-        for src, values in _with_grad(incoming[s], transfers, s, "dst").items():
-            code.append(_p2p("send", s, mb, "grad", src, device_of[src], values))
+        grads_out = _with_grad(incoming, wiring.transfers, s, "dst")
+        code += [_p2p(Send, s, mb, Carried.GRADIENTS, src, wiring, values) for src, values in grads_out.items()]
     return compute
 
 
@@ -139,7 +201,8 @@ def _adjacent(tasks: list[Task]) -> set[tuple[int, int]]:
     """(stage, microbatch) whose backward is the device's next task after its forward: a stash that
     would come straight back from host memory stays on the device."""
     return {(t.stage, t.microbatch) for t, after in zip(tasks, tasks[1:], strict=False)
-            if t.kind == "F" and after.kind == "B" and (after.stage, after.microbatch) == (t.stage, t.microbatch)}
+            if t.phase is Phase.FORWARD and after.phase is Phase.BACKWARD
+            and (after.stage, after.microbatch) == (t.stage, t.microbatch)}
 
 
 def _runs(tasks: list[Task]) -> list[list[Task]]:
@@ -157,31 +220,31 @@ def _end_of_run(run: list[Task], residency: Residency, updated: bool) -> None:
     """Harmony: after a pack's run, write back what changed and free what did not (the weights
     changed only if the run updated them on the device: a deferred or host update leaves them)."""
     s = run[0].stage
-    if any(t.kind == "B" for t in run) and not any(t.kind == "U" for t in run):
-        residency.evict(s, "grads", write=True)  # the update comes later (deferred)
-    residency.evict(s, "weights", write=updated)
-    residency.evict(s, "optimizer", write=True)
+    if any(t.phase is Phase.BACKWARD for t in run) and not any(t.phase is Phase.UPDATE for t in run):
+        residency.evict(s, State.GRADS, write=True)  # the update comes later (deferred)
+    residency.evict(s, State.WEIGHTS, write=updated)
+    residency.evict(s, State.OPTIMIZER, write=True)
 
 
 def _update(stage: int, residency: Residency, code: list, write_back: bool, clip: bool = False) -> None:
     """The optimizer step on the device; with `clip` it scales the gradients by the clip coefficient
     first (their norm was counted ahead, part by part)."""
-    residency.need(stage, "weights")
-    residency.need(stage, "grads")
-    residency.need(stage, "optimizer")
-    code.append(Instruction("compute", "compute", stage, "U", what="clip" if clip else None))
-    residency.consumed(stage, "grads")
+    residency.need(stage, State.WEIGHTS)
+    residency.need(stage, State.GRADS)
+    residency.need(stage, State.OPTIMIZER)
+    code.append(Update(stage, clip=clip))
+    residency.consumed(stage, State.GRADS)
     if write_back:
-        residency.evict(stage, "weights", write=True)
-        residency.evict(stage, "optimizer", write=True)
+        residency.evict(stage, State.WEIGHTS, write=True)
+        residency.evict(stage, State.OPTIMIZER, write=True)
 
 
 def _host_update(stage: int, residency: Residency, code: list, clip: bool) -> None:
     """The optimizer step on the host: gradients out, the host steps its masters (on the swap-out
     stream, after the gradients' copy), the device copy of the weights refreshed or freed."""
     residency.grads_to_host(stage)
-    code.append(Instruction("compute", "swap_out", stage, "U", what="host-clip" if clip else "host"))
-    residency.consumed(stage, "grads")
+    code.append(HostUpdate(stage, clip=clip))
+    residency.consumed(stage, State.GRADS)
     residency.refresh(stage)
 
 
@@ -199,11 +262,11 @@ def _staged_updates(deferred: list[int], residency: Residency, code: list, group
 
     def settle(s: int, keep: bool = False) -> None:
         if clip:
-            code.append(Instruction("allreduce", "compute", s, what="grad-norm-part", group=(s,)))
+            code.append(GradNormPart(s))
         if on_host:
             residency.grads_to_host(s)
         elif not keep:
-            residency.evict(s, "weights", write=False)  # gradients written back, weights unchanged
+            residency.evict(s, State.WEIGHTS, write=False)  # gradients written back, weights unchanged
         settled.add(s)
 
     for group, names in sorted(groups.items()):
@@ -216,17 +279,17 @@ def _staged_updates(deferred: list[int], residency: Residency, code: list, group
             if all(g in emitted for g in groups if s in g):
                 settle(s)
             else:
-                residency.evict(s, "weights", write=False)  # until its other groups are summed
+                residency.evict(s, State.WEIGHTS, write=False)  # until its other groups are summed
     rest = [s for s in deferred if s not in settled]
     for s in rest:
         residency.keep_only([s])
         if clip and not on_host:
-            residency.need(s, "grads")  # the part is counted on the device
+            residency.need(s, State.GRADS)  # the part is counted on the device
         settle(s, keep=s == rest[-1])
     kept = rest[-1:] if not on_host else []
     residency.keep_only(kept)
     if clip:
-        code.append(Instruction("allreduce", "compute", deferred[0], None, None, "grad-norm", None, (), everyone))
+        code.append(AllReduceGradNorm(deferred[0], everyone))
     for s in kept + [s for s in deferred if s not in kept]:
         if on_host:
             _host_update(s, residency, code, clip)
@@ -257,72 +320,20 @@ def _jit(stage: int, groups, by_index: dict[int, Stage], clip_grad_norm: bool) -
 
 def _all_reduces(local: list[int], groups, emitted: set, residency: Residency) -> list[Instruction]:
     """One all-reduce per group touching `local` stages, once per device (summing its members)."""
-    code = []
+    code: list[Instruction] = []
     for group, names in sorted(groups.items()):
         if group in emitted or not set(local) & set(group):
             continue
         emitted.add(group)
         for s in local:
-            residency.need(s, "grads")
-        code.append(Instruction("allreduce", "compute", min(set(local) & set(group)), None, None, "shared-grad", None,
-                                tuple(names), group))
+            residency.need(s, State.GRADS)
+        code.append(AllReduceShared(min(set(local) & set(group)), group, tuple(names)))
     return code
 
 
-def _p2p(kind: str, stage: int, microbatch: int, what: str, peer_stage: int, peer: int, values) -> Instruction:
-    stream = "p2p_in" if kind == "recv" else "p2p_out"
-    return Instruction(kind, stream, stage, None, microbatch, what, peer, values, peer_stage=peer_stage)
-
-
-def with_events(program: Program) -> Program:
-    """State each instruction's intra-device dependencies as events (indices it waits for).
-
-    A forward waits for its activations' receives, a backward for its forward and its
-    gradients' receives (and its stash's swap-in), a send for the compute that made what it
-    sends, a stash's swap-out for its forward and sends, its swap-in for that swap-out;
-    all-reduces and the update wait for everything before them but stash swaps. Only waits
-    across streams are listed: a stream runs its own instructions in order.
-    """
-    code = program.instructions
-    events = []
-    for i, ins in enumerate(code):
-        derived = [j for j in range(i) if code[j].stream != ins.stream and _waits_for(ins, code[j])]
-        explicit = [j for j in ins.waits if code[j].stream != ins.stream]
-        events.append(replace(ins, waits=_latest_per_stream(tuple(derived + explicit), code)))
-    return replace(program, instructions=tuple(events))
-
-
-def _waits_for(ins: Instruction, prev: Instruction) -> bool:
-    same = prev.stage == ins.stage and prev.microbatch == ins.microbatch
-    if ins.kind in ("swap_in", "swap_out") and ins.what == "stash":
-        if ins.kind == "swap_out":  # after the forward that stashed it and the sends that read its outputs
-            return same and ((prev.kind == "compute" and prev.phase in ("F", "R"))
-                             or (prev.kind == "send" and prev.what == "act"))
-        return same and prev.kind == "swap_out" and prev.what == "stash"  # back only once it is out
-    if prev.kind in ("swap_in", "swap_out") and prev.what == "stash":  # (the residency bound is explicit)
-        return prev.kind == "swap_in" and ins.kind == "compute" and ins.phase == "B" and same
-    if prev.kind == "swap_in" and ins.kind in ("compute", "allreduce"):
-        return prev.stage == ins.stage or ins.kind == "allreduce"  # state must be on the device
-    if ins.kind in ("swap_out", "free"):  # evict after the work that used or changed it
-        return prev.stream == "compute" or (prev.kind == "swap_in" and prev.stage == ins.stage)
-    if ins.kind == "swap_in":  # after this stage's earlier evictions (and the buffering-depth event)
-        updated_on_host = prev.kind == "compute" and prev.phase == "U"  # the master it copies in
-        return (prev.kind in ("swap_out", "free") or updated_on_host) and prev.stage == ins.stage
-    if ins.kind == "compute" and ins.phase in ("F", "B"):  # R re-runs F on inputs it already has
-        received = {"F": "act", "B": "grad"}[ins.phase]
-        return same and prev.kind == "recv" and prev.what == received
-    if ins.kind == "send":
-        produced = {"act": "F", "grad": "B"}[ins.what]
-        return same and prev.kind == "compute" and prev.phase == produced
-    return ins.kind in ("allreduce", "compute")
-
-
-def _latest_per_stream(waits: tuple[int, ...], code) -> tuple[int, ...]:
-    """Waiting for the last awaited instruction of a stream implies the earlier ones (FIFO)."""
-    latest: dict[str, int] = {}
-    for j in waits:
-        latest[code[j].stream] = max(j, latest.get(code[j].stream, -1))
-    return tuple(sorted(latest.values()))
+def _p2p(kind: type[Send] | type[Recv], stage: int, microbatch: int, carries: Carried, peer_stage: int,
+         wiring: _Wiring, values: tuple[str, ...]) -> Send | Recv:
+    return kind(stage, microbatch, carries, wiring.device_of[peer_stage], peer_stage, values)
 
 
 def _group(transfers, key: str, peer: str) -> dict[int, dict[int, tuple[str, ...]]]:

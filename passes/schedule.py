@@ -24,6 +24,7 @@ lane-local microbatches; `schedule_tasks` maps lanes onto stage instances and de
 from __future__ import annotations
 
 from stagewise.ir.errors import PlanError
+from stagewise.ir.instructions import Phase
 from stagewise.ir.plan import Task
 
 SCHEDULES = ("auto", "gpipe", "1f1b", "interleaved", "varuna", "harmony-pp", "harmony-dp")
@@ -32,9 +33,9 @@ SCHEDULES = ("auto", "gpipe", "1f1b", "interleaved", "varuna", "harmony-pp", "ha
 def gpipe(n_stages: int, microbatches: int) -> list[list[Task]]:
     """All forwards, then all backwards in reverse order, then the update (GPipe; §4.2.2 Fig. 4.3)."""
     return [
-        [Task("F", s, mb) for mb in range(microbatches)]
-        + [Task("B", s, mb) for mb in reversed(range(microbatches))]
-        + [Task("U", s)]
+        [Task(Phase.FORWARD, s, mb) for mb in range(microbatches)]
+        + [Task(Phase.BACKWARD, s, mb) for mb in reversed(range(microbatches))]
+        + [Task(Phase.UPDATE, s)]
         for s in range(n_stages)
     ]
 
@@ -48,11 +49,11 @@ def one_f_one_b(n_stages: int, microbatches: int) -> list[list[Task]]:
     tasks = []
     for s in range(n_stages):
         warmup = min(n_stages - s - 1, microbatches)
-        order = [Task("F", s, mb) for mb in range(warmup)]
+        order = [Task(Phase.FORWARD, s, mb) for mb in range(warmup)]
         for i in range(microbatches - warmup):
-            order += [Task("F", s, warmup + i), Task("B", s, i)]
-        order += [Task("B", s, mb) for mb in range(microbatches - warmup, microbatches)]
-        tasks.append(order + [Task("U", s)])
+            order += [Task(Phase.FORWARD, s, warmup + i), Task(Phase.BACKWARD, s, i)]
+        order += [Task(Phase.BACKWARD, s, mb) for mb in range(microbatches - warmup, microbatches)]
+        tasks.append(order + [Task(Phase.UPDATE, s)])
     return tasks
 
 
@@ -70,11 +71,11 @@ def interleaved(n_devices: int, chunks: int, microbatches: int) -> list[list[Tas
 
     def forward(d: int, k: int) -> Task:
         chunk = (k // p) % v
-        return Task("F", chunk * p + d, (k // (p * v)) * p + k % p)
+        return Task(Phase.FORWARD, chunk * p + d, (k // (p * v)) * p + k % p)
 
     def backward(d: int, k: int) -> Task:
         chunk = v - 1 - (k // p) % v
-        return Task("B", chunk * p + d, (k // (p * v)) * p + k % p)
+        return Task(Phase.BACKWARD, chunk * p + d, (k // (p * v)) * p + k % p)
 
     tasks = []
     for d in range(p):
@@ -83,7 +84,7 @@ def interleaved(n_devices: int, chunks: int, microbatches: int) -> list[list[Tas
         for k in range(total - warmup):
             order += [forward(d, warmup + k), backward(d, k)]
         order += [backward(d, k) for k in range(total - warmup, total)]
-        tasks.append(order + [Task("U", chunk * p + d) for chunk in range(v)])
+        tasks.append(order + [Task(Phase.UPDATE, chunk * p + d) for chunk in range(v)])
     return tasks
 
 
@@ -119,8 +120,8 @@ def varuna(n_stages: int, microbatches: int) -> list[list[Task]]:
         end[kind][k][j] = free[k]
         next_f[k] += kind == "F"
         next_b[k] += kind == "B"
-        order[k].append(Task(kind, k, j, recompute=kind == "F" and k < p - 1))
-    return [tasks + [Task("U", k)] for k, tasks in enumerate(order)]
+        order[k].append(Task(Phase(kind), k, j, recompute=kind == "F" and k < p - 1))
+    return [tasks + [Task(Phase.UPDATE, k)] for k, tasks in enumerate(order)]
 
 
 def _varuna_ready(k: int, p: int, m: int, next_f: list[int], next_b: list[int], end) -> list[tuple[float, str, int]]:
@@ -155,11 +156,11 @@ def harmony_pp(n_packs: int, n_devices: int, microbatches: int, jit_update: bool
     tasks = []
     for d in range(n_devices):
         packs = list(range(d, n_packs, n_devices))
-        order = [Task("F", k, mb) for k in packs for mb in range(microbatches)]
+        order = [Task(Phase.FORWARD, k, mb) for k in packs for mb in range(microbatches)]
         for k in reversed(packs):
-            order += [Task("B", k, mb) for mb in reversed(range(microbatches))]
-            order += [Task("U", k)] if jit_update else []
-        tasks.append(order + ([] if jit_update else [Task("U", k) for k in packs]))
+            order += [Task(Phase.BACKWARD, k, mb) for mb in reversed(range(microbatches))]
+            order += [Task(Phase.UPDATE, k)] if jit_update else []
+        tasks.append(order + ([] if jit_update else [Task(Phase.UPDATE, k) for k in packs]))
     return tasks
 
 
@@ -205,5 +206,5 @@ def instance_tasks(name: str, stages, microbatches: int, n_devices: int, jit_upd
             for task in tasks:
                 instance = by_position[task.stage]
                 mb = None if task.microbatch is None else local[task.microbatch]
-                per_device[instance.device].append(Task(task.kind, instance.index, mb, task.recompute))
+                per_device[instance.device].append(Task(task.phase, instance.index, mb, task.recompute))
     return per_device

@@ -30,15 +30,7 @@ Rules, one per instruction kind:
   slow each other down the way concurrent transfers share a link: with k of them computing at
   once each computes at `concurrency[k - 1]` of its speed alone (measured), recomputed
   whenever a compute starts or ends.
-- Varuna's opportunistic policy (§3.2), as the runtime applies it to programs that recompute:
-  when a device's next compute is a recompute R(m), or a backward B(m) no recompute precedes,
-  whose gradient has not arrived, and the first later forward F(k) is ready (its activations
-  arrived, its other dependencies done; no update, all-reduce or swap between the two), F(k)
-  starts first; its receives complete at once and its sends start as it ends, outside
-  p2p_out's order. The simulator has no memory capacity, so the runtime's headroom check (one
-  more stash must fit in the pool) has no counterpart here. `simulate(..., opportunistic=False)`
-  predicts the static order.
-
+- Varuna's opportunistic policy (§3.2), as the runtime applies it: passes/sim_varuna.py.
 Memory per device is the static state of its stages plus the activations each stage stashes
 from the start of a forward to the end of its backward (less while a stash is swapped out), and
 the transfer buffers its receives fill, held until that stage's backward of the microbatch; the peak over the timeline is what
@@ -48,164 +40,45 @@ GPipe (m stashed microbatches) and 1F1B (at most p) differ in (Narayanan §4.2.2
 from __future__ import annotations
 
 import heapq
-import json
 import math
-import struct
-import zlib
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from pathlib import Path
-
-import numpy as np
+from dataclasses import dataclass
 
 from stagewise.ir.deviations import DeviationPoints
 from stagewise.ir.errors import PlanError
-from stagewise.ir.plan import STREAMS, Instruction, Program, Transfer
+from stagewise.ir.instructions import (
+    ALL_REDUCES,
+    COMPUTES,
+    AllReduceGradNorm,
+    AllReduceShared,
+    Backward,
+    Forward,
+    Free,
+    GradNormPart,
+    HostUpdate,
+    Recompute,
+    Recv,
+    Send,
+    StashIn,
+    StashOut,
+    State,
+    Stream,
+    SwapIn,
+    SwapOut,
+    Update,
+    message_keys,
+)
+from stagewise.ir.interpreter import Interpreter, stashes
+from stagewise.ir.program import Program
+from stagewise.passes.sim_cost import SimCost, _at, transfer_bytes
+from stagewise.passes.sim_result import SimResult, Span, occupancy, span_order
+from stagewise.passes.sim_varuna import VarunaDeviation
+
+__all__ = ["SimCost", "SimResult", "Span", "simulate", "transfer_bytes"]
 
 _EPS = 1e-12
 WAKE_IDLE_S = 1e-3  # a compute stream idle this long pays SimCost.wake_s at its next compute
-
-
-# ---- inputs ------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class SimCost:
-    """Seconds and bytes the simulator charges; profiled or analytic numbers, per stage and value.
-
-    Per stage s: `forward_s[s]` / `backward_s[s]` seconds for one microbatch, `update_s[s]`
-    seconds for the optimizer step, `stash_bytes[s]` held from a microbatch's F to its B, and
-    `state_bytes[s]` (parameters, gradients, optimizer state) held all the time. Missing
-    entries cost nothing. `value_bytes` gives each transferred value's bytes per microbatch
-    (its gradient has the same size); `tensor_bytes` each all-reduced shared gradient.
-    A link from device a to b has `links[(a, b)]` bytes/s, else `bandwidth`; with
-    `duplex=False` both directions share one link. `instruction_s`, `concurrency` and
-    `shared_devices`: the runtime's per-instruction cost and host contention (module docstring).
-    """
-
-    forward_s: tuple[float, ...]
-    backward_s: tuple[float, ...]
-    update_s: tuple[float, ...] = ()
-    stash_bytes: tuple[float, ...] = ()
-    state_bytes: tuple[float, ...] = ()
-    value_bytes: dict[str, float] = field(default_factory=dict)
-    tensor_bytes: dict[str, float] = field(default_factory=dict)
-    bandwidth: float = math.inf
-    links: dict[tuple[int, int], float] = field(default_factory=dict)
-    latency_s: float = 0.0
-    duplex: bool = True
-    host_bandwidth: float = math.inf  # bytes/s between a device and host memory (swaps)
-    instruction_s: float = 0.0  # the runtime's own seconds per instruction
-    concurrency: tuple[float, ...] = ()  # speed of each of k computes of `shared_devices` at once
-    shared_devices: frozenset[int] = frozenset()  # devices whose compute shares the host
-    wake_s: float = 0.0  # added to a shared device's compute after its compute stream sat idle
-    update_concurrency: tuple[float, ...] = ()  # as `concurrency`, for updates (U); else `concurrency`
-
-    @classmethod
-    def uniform(cls, n_stages: int, forward_s: float, backward_s: float, **kwargs) -> SimCost:
-        """Equal stages: the setting in which the bubble formulas of §4.2.2 hold exactly."""
-        return cls((forward_s,) * n_stages, (backward_s,) * n_stages, **kwargs)
-
-    def compute_s(self, ins: Instruction) -> float:
-        table = {"F": self.forward_s, "R": self.forward_s, "B": self.backward_s, "U": self.update_s}[ins.phase]
-        return _at(table, ins.stage)
-
-    def speed_with(self, computing: int, update: bool = False) -> float:
-        """Each shared-host compute's speed (an update's, with `update`) while `computing` of them run
-        (beyond the measured counts, the last measured throughput split further)."""
-        curve = self.update_concurrency if update and self.update_concurrency else self.concurrency
-        known = len(curve)
-        if computing <= 1 or not known:
-            return 1.0
-        if computing <= known:
-            return curve[computing - 1]
-        return curve[-1] * known / computing
-
-    def link(self, src: int, dst: int) -> tuple[int, int]:
-        """The key of the link a transfer from src to dst occupies."""
-        return (src, dst) if self.duplex else (min(src, dst), max(src, dst))
-
-    def link_bandwidth(self, src: int, dst: int) -> float:
-        if (src, dst) in self.links or self.duplex:
-            return self.links.get((src, dst), self.bandwidth)
-        return self.links.get((dst, src), self.bandwidth)
-
-    def __post_init__(self) -> None:
-        if self.bandwidth <= 0 or any(b <= 0 for b in self.links.values()):
-            raise PlanError("link bandwidths must be positive bytes/s (math.inf for free transfers)")
-
-    def bytes_of(self, ins: Instruction) -> float:
-        if ins.kind == "allreduce":
-            return 8.0 if ins.what == "grad-norm" else sum(self.tensor_bytes.get(v, 0.0) for v in ins.values)
-        return sum(self.value_bytes.get(v, 0.0) for v in ins.values)
-
-    def allreduce_s(self, ins: Instruction) -> float:
-        """Ring all-reduce: every member sends and receives 2 (n - 1) / n of the bytes."""
-        n = len(ins.group)
-        if n < 2:
-            return 0.0
-        ring = [
-            self.link_bandwidth(a, b) for a, b in zip(ins.group, ins.group[1:] + ins.group[:1], strict=True)
-        ]
-        return 2 * (n - 1) / n * self.bytes_of(ins) / min(ring) + 2 * (n - 1) * self.latency_s
-
-
-def transfer_bytes(transfers: Iterable[Transfer], microbatch_size: int) -> dict[str, float]:
-    """`SimCost.value_bytes` from the plan's transfers: bytes per sample times the microbatch size."""
-    return {t.value: t.bytes_per_sample * microbatch_size for t in transfers}
-
-
-def _at(table: tuple[float, ...], stage: int | None) -> float:
-    return table[stage] if stage is not None and stage < len(table) else 0.0
-
-
-# ---- outputs -----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Span:
-    """One executed instruction: where it ran and when."""
-
-    device: int
-    stream: str
-    index: int
-    instruction: Instruction
-    start: float
-    end: float
-
-
-@dataclass(frozen=True)
-class SimResult:
-    """The predicted iteration: its time, per-device busy/idle time, memory, bytes and timeline.
-
-    `busy[d]` is the time device d's compute stream spends in compute instructions (F, B, U);
-    `idle[d]` the rest of the iteration. `memory[d]` is the occupancy as (time, bytes) steps.
-    """
-
-    iteration_time: float
-    busy: dict[int, float]
-    idle: dict[int, float]
-    peak_bytes: dict[int, float]
-    p2p_bytes: dict[int, float]
-    swap_in_bytes: dict[int, float]
-    swap_out_bytes: dict[int, float]
-    timeline: tuple[Span, ...]
-    memory: dict[int, tuple[tuple[float, float], ...]]
-
-    @property
-    def bubble_fraction(self) -> float:
-        """Bubble time over ideal time, t_pb / t_id (§4.2.2), with t_id the busiest device's compute."""
-        ideal = max(self.busy.values())
-        return (self.iteration_time - ideal) / ideal if ideal > 0 else 0.0
-
-    def idle_fraction(self, device: int) -> float:
-        """Device `device`'s idle time over its busy time: (p - 1)/m for GPipe and 1F1B on equal stages."""
-        return self.idle[device] / self.busy[device] if self.busy[device] > 0 else math.inf
-
-    def to_chrome_trace(self, path: str | Path) -> None:
-        """Chrome trace JSON (loads in Perfetto / chrome://tracing): pid = device, tid = stream."""
-        Path(path).write_text(json.dumps(chrome_trace(self)))
-
-    def to_png(self, path: str | Path, width: int = 1200, row_height: int = 12) -> None:
-        """A Gantt chart, one row per device stream, drawn without a plotting library."""
-        write_png(path, gantt(self, width, row_height))
 
 
 # ---- the simulation ----------------------------------------------------------------------------
@@ -222,7 +95,7 @@ def simulate(programs: Iterable[Program], cost: SimCost, opportunistic: bool | N
 class _Flow:
     """A transfer in flight: the bytes still to move on its link."""
 
-    key: tuple | str  # the message a transfer carries; a compute's phase (F, R, B, U)
+    key: object  # the messages a transfer carries; a compute's instruction type
     link: tuple[int, int]
     bandwidth: float
     remaining: float
@@ -233,7 +106,18 @@ class _Flow:
 _HOST = ("host",)  # the link key of computes sharing one host
 
 
-class _Simulation:
+class _Simulation(VarunaDeviation, Interpreter):
+    """Plays the programs forward in time; one handler per instruction kind starts it."""
+
+    handlers = {
+        Forward: "_start_compute", Recompute: "_start_compute", Backward: "_start_compute",
+        Update: "_start_compute", HostUpdate: "_start_compute", GradNormPart: "_count_norm_part",
+        AllReduceShared: "_join_allreduce", AllReduceGradNorm: "_join_allreduce",
+        Send: "_start_send", Recv: "_post_recv",
+        SwapIn: "_start_swap", SwapOut: "_start_swap", Free: "_start_swap",
+        StashIn: "_start_stash", StashOut: "_start_stash",
+    }
+
     def __init__(self, programs: tuple[Program, ...], cost: SimCost, opportunistic: bool | None = None):
         devices = [p.device for p in programs]
         if len(set(devices)) != len(devices):
@@ -243,11 +127,10 @@ class _Simulation:
         self.queues = {
             (d, s): deque(i for i, ins in enumerate(p.instructions) if ins.stream == s)
             for d, p in self.programs.items()
-            for s in STREAMS
+            for s in Stream
         }
-        self.deps = {d: _dependencies(p) for d, p in self.programs.items()}
         self.stage_device = {ins.stage: d for d, p in self.programs.items() for ins in p.instructions
-                             if ins.stage is not None and ins.kind != "allreduce"}
+                             if not isinstance(ins, (*ALL_REDUCES, GradNormPart))}
         self.started: dict[tuple[int, int], float] = {}
         self.finished: dict[tuple[int, int], float] = {}
         self.timers: list[tuple[float, int, Callable[[], None]]] = []
@@ -264,6 +147,7 @@ class _Simulation:
         self.computed_until: dict[int, float] = {}  # device -> when its compute stream last finished
         self.buffers: dict[tuple, float] = defaultdict(float)  # (device, stage, microbatch) -> received bytes held
         self.resident_swap: dict[tuple, float] = {}  # (stage, what) -> bytes brought in by its last swap-in
+        self.grads_held: set[int] = set()  # stages whose gradients are on their device (with cost.grad_bytes)
         self.now = 0.0
         self._seq = 0
         plans = {} if opportunistic is False else {d: DeviationPoints(p) for d, p in self.programs.items()}
@@ -289,7 +173,7 @@ class _Simulation:
         while progressed:
             progressed = False
             for (device, stream), queue in self.queues.items():
-                if stream == "compute" and device in self.deviations and self._start_early(device, queue):
+                if stream is Stream.COMPUTE and device in self.deviations and self._start_early(device, queue):
                     progressed = True
                 if queue and (device, queue[0]) not in self.started and self._ready(device, queue[0]):
                     self._start(device, queue[0])
@@ -300,122 +184,91 @@ class _Simulation:
                 progressed = True
 
     def _ready(self, device: int, index: int) -> bool:
-        return all((device, j) in self.finished for j in self.deps[device][index])
+        return all((device, j) in self.finished for j in self.programs[device].instructions[index].waits)
 
     # -- Varuna's opportunistic policy (§3.2), as runtime/executor.py applies it
-    def _start_early(self, device: int, queue: deque[int]) -> bool:
-        """If the compute head is a recompute, or a backward no recompute precedes, whose gradient has
-        not arrived, and the first later forward is ready, start that forward now: it goes to the head
-        of the compute queue, its activations' receives (arrived, not yet posted) complete at once,
-        and its sends leave p2p_out's queue to start when it finishes, as the runtime's compute
-        thread takes them over."""
-        if not queue or (device, queue[0]) in self.started:
-            return False
-        plan, code = self.deviations[device], self.programs[device].instructions
-        head = queue[0]
-        early = plan.candidate(list(queue))
-        if early is None or self._grad_arrived(device, plan, head) or not self._ready_early(device, plan, early):
-            return False
-        queue.remove(early)
-        queue.appendleft(early)
-        for r in plan.act_recvs[early]:
-            if (device, r) not in self.started:
-                self.queues[(device, "p2p_in")].remove(r)
-                self._start(device, r)
-        out = self.queues[(device, "p2p_out")]
-        for s in plan.act_sends[early]:
-            if out[0] != s:  # p2p_out has not reached it (the runtime's thread would own it)
-                out.remove(s)
-                self.adopted.append((device, s))
-        assert self._ready(device, early), code[early]
-        self._start(device, early)
-        return True
-
-    def _grad_arrived(self, device: int, plan: DeviationPoints, head: int) -> bool:
-        code = self.programs[device].instructions
-        return all((device, g) in self.finished or self.arrived[_message_key(code[g], code[g].peer, device)]
-                   for g in plan.grad_recvs[head])
-
-    def _ready_early(self, device: int, plan: DeviationPoints, early: int) -> bool:
-        """Its other dependencies are done and each activation receive is done or, not yet posted, has
-        its message (a posted receive completes the moment its message arrives)."""
-        code, recvs = self.programs[device].instructions, plan.act_recvs[early]
-        if not all((device, j) in self.finished for j in self.deps[device][early] if j not in recvs):
-            return False
-        return all((device, r) in self.finished
-                   or ((device, r) not in self.started and self.arrived[_message_key(code[r], code[r].peer, device)])
-                   for r in recvs)
-
     def _start(self, device: int, index: int) -> None:
-        ins = self.programs[device].instructions[index]
         op = (device, index)
         self.started[op] = self.span_start[op] = self.now
-        if ins.kind == "compute":
-            self._start_compute(op, ins)
-        elif ins.kind == "send":
-            self._start_send(op, ins)
-        elif ins.kind == "recv":
-            self._post_recv(op, ins)
-        elif ins.kind == "allreduce":
-            self._join_allreduce(op, ins)
-        elif ins.kind in ("swap_in", "swap_out", "free"):
-            self._start_swap(op, ins)
-        else:
-            raise PlanError(f"the simulator does not model {ins.kind!r} instructions yet: {ins}")
+        self.dispatch(device, index, self.programs[device].instructions[index])
 
-    def _start_swap(self, op: tuple[int, int], ins: Instruction) -> None:
+    def _start_swap(self, device: int, index: int, ins: SwapIn | SwapOut | Free) -> None:
         """A swap moves its planned bytes over the host link; device memory follows it."""
-        device = op[0]
-        # a stage whose state stays on the device (counted static) only refreshes it in place
-        # (updated weights back from a host optimizer): link time, no memory
-        resident = _at(self.cost.state_bytes, ins.stage) > 0
-        if ins.what == "stash":  # one microbatch's stash (sX): back in now, out once copied (_finish)
-            if ins.kind == "swap_in":
-                self.swapped_in[device] += ins.nbytes
-                self.memory[device].append((self.now, _at(self.cost.stash_bytes, ins.stage)))
-            else:
-                self.swapped_out[device] += ins.nbytes
-        elif ins.kind == "swap_in":
-            self.swapped_in[device] += ins.nbytes
-            if not resident:
-                self.memory[device].append((self.now, ins.nbytes))
-                self.resident_swap[(ins.stage, ins.what)] = ins.nbytes
+        nbytes = 0 if isinstance(ins, Free) else ins.nbytes
+        if ins.state is State.GRADS and self.cost.grad_bytes:
+            self._hold_grads(device, ins.stage, held=isinstance(ins, SwapIn))
+            (self.swapped_in if isinstance(ins, SwapIn) else self.swapped_out)[device] += nbytes
+        elif isinstance(ins, SwapIn):
+            self.swapped_in[device] += nbytes
+            # a stage whose state stays on the device (counted static) only refreshes it in place
+            # (updated weights back from a host optimizer): link time, no memory
+            if _at(self.cost.state_bytes, ins.stage) <= 0:
+                self.memory[device].append((self.now, nbytes))
+                self.resident_swap[(ins.stage, ins.state)] = nbytes
         else:
-            self.swapped_out[device] += ins.nbytes
-            self.memory[device].append((self.now, -self.resident_swap.pop((ins.stage, ins.what), 0)))
-        moving = ins.nbytes / self.cost.host_bandwidth if ins.nbytes else 0.0
-        self._after(moving + self.cost.instruction_s, op)
+            self.swapped_out[device] += nbytes
+            self.memory[device].append((self.now, -self.resident_swap.pop((ins.stage, ins.state), 0)))
+        self._after(self._moving_s(nbytes), (device, index))
 
-    def _start_compute(self, op: tuple[int, int], ins: Instruction) -> None:
-        stashes = (ins.phase == "F" and ins.what != "no-stash") or ins.phase == "R"
-        if stashes:
-            self.memory[op[0]].append((self.now, _at(self.cost.stash_bytes, ins.stage)))
+    def _start_stash(self, device: int, index: int, ins: StashIn | StashOut) -> None:
+        """One microbatch's stash (sX): back in now, out once copied (`_finish`). It moves the stash the
+        cost model holds for the stage (what the device's memory counts too), not the plan's estimate."""
+        nbytes = _at(self.cost.stash_bytes, ins.stage)
+        if isinstance(ins, StashIn):
+            self.swapped_in[device] += nbytes
+            self.memory[device].append((self.now, nbytes))
+        else:
+            self.swapped_out[device] += nbytes
+        self._after(self._moving_s(round(nbytes)), (device, index))
+
+    def _moving_s(self, nbytes: int) -> float:
+        return (nbytes / self.cost.host_bandwidth if nbytes else 0.0) + self.cost.instruction_s
+
+    def _start_compute(self, device: int, index: int, ins: Forward | Recompute | Backward | Update | HostUpdate) -> None:
+        op = (device, index)
+        if stashes(ins):
+            self.memory[device].append((self.now, _at(self.cost.stash_bytes, ins.stage)))
+        if isinstance(ins, Backward) and self.cost.grad_bytes:
+            self._hold_grads(device, ins.stage, held=True)
         seconds = self.cost.compute_s(ins) + self.cost.instruction_s
-        shared = op[0] in self.cost.shared_devices
-        if shared and ins.stream == "compute" and self.now - self.computed_until.get(op[0], -math.inf) >= WAKE_IDLE_S:
+        shared = device in self.cost.shared_devices
+        idle = self.now - self.computed_until.get(device, -math.inf) >= WAKE_IDLE_S
+        if shared and ins.stream is Stream.COMPUTE and idle:
             seconds += self.cost.wake_s
         if shared and self.cost.concurrency:
-            self.flows.append(_Flow(ins.phase, _HOST, 1.0, seconds, self.now, op))
+            self.flows.append(_Flow(type(ins), _HOST, 1.0, seconds, self.now, op))
         else:
             self._after(seconds, op)
 
-    def _start_send(self, op: tuple[int, int], ins: Instruction) -> None:
-        src, dst = op[0], ins.peer
+    def _hold_grads(self, device: int, stage: int, held: bool) -> None:
+        """Gradients come onto the device with a stage's first backward (or their swap-in) and leave
+        with its update (or their swap-out), as the runtime's pool counts them."""
+        if held != (stage in self.grads_held):
+            self.grads_held.symmetric_difference_update({stage})
+            nbytes = _at(self.cost.grad_bytes, stage)
+            self.memory[device].append((self.now, nbytes if held else -nbytes))
+
+    def _count_norm_part(self, device: int, index: int, ins: GradNormPart) -> None:
+        """A stage's squared gradient norm, counted while its gradients are at hand: no time of its own."""
+        self._after(0.0, (device, index))
+
+    def _start_send(self, device: int, index: int, ins: Send) -> None:
         nbytes = self.cost.bytes_of(ins)
-        self.p2p[src] += nbytes
-        key = _message_key(ins, sender=src, receiver=dst)
-        bandwidth = self.cost.link_bandwidth(src, dst)
-        self.flows.append(_Flow(key, self.cost.link(src, dst), bandwidth, nbytes, self.now, op))
+        self.p2p[device] += nbytes
+        bandwidth = self.cost.link_bandwidth(device, ins.peer)
+        self.flows.append(_Flow(message_keys(ins), self.cost.link(device, ins.peer), bandwidth, nbytes, self.now,
+                                (device, index)))
 
-    def _post_recv(self, op: tuple[int, int], ins: Instruction) -> None:
-        key = _message_key(ins, sender=ins.peer, receiver=op[0])
+    def _post_recv(self, device: int, index: int, ins: Recv) -> None:
+        key = message_keys(ins)
         if self.arrived[key]:
-            self._complete_recv(op, self.arrived[key].popleft())
+            self._complete_recv((device, index), self.arrived[key].popleft())
         else:
-            self.waiting[key].append(op)
+            self.waiting[key].append((device, index))
 
-    def _join_allreduce(self, op: tuple[int, int], ins: Instruction) -> None:
-        tag = (ins.what, ins.values, ins.group)
+    def _join_allreduce(self, device: int, index: int, ins: AllReduceShared | AllReduceGradNorm) -> None:
+        op = (device, index)
+        tag = (type(ins), ins.tensors if isinstance(ins, AllReduceShared) else (), ins.group)
         key = (*tag, self.seen[(op[0], tag)])
         self.seen[(op[0], tag)] += 1
         members = self.rendezvous[key]
@@ -446,14 +299,16 @@ class _Simulation:
         ins = self.programs[device].instructions[index]
         self.finished[op] = self.now
         self._dequeue(device, ins.stream, index)
-        if ins.kind == "compute" and ins.stream == "compute":
+        if isinstance(ins, COMPUTES):
             self.computed_until[device] = self.now
-        if (ins.kind == "compute" and ins.phase == "B") or (ins.kind == "swap_out" and ins.what == "stash"):
+        if isinstance(ins, (Update, HostUpdate)) and self.cost.grad_bytes:
+            self._hold_grads(device, ins.stage, held=False)
+        if isinstance(ins, (Backward, StashOut)):
             self.memory[device].append((self.now, -_at(self.cost.stash_bytes, ins.stage)))
-        if ins.kind == "compute" and ins.phase == "B":
+        if isinstance(ins, Backward):
             self.memory[device].append((self.now, -self.buffers.pop((device, ins.stage, ins.microbatch), 0.0)))
 
-    def _dequeue(self, device: int, stream: str, index: int) -> None:
+    def _dequeue(self, device: int, stream: Stream, index: int) -> None:
         """A finished instruction leaves its stream's queue: the head, or one taken out of the queue
         when it started out of order (Varuna's early forward, its receives and sends)."""
         queue = self.queues[(device, stream)]
@@ -475,6 +330,7 @@ class _Simulation:
         received occupies a transfer buffer until the stage's backward of that microbatch is done."""
         self.span_start[op] = min(max(self.started[op], flow_start), self.now)
         ins = self.programs[op[0]].instructions[op[1]]
+        assert isinstance(ins, Recv), ins
         nbytes = self.cost.bytes_of(ins)
         if nbytes:
             self.memory[op[0]].append((self.now, nbytes))
@@ -489,7 +345,7 @@ class _Simulation:
         for flow in self.flows:
             count[flow.link] += 1
         computing = count[_HOST]
-        return [self.cost.speed_with(computing, update=flow.key == "U") if flow.link == _HOST
+        return [self.cost.speed_with(computing, update=flow.key in (Update, HostUpdate)) if flow.link == _HOST
                 else flow.bandwidth / count[flow.link] for flow in self.flows]
 
     def _next_time(self) -> float | None:
@@ -528,14 +384,14 @@ class _Simulation:
 
     # -- the result
     def _result(self) -> SimResult:
-        spans = sorted((self._span(op) for op in self.finished), key=_span_order)
+        spans = sorted((self._span(op) for op in self.finished), key=span_order)
         end = max((s.end for s in spans), default=0.0)
         devices = sorted(self.programs)
         busy = {
-            d: sum(s.end - s.start for s in spans if s.device == d and s.instruction.kind == "compute")
+            d: sum(s.end - s.start for s in spans if s.device == d and isinstance(s.instruction, (*COMPUTES, HostUpdate)))
             for d in devices
         }
-        memory = {d: _occupancy(self.memory[d], self._static_bytes(d)) for d in devices}
+        memory = {d: occupancy(self.memory[d], self._static_bytes(d)) for d in devices}
         return SimResult(
             iteration_time=end,
             busy=busy,
@@ -553,134 +409,7 @@ class _Simulation:
         return Span(op[0], ins.stream, op[1], ins, self.span_start[op], self.finished[op])
 
     def _static_bytes(self, device: int) -> float:
-        stages = {ins.stage for ins in self.programs[device].instructions if ins.stage is not None}
+        stages = {ins.stage for ins in self.programs[device].instructions}
         return sum(_at(self.cost.state_bytes, s) for s in stages)
 
 
-def _span_order(span: Span) -> tuple:
-    return (span.start, span.device, STREAMS.index(span.stream), span.index)
-
-
-def _message_key(ins: Instruction, sender: int, receiver: int) -> tuple:
-    """Messages match by stage (two stages of one device may talk); by device where no stage is named."""
-    if ins.peer_stage is not None and ins.stage is not None:
-        sender, receiver = (ins.stage, ins.peer_stage) if ins.kind == "send" else (ins.peer_stage, ins.stage)
-    return (ins.what, ins.values, ins.microbatch, sender, receiver)
-
-
-def _dependencies(program: Program) -> list[tuple[int, ...]]:
-    """For each instruction, the events (earlier instructions on other streams) it waits for."""
-    return [ins.waits for ins in program.instructions]
-
-
-def _occupancy(deltas: list[tuple[float, float]], static: float) -> tuple[tuple[float, float], ...]:
-    """(time, bytes) steps; at equal times a release comes before an allocation (B ends, then F starts)."""
-    steps, level = [(0.0, static)], static
-    for t, delta in sorted(deltas):
-        level += delta
-        steps.append((t, level))
-    return tuple(steps)
-
-
-# ---- exports -----------------------------------------------------------------------------------
-def _label(ins: Instruction) -> str:
-    if ins.kind == "compute":
-        return ins.phase if ins.microbatch is None else f"{ins.phase}{ins.microbatch}"
-    if ins.kind in ("send", "recv"):
-        arrow = "->" if ins.kind == "send" else "<-"
-        return f"{ins.kind} {ins.what} mb{ins.microbatch} {arrow} dev{ins.peer}"
-    return f"{ins.kind} {ins.what or ''}".strip()
-
-
-def chrome_trace(result: SimResult) -> dict:
-    """Trace Event Format: one complete ("X") event per instruction, memory as counter ("C") events."""
-    events: list[dict] = []
-    for d in result.busy:
-        events.append({"ph": "M", "name": "process_name", "pid": d, "args": {"name": f"dev{d}"}})
-        events += [
-            {"ph": "M", "name": "thread_name", "pid": d, "tid": t, "args": {"name": s}}
-            for t, s in enumerate(STREAMS)
-        ]
-    for span in result.timeline:
-        ins = span.instruction
-        events.append(
-            {
-                "ph": "X",
-                "name": _label(ins),
-                "cat": ins.kind,
-                "pid": span.device,
-                "tid": STREAMS.index(span.stream),
-                "ts": span.start * 1e6,
-                "dur": (span.end - span.start) * 1e6,
-                "args": {
-                    "instruction": str(ins),
-                    "index": span.index,
-                    "stage": ins.stage,
-                    "microbatch": ins.microbatch,
-                },
-            }
-        )
-    for d, steps in result.memory.items():
-        events += [
-            {"ph": "C", "name": "memory", "pid": d, "ts": t * 1e6, "args": {"bytes": b}} for t, b in steps
-        ]
-    return {"traceEvents": events, "displayTimeUnit": "ms"}
-
-
-_COLOURS = {
-    "F": (66, 133, 244),
-    "B": (52, 168, 83),
-    "U": (251, 140, 0),
-    "send": (171, 71, 188),
-    "recv": (233, 30, 99),
-    "allreduce": (253, 216, 53),
-    "swap_in": (0, 172, 193),
-    "swap_out": (0, 137, 123),
-}
-
-
-def _colour(ins: Instruction) -> tuple[int, int, int]:
-    rgb = _COLOURS.get(ins.phase if ins.kind == "compute" else ins.kind, (120, 120, 120))
-    if (ins.microbatch or 0) % 2:  # alternate shades so neighbouring microbatches stay apart
-        rgb = tuple(int(c * 0.75) for c in rgb)
-    return rgb
-
-
-def gantt(result: SimResult, width: int = 1200, row_height: int = 12) -> np.ndarray:
-    """An RGB image: one row per (device, stream), x proportional to time, a bar per instruction."""
-    devices = sorted(result.busy)
-    rows = {(d, s): i for i, (d, s) in enumerate((d, s) for d in devices for s in STREAMS)}
-    image = np.full((len(rows) * row_height, width, 3), 255, dtype=np.uint8)
-    for (d, _), row in rows.items():
-        if devices.index(d) % 2:
-            image[row * row_height : (row + 1) * row_height] = 240
-    scale = width / result.iteration_time if result.iteration_time > 0 else 0.0
-    for span in result.timeline:
-        x0, x1 = int(span.start * scale), min(width, math.ceil(span.end * scale))
-        if x1 <= x0 or span.end <= span.start:
-            continue
-        top = rows[(span.device, span.stream)] * row_height + 1
-        image[top : top + row_height - 2, x0 : max(x0 + 1, x1 - 1)] = _colour(span.instruction)
-    for i in range(1, len(devices)):
-        image[i * len(STREAMS) * row_height - 1] = 0
-    return image
-
-
-def write_png(path: str | Path, image: np.ndarray) -> None:
-    """An 8-bit RGB PNG: filter byte 0 per scanline, zlib-compressed (PNG spec §11-12)."""
-    height, width, _ = image.shape
-    scanlines = np.concatenate([np.zeros((height, 1), np.uint8), image.reshape(height, width * 3)], axis=1)
-
-    def chunk(tag: bytes, data: bytes) -> bytes:
-        return (
-            struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
-        )
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    data = (
-        b"\x89PNG\r\n\x1a\n"
-        + chunk(b"IHDR", header)
-        + chunk(b"IDAT", zlib.compress(scanlines.tobytes(), 9))
-        + chunk(b"IEND", b"")
-    )
-    Path(path).write_bytes(data)

@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 
 from stagewise.ir.costs import optimizer_state_per_param_byte
 from stagewise.ir.errors import PlanError
-from stagewise.ir.plan import Instruction, Task
+from stagewise.ir.instructions import Free, Instruction, Phase, StashIn, StashOut, State, SwapIn, SwapOut
+from stagewise.ir.plan import Task
 
 MODES = ("off", "harmony", "per-device")
 CHOICES = ("auto", "on", "all", "off", "per-device")  # compile's `swap=`
@@ -72,69 +73,68 @@ class Residency:
     def __init__(self, plan: SwapPlan, code: list[Instruction]):
         self.plan = plan
         self.code = code
-        self.resident: set[tuple[int, str]] = set()
-        self.on_host: set[tuple[int, str]] = set()
-        self.evictions: dict[str, list[int]] = {"weights": [], "grads": [], "optimizer": []}
+        self.resident: set[tuple[int, State]] = set()
+        self.on_host: set[tuple[int, State]] = set()
+        self.evictions: dict[State, list[int]] = {state: [] for state in State}
         self.stash_ends: list[int | None] = []  # per residency of a swapped stage's stash: the instruction ending it
         self.open_stash: dict[tuple[int, int], int] = {}  # (stage, microbatch) -> its residency, while on the device
         self.stash_on_host: set[tuple[int, int]] = set()
 
-    def need(self, stage: int, what: str) -> None:
+    def need(self, stage: int, what: State) -> None:
         """Make `what` of `stage` resident before the next compute that uses it (gradients and
         optimizer state belong to parameters: the weights come first)."""
-        if what != "weights":
-            self.need(stage, "weights")
+        if what is not State.WEIGHTS:
+            self.need(stage, State.WEIGHTS)
         key = (stage, what)
         if not self.plan.swaps(stage) or key in self.resident:
             return
         self.resident.add(key)
-        if what == "grads" and key not in self.on_host:
+        if what is State.GRADS and key not in self.on_host:
             return  # not made yet: the first backward creates it on the device
         waits = ()
         evicted = self.evictions[what]
         if len(evicted) >= self.plan.depth:
             waits = (evicted[-self.plan.depth],)
-        self.code.append(Instruction("swap_in", "swap_in", stage, what=what, waits=waits, nbytes=self._bytes(stage, what)))
+        self.code.append(SwapIn(stage, what, self._bytes(stage, what), waits=waits))
 
-    def evict(self, stage: int, what: str, write: bool) -> None:
+    def evict(self, stage: int, what: State, write: bool) -> None:
         """Take `what` of `stage` off the device, writing it to host memory if it changed
         (gradients leave before their weights)."""
-        if what == "weights":
-            self.evict(stage, "grads", write=True)
+        if what is State.WEIGHTS:
+            self.evict(stage, State.GRADS, write=True)
         key = (stage, what)
         if not self.plan.swaps(stage) or key not in self.resident:
             return
         self.resident.discard(key)
-        kind = "swap_out" if write else "free"
         if write:
             self.on_host.add(key)
-        self.code.append(Instruction(kind, "swap_out", stage, what=what, nbytes=self._bytes(stage, what) if write else 0))
+        self.code.append(SwapOut(stage, what, self._bytes(stage, what)) if write else Free(stage, what))
         self.evictions[what].append(len(self.code) - 1)
 
     def grads_to_host(self, stage: int) -> None:
         """Host optimizer: the gradients go to host memory for the update. A swapped stage's weights
         leave with them unchanged (freed: the host master is the copy the update changes)."""
         if self.plan.swaps(stage):
-            self.evict(stage, "weights", write=False)
-        elif (stage, "grads") not in self.on_host:
-            self.on_host.add((stage, "grads"))
-            self.code.append(Instruction("swap_out", "swap_out", stage, what="grads", nbytes=self._bytes(stage, "grads")))
+            self.evict(stage, State.WEIGHTS, write=False)
+        elif (stage, State.GRADS) not in self.on_host:
+            self.on_host.add((stage, State.GRADS))
+            self.code.append(SwapOut(stage, State.GRADS, self._bytes(stage, State.GRADS)))
 
     def keep_only(self, stages) -> None:
         """Before the deferred updates bring in the next stages' state: evict every other swapped
         stage still resident (so at most `depth` stages' state is on the device). Nothing has
         updated weights yet at that point: gradients are written, weights freed."""
-        for stage in sorted({s for s, what in self.resident if what == "weights"} - set(stages)):
-            self.evict(stage, "weights", write=False)
-            self.evict(stage, "optimizer", write=True)
+        for stage in sorted({s for s, what in self.resident if what is State.WEIGHTS} - set(stages)):
+            self.evict(stage, State.WEIGHTS, write=False)
+            self.evict(stage, State.OPTIMIZER, write=True)
 
     def refresh(self, stage: int) -> None:
         """Host optimizer: after the host update, a stage whose weights live on the device copies the
         updated master back (a swapped stage's next swap-in reads it anyway)."""
         if not self.plan.swaps(stage):
-            self.code.append(Instruction("swap_in", "swap_in", stage, what="weights", nbytes=self._bytes(stage, "weights")))
+            self.code.append(SwapIn(stage, State.WEIGHTS, self._bytes(stage, State.WEIGHTS)))
 
-    def consumed(self, stage: int, what: str) -> None:
+    def consumed(self, stage: int, what: State) -> None:
         """The update used up the gradients: nothing to keep on the host."""
         self.resident.discard((stage, what))
         self.on_host.discard((stage, what))
@@ -150,8 +150,7 @@ class Residency:
 
     def stash_out(self, stage: int, microbatch: int) -> None:
         """After the forward and the sends of its outputs: the stash to host memory."""
-        self.code.append(Instruction("swap_out", "swap_out", stage, microbatch=microbatch, what="stash",
-                                     nbytes=self.plan.stash_bytes.get(stage, 0)))
+        self.code.append(StashOut(stage, microbatch, self.plan.stash_bytes.get(stage, 0)))
         self.stash_ends_at(stage, microbatch, len(self.code) - 1)
         self.stash_on_host.add((stage, microbatch))
 
@@ -161,8 +160,7 @@ class Residency:
             return
         self.stash_on_host.discard((stage, microbatch))
         waits = self._open_stash(stage, microbatch)
-        self.code.append(Instruction("swap_in", "swap_in", stage, microbatch=microbatch, what="stash", waits=waits,
-                                     nbytes=self.plan.stash_bytes.get(stage, 0)))
+        self.code.append(StashIn(stage, microbatch, self.plan.stash_bytes.get(stage, 0), waits=waits))
 
     def stash_ends_at(self, stage: int, microbatch: int, index: int) -> None:
         """Instruction `index` ends the residency of the stash (its swap-out, or the backward)."""
@@ -179,8 +177,9 @@ class Residency:
         self.open_stash[(stage, microbatch)] = len(self.stash_ends) - 1
         return waits
 
-    def _bytes(self, stage: int, what: str) -> int:
-        table = {"weights": self.plan.weight_bytes, "grads": self.plan.grad_bytes, "optimizer": self.plan.optimizer_bytes}
+    def _bytes(self, stage: int, what: State) -> int:
+        table = {State.WEIGHTS: self.plan.weight_bytes, State.GRADS: self.plan.grad_bytes,
+                 State.OPTIMIZER: self.plan.optimizer_bytes}
         return table[what].get(stage, 0)
 
 
@@ -254,9 +253,9 @@ def _stash_in_flight(tasks: Sequence[Task], stash: dict[int, int], swapped=froze
     live: dict[int, int] = {}
     most = 0.0
     for task in tasks:
-        if task.kind in ("F", "R") and not (task.kind == "F" and task.recompute):
+        if task.phase is Phase.RECOMPUTE or (task.phase is Phase.FORWARD and not task.recompute):
             live[task.stage] = live.get(task.stage, 0) + 1
-        elif task.kind == "B":
+        elif task.phase is Phase.BACKWARD:
             live[task.stage] = live.get(task.stage, 0) - 1
         most = max(most, sum(n * stash.get(s, 0) for s, n in live.items() if s not in swapped))
     window = depth * max((stash.get(s, 0) for s in swapped), default=0)

@@ -16,7 +16,6 @@ import hashlib
 import json
 import threading
 import time
-from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -267,7 +266,7 @@ class DistributedTransport:
     def _check_same_plan(self) -> None:
         """Every rank compiled on its own: different plans would exchange garbage or hang, so compare
         what they execute (EXECUTED_FIELDS)."""
-        data = asdict(self.plan)
+        data = json.loads(self.plan.to_json())  # the programs in their printed form
         executed = json.dumps({name: data[name] for name in EXECUTED_FIELDS})
         digest = int.from_bytes(hashlib.sha256(executed.encode()).digest()[:7], "big")
         values = [torch.tensor([digest], dtype=torch.int64, device=self.pools[self.rank].device) for _ in range(2)]

@@ -35,26 +35,55 @@ messages by tag, so that is safe from any thread; with NCCL (issue order) the po
 from __future__ import annotations
 
 import math
-import queue
-import threading
 import time
 import weakref
-from collections.abc import Callable
 
 import torch
 
 from stagewise.ir.deviations import DeviationPoints
-from stagewise.ir.errors import PlanError
-from stagewise.ir.plan import STREAMS, Instruction, Program
+from stagewise.ir.instructions import (
+    AllReduceGradNorm,
+    AllReduceShared,
+    Backward,
+    Carried,
+    Forward,
+    Free,
+    GradNormPart,
+    HostUpdate,
+    Instruction,
+    MessageKey,
+    Recompute,
+    Recv,
+    Send,
+    StashIn,
+    StashOut,
+    Stream,
+    SwapIn,
+    SwapOut,
+    Update,
+    message_keys,
+)
+from stagewise.ir.interpreter import Interpreter, stashes
+from stagewise.ir.program import Program
 from stagewise.runtime.streams import DeviceStreams
 from stagewise.runtime.sync import Aborted, Sync
+from stagewise.runtime.threads import StreamThreads
 from stagewise.runtime.transport import LocalTransport
 from stagewise.runtime.worker import StageWorker
 
 DEFAULT_TIMEOUT_S = 300.0
 
 
-class StreamExecutor:
+class StreamExecutor(Interpreter):
+    """Runs the programs on stream threads; one handler per instruction kind executes it."""
+
+    handlers = {
+        Forward: "_forward", Recompute: "_forward", Backward: "_backward", Update: "_update",
+        HostUpdate: "_update", GradNormPart: "_count_norm_part", AllReduceShared: "_all_reduce_shared",
+        AllReduceGradNorm: "_all_reduce_norm", Send: "_send", Recv: "_recv",
+        SwapIn: "_swap_in", StashIn: "_swap_in", SwapOut: "_swap_out", Free: "_swap_out", StashOut: "_swap_out",
+    }
+
     def __init__(
         self,
         programs: tuple[Program, ...],
@@ -83,11 +112,14 @@ class StreamExecutor:
         weakref.finalize(self, self.threads.close)
         torch_devices = {w.stage.device: w.device for w in workers}
         self.streams = {p.device: DeviceStreams(torch_devices.get(p.device, torch.device("cpu"))) for p in programs}
+        # each instruction's name in errors, formatted once rather than at every step
+        self.labels = {p.device: [f"dev{p.device} #{i} {ins}" for i, ins in enumerate(p.instructions)]
+                       for p in programs}
 
     def run(self, microbatches: int) -> torch.Tensor:
         """One iteration; inputs must already be provided to the workers. Returns the mean loss."""
         self.microbatches = microbatches
-        streams = [(p, s) for p in self.programs for s in STREAMS if any(i.stream == s for i in p.instructions)]
+        streams = [(p, s) for p in self.programs for s in Stream if any(i.stream is s for i in p.instructions)]
         self.sync = Sync(len(streams), self.timeout_s)
         self.transport.sync = self.sync
         self.done = {p.device: [False] * len(p.instructions) for p in self.programs}
@@ -111,7 +143,7 @@ class StreamExecutor:
         partial = sum(losses[mb] for mb in sorted(losses)) if losses else None
         return self.transport.total_loss(partial) / microbatches
 
-    def _stream(self, program: Program, stream: str) -> None:
+    def _stream(self, program: Program, stream: Stream) -> None:
         """Run this stream's instructions in order; on CUDA each waits for its events on the GPU too.
 
         Under Varuna's opportunistic policy (module docstring) the compute stream may run a later
@@ -120,11 +152,11 @@ class StreamExecutor:
         plan = self._opportunities(program)
         try:
             with device_streams.running(stream):
-                if plan is not None and stream == "compute":
+                if plan is not None and stream is Stream.COMPUTE:
                     self._compute_opportunistically(program, plan)
                     return
                 for index, ins in enumerate(program.instructions):
-                    if ins.stream != stream:
+                    if ins.stream is not stream:
                         continue
                     if plan is not None and index in plan.adoptable and not self._claim(program.device, index, stream):
                         continue  # the compute stream took it over for a forward it ran early
@@ -136,17 +168,17 @@ class StreamExecutor:
         finally:
             self.sync.thread_done()
 
-    def _run(self, program: Program, index: int, stream: str) -> None:
+    def _run(self, program: Program, index: int, stream: Stream) -> None:
         """Wait for instruction `index`'s events, execute it on `stream`'s thread, publish that it is done."""
         done, streams = self.done[program.device], self.streams[program.device]
         ins = program.instructions[index]
-        label = f"dev{program.device} #{index} {ins}"
+        label = self.labels[program.device][index]
         if ins.waits:
             self.sync.wait_until(lambda: all(done[j] for j in ins.waits), label,
                                  [("done", program.device, j) for j in ins.waits])
             streams.wait(stream, ins.waits)
         start = time.perf_counter()
-        self._execute(program.device, ins, label)
+        self.dispatch(program.device, index, ins)
         end = time.perf_counter()
         streams.record(stream, index)
         self.timeline.append((program.device, ins.stream, index, start - self.started_at, end - self.started_at))
@@ -164,7 +196,7 @@ class StreamExecutor:
         plan = self._plans[program.device]
         return plan if plan.heads and (self.opportunistic or plan.recomputes) else None
 
-    def _claim(self, device: int, index: int, stream: str) -> bool:
+    def _claim(self, device: int, index: int, stream: Stream) -> bool:
         """Take instruction `index` for `stream` unless another stream took it first; True if it is `stream`'s."""
         owner = self.owner[device]
         with self.sync.locked():
@@ -180,8 +212,8 @@ class StreamExecutor:
         while pending:
             head = pending[0]
             for r in plan.act_recvs.get(head, ()):  # receives it took earlier to look at their messages
-                if owner.get(r) == "compute" and not done[r]:
-                    self._run(program, r, "compute")
+                if owner.get(r) is Stream.COMPUTE and not done[r]:
+                    self._run(program, r, Stream.COMPUTE)
             early = plan.candidate(pending)
             keys = [("done", device, j) for j in code[head].waits]
             if early is not None:
@@ -197,13 +229,13 @@ class StreamExecutor:
                     choice = head if all(done[j] for j in code[head].waits) else None
                 return choice is not None
 
-            self.sync.wait_until(decide, f"dev{device} #{head} {code[head]}", keys)
+            self.sync.wait_until(decide, self.labels[device][head], keys)
             pending.remove(choice)
             if choice == head:
-                self._run(program, head, "compute")
+                self._run(program, head, Stream.COMPUTE)
             else:
                 self._run_early(program, plan, choice, head)
-            if code[choice].phase == "F":
+            if isinstance(code[choice], Forward):
                 self._note_stash(code[choice])
 
     def _grad_arrived(self, program: Program, plan: DeviationPoints, head: int) -> bool:
@@ -224,9 +256,9 @@ class StreamExecutor:
         for r in recvs:
             if done[r]:
                 continue
-            if owner.setdefault(r, "compute") != "compute":
+            if owner.setdefault(r, Stream.COMPUTE) is not Stream.COMPUTE:
                 return False  # the p2p_in thread is receiving it: it has not arrived
-            ready = all([self.transport.poll(key, f"dev{device} #{r} {code[r]}") for key in _keys(code[r])]) and ready
+            ready = all([self.transport.poll(key, self.labels[device][r]) for key in _keys(code[r])]) and ready
         return ready
 
     def _headroom(self, stage: int) -> bool:
@@ -237,7 +269,7 @@ class StreamExecutor:
         need = self.stash_bytes.get(stage)
         return need is not None and pool.current + need <= pool.capacity
 
-    def _note_stash(self, ins: Instruction) -> None:
+    def _note_stash(self, ins: Forward) -> None:
         held = self.workers[ins.stage].pool.held.get(("stash", ins.stage, ins.microbatch))
         if held is not None:
             self.stash_bytes[ins.stage] = held[1]
@@ -248,75 +280,83 @@ class StreamExecutor:
         done = self.done[program.device]
         for r in plan.act_recvs[early]:
             if not done[r]:
-                self._run(program, r, "compute")
-        self._run(program, early, "compute")
+                self._run(program, r, Stream.COMPUTE)
+        self._run(program, early, Stream.COMPUTE)
         self.deviations.append((program.device, early, head))
         for s in plan.act_sends[early]:
-            if self._claim(program.device, s, "compute"):
-                self._run(program, s, "compute")
+            if self._claim(program.device, s, Stream.COMPUTE):
+                self._run(program, s, Stream.COMPUTE)
 
-    def _execute(self, device: int, ins: Instruction, label: str) -> None:
+    # ---- the handlers: one per instruction kind ----------------------------------------------
+    def _forward(self, device: int, index: int, ins: Forward | Recompute) -> None:
+        self.workers[ins.stage].forward(ins.microbatch, self.labels[device][index], stash=stashes(ins))
+
+    def _backward(self, device: int, index: int, ins: Backward) -> None:
+        self.workers[ins.stage].backward(ins.microbatch, 1.0 / self.microbatches, self.labels[device][index])
+
+    def _update(self, device: int, index: int, ins: Update | HostUpdate) -> None:
+        """The optimizer step on the device or (HostUpdate) on host masters; `clip` scales first."""
+        self.workers[ins.stage].update(self.labels[device][index], on_host=isinstance(ins, HostUpdate), clip=ins.clip)
+
+    def _send(self, device: int, index: int, ins: Send) -> None:
+        worker, label = self.workers[ins.stage], self.labels[device][index]
+        for key in message_keys(ins):
+            if ins.carries is Carried.ACTIVATIONS:
+                tensor = worker.output(ins.microbatch, key.value)
+            else:
+                tensor = worker.take_input_grad(ins.microbatch, key.value)
+            self.streams[device].hand_to([tensor], Stream.P2P_OUT)
+            self.transport.send(_transport_key(key), device, ins.peer, tensor, label)
+
+    def _recv(self, device: int, index: int, ins: Recv) -> None:
+        worker, label = self.workers[ins.stage], self.labels[device][index]
+        for key in message_keys(ins):
+            tensor = self.transport.recv(_transport_key(key), label)
+            self.streams[device].hand_to([tensor], Stream.COMPUTE)
+            buffer = ("buffer",) + _transport_key(key)
+            if ins.carries is Carried.ACTIVATIONS:
+                worker.provide(ins.microbatch, key.value, tensor, buffer)
+            else:
+                worker.add_output_grad(ins.microbatch, key.value, tensor, buffer)
+
+    def _swap_in(self, device: int, index: int, ins: SwapIn | StashIn) -> None:
+        """State (weights, grads, optimizer) or one microbatch's stash into the device pool."""
         worker = self.workers[ins.stage]
-        if ins.kind == "compute":
-            if ins.phase in ("F", "R"):
-                worker.forward(ins.microbatch, label, stash=ins.what != "no-stash")
-            elif ins.phase == "B":
-                worker.backward(ins.microbatch, 1.0 / self.microbatches, label)
-            else:  # U; what: None, "clip" (scale by the clip coefficient first), "host", "host-clip"
-                worker.update(label, on_host=ins.what in ("host", "host-clip"), clip=ins.what in ("clip", "host-clip"))
-        elif ins.kind == "send":
-            for value in ins.values:
-                if ins.what == "act":
-                    tensor = worker.output(ins.microbatch, value)
-                else:
-                    tensor = worker.take_input_grad(ins.microbatch, value)
-                key = (ins.what, value, ins.microbatch, ins.stage, ins.peer_stage)
-                self.streams[device].hand_to([tensor], "p2p_out")
-                self.transport.send(key, device, ins.peer, tensor, label)
-        elif ins.kind == "recv":
-            for value in ins.values:
-                key = (ins.what, value, ins.microbatch, ins.peer_stage, ins.stage)
-                tensor = self.transport.recv(key, label)
-                self.streams[device].hand_to([tensor], "compute")
-                if ins.what == "act":
-                    worker.provide(ins.microbatch, value, tensor, ("buffer",) + key)
-                else:
-                    worker.add_output_grad(ins.microbatch, value, tensor, ("buffer",) + key)
-        elif ins.kind == "allreduce":
-            self._all_reduce(device, worker, ins, label)
-        elif ins.kind == "swap_in":  # what: weights, grads, optimizer, or one microbatch's stash
-            worker.swap_in(ins.what, label, ins.microbatch)
-            self.streams[device].hand_to(worker.tensors(ins.what, ins.microbatch).values(), "compute")
-        elif ins.kind in ("swap_out", "free"):
-            self.streams[device].hand_to(worker.tensors(ins.what, ins.microbatch).values(), "swap_out")
-            worker.swap_out(ins.what, ins.kind == "swap_out", label, ins.microbatch)
-        else:
-            raise PlanError(f"the runtime cannot execute {ins}")
+        what, microbatch = _moved(ins)
+        worker.swap_in(what, self.labels[device][index], microbatch)
+        self.streams[device].hand_to(worker.tensors(what, microbatch).values(), Stream.COMPUTE)
 
-    def _all_reduce(self, device: int, worker: StageWorker, ins: Instruction, label: str) -> None:
-        """Sum over the group's stages: this device contributes the sum over its member stages.
+    def _swap_out(self, device: int, index: int, ins: SwapOut | Free | StashOut) -> None:
+        """Write back (SwapOut, StashOut) or drop (Free) the device copy."""
+        worker = self.workers[ins.stage]
+        what, microbatch = _moved(ins)
+        self.streams[device].hand_to(worker.tensors(what, microbatch).values(), Stream.SWAP_OUT)
+        worker.swap_out(what, not isinstance(ins, Free), self.labels[device][index], microbatch)
 
-        "grad-norm-part" (a group of one stage) counts that stage's squared gradient norm ahead of
-        the "grad-norm" all-reduce, while its gradients are at hand (swapping: they leave the
-        device after): the grad-norm then sums the parts, and the stage's update ("clip") scales.
-        Stages counted live are scaled right away, as without swapping.
-        """
-        if ins.what == "grad-norm-part":
-            worker.count_grad_norm()
-            return
+    def _count_norm_part(self, device: int, index: int, ins: GradNormPart) -> None:
+        """This stage's squared gradient norm, counted ahead of the GradNorm all-reduce while its
+        gradients are at hand (swapping: they leave the device after); its update then scales."""
+        self.workers[ins.stage].count_grad_norm()
+
+    def _all_reduce_shared(self, device: int, index: int, ins: AllReduceShared) -> None:
+        """Sum the shared tensors' gradients over the group; this device contributes its member stages' sum."""
         local = [self.workers[s] for s in ins.group if self.device_of[s] == device]
-        devices = tuple(sorted({self.device_of[s] for s in ins.group}))
-        tag = (self.iteration, ins.what, ins.values, ins.group)
-        if ins.what == "shared-grad":
-            names = [[w.shared_names.get(fqn, fqn) for fqn in ins.values] for w in local]
-            grads = [w.named_grads(n) for w, n in zip(local, names, strict=True)]
-            summed = [sum(parts) for parts in zip(*grads, strict=True)]
-            result = self.transport.all_reduce(tag, devices, device, summed, label)
-            for w, n in zip(local, names, strict=True):
-                w.set_grads(n, [r.clone() for r in result])
-            return
+        names = [[w.shared_names.get(fqn, fqn) for fqn in ins.tensors] for w in local]
+        grads = [w.named_grads(n) for w, n in zip(local, names, strict=True)]
+        summed = [sum(parts) for parts in zip(*grads, strict=True)]
+        tag = (self.iteration, type(ins).__name__, ins.tensors, ins.group)
+        result = self.transport.all_reduce(tag, self._devices(ins.group), device, summed, self.labels[device][index])
+        for w, n in zip(local, names, strict=True):
+            w.set_grads(n, [r.clone() for r in result])
+
+    def _all_reduce_norm(self, device: int, index: int, ins: AllReduceGradNorm) -> None:
+        """The whole model's gradient norm; stages counted live scale right away, those whose part was
+        counted ahead keep the coefficient for their update."""
+        local = [self.workers[s] for s in ins.group if self.device_of[s] == device]
         square_sum = sum(w.grad_square_sum() if w.norm_part is None else w.norm_part for w in local)
-        (total,) = self.transport.all_reduce(tag, devices, device, [square_sum], label)
+        tag = (self.iteration, type(ins).__name__, (), ins.group)
+        (total,) = self.transport.all_reduce(tag, self._devices(ins.group), device, [square_sum],
+                                             self.labels[device][index])
         coefficient = min(self.clip_grad_norm / (math.sqrt(float(total)) + 1e-6), 1.0)
         for w in local:
             if w.norm_part is None:
@@ -324,41 +364,23 @@ class StreamExecutor:
             else:
                 w.norm_part, w.clip_coefficient = None, coefficient
 
-
-class StreamThreads:
-    """One long-lived thread per (device, stream), started at the first step and reused by every
-    later one: starting a dozen threads per step cost more than a small stage's compute."""
-
-    def __init__(self):
-        self.queues: dict[tuple[int, str], queue.SimpleQueue] = {}
-
-    def run(self, jobs: list[tuple[tuple[int, str], Callable[[], None]]]) -> None:
-        """Run each job on its stream's thread, all at once; return when every job has returned."""
-        finished = threading.Semaphore(0)
-        for key, job in jobs:
-            if key not in self.queues:
-                self.queues[key] = queue.SimpleQueue()
-                threading.Thread(target=_serve, args=(self.queues[key],), name=f"dev{key[0]}-{key[1]}", daemon=True).start()
-            self.queues[key].put((job, finished))
-        for _ in jobs:
-            finished.acquire()
-
-    def close(self) -> None:
-        """Let the threads end (the executor is gone)."""
-        for jobs in self.queues.values():
-            jobs.put(None)
+    def _devices(self, group: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(sorted({self.device_of[s] for s in group}))
 
 
-def _serve(jobs: queue.SimpleQueue) -> None:
-    while (item := jobs.get()) is not None:
-        job, finished = item
-        try:
-            job()
-        finally:
-            finished.release()
-        del item, job  # hold no reference to the executor between steps
+def _moved(ins: SwapIn | SwapOut | Free | StashIn | StashOut) -> tuple[str, int | None]:
+    """The worker's name for what a swap moves, and the microbatch of a stash."""
+    if isinstance(ins, (StashIn, StashOut)):
+        return "stash", ins.microbatch
+    return ins.state.value, None
+
+
+def _transport_key(key: MessageKey) -> tuple:
+    """The transport's key of a message (hashable, and a gloo tag's source under torch.distributed)."""
+    return (key.carries.value, key.value, key.microbatch, key.src_stage, key.dst_stage)
 
 
 def _keys(ins: Instruction) -> list[tuple]:
-    """The transport keys of a receive's messages: (what, value, microbatch, sender stage, receiver stage)."""
-    return [(ins.what, value, ins.microbatch, ins.peer_stage, ins.stage) for value in ins.values]
+    """The transport keys of a receive's messages."""
+    assert isinstance(ins, Recv), ins
+    return [_transport_key(key) for key in message_keys(ins)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from stagewise.ir.errors import PlanError
+from stagewise.ir.instructions import ALL_REDUCES, Recv, Send, message_keys
 from stagewise.ir.plan import Plan
 
 
@@ -19,7 +20,7 @@ def reduction_groups(plan: Plan) -> list[tuple[int, ...]]:
     """
     device_of = {s.index: s.device for s in plan.stages}
     groups = {tuple(sorted({device_of[s] for s in ins.group}))
-              for p in plan.programs for ins in p.instructions if ins.kind == "allreduce"}
+              for p in plan.programs for ins in p.instructions if isinstance(ins, ALL_REDUCES)}
     return sorted(g for g in groups if len(g) > 1)
 
 
@@ -50,10 +51,10 @@ def misordered_links(plan: Plan) -> list[tuple[int, int]]:
     by_device = {p.device: p for p in plan.programs}
     wrong = []
     for src, dst in directed_links(plan):
-        sent = [(i.what, v, i.microbatch, i.stage, i.peer_stage) for i in by_device[src].instructions
-                if i.kind == "send" and i.peer == dst for v in i.values]
-        expected = [(i.what, v, i.microbatch, i.peer_stage, i.stage) for i in by_device[dst].instructions
-                    if i.kind == "recv" and i.peer == src for v in i.values]
+        sent = [key for i in by_device[src].instructions if isinstance(i, Send) and i.peer == dst
+                for key in message_keys(i)]
+        expected = [key for i in by_device[dst].instructions if isinstance(i, Recv) and i.peer == src
+                    for key in message_keys(i)]
         if sent != expected:
             wrong.append((src, dst))
     return wrong

@@ -15,14 +15,14 @@ import contextlib
 
 import torch
 
-from stagewise.ir.plan import STREAMS
+from stagewise.ir.instructions import Stream
 
 
 class DeviceStreams:
     def __init__(self, device: torch.device):
         self.device = device
         self.cuda = device.type == "cuda"
-        self.streams = {name: torch.cuda.Stream(device) for name in STREAMS} if self.cuda else {}
+        self.streams = {name: torch.cuda.Stream(device) for name in Stream} if self.cuda else {}
         self.events: dict[int, torch.cuda.Event] = {}  # instruction index -> its event, this step
 
     def begin_step(self) -> None:
@@ -38,24 +38,24 @@ class DeviceStreams:
         for stream in self.streams.values():
             stream.synchronize()
 
-    def running(self, stream: str):
+    def running(self, stream: Stream):
         """Make `stream` the current stream of the calling thread."""
         return torch.cuda.stream(self.streams[stream]) if self.cuda else contextlib.nullcontext()
 
-    def wait(self, stream: str, indices: tuple[int, ...]) -> None:
+    def wait(self, stream: Stream, indices: tuple[int, ...]) -> None:
         """`stream` waits for the events of instructions `indices` (their threads recorded them)."""
         if self.cuda:
             for index in indices:
                 self.streams[stream].wait_event(self.events[index])
 
-    def record(self, stream: str, index: int) -> None:
+    def record(self, stream: Stream, index: int) -> None:
         """Instruction `index`'s event: set when the work it issued on `stream` is done."""
         if self.cuda:
             event = torch.cuda.Event()
             event.record(self.streams[stream])
             self.events[index] = event
 
-    def hand_to(self, tensors, stream: str) -> None:
+    def hand_to(self, tensors, stream: Stream) -> None:
         """`tensors`, made on another stream, are used on `stream` from now on."""
         if self.cuda:
             for tensor in tensors:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import stagewise as sw
+from stagewise.ir.instructions import Backward, Carried, Forward, Send, StashIn, StashOut
 from stagewise.ir.plan import Layer, Stage, Transfer
 from stagewise.passes.lower import lower
 from stagewise.passes.schedule import schedule_tasks
@@ -19,8 +20,8 @@ from tests.models.gpt import TinyGPT, lm_loss
 from tests.reference import ADAMW, check_equal_training, pipeline_train, token_batches
 
 
-def stash_swaps(pipe, kind: str = "swap_out") -> list:
-    return [(p.device, i) for p in pipe.programs for i in p.instructions if i.kind == kind and i.what == "stash"]
+def stash_swaps(pipe, kind: type = StashOut) -> list:
+    return [(p.device, i) for p in pipe.programs for i in p.instructions if isinstance(i, kind)]
 
 
 def swapped_microbatches(pipe) -> dict[int, list[int]]:
@@ -39,9 +40,9 @@ def stash_bytes(pipe) -> dict[int, int]:
     return sizes
 
 
-def _find(code, kind: str, key: tuple, phase=None, what=None) -> list[int]:
-    return [j for j, c in enumerate(code) if c.kind == kind and (c.stage, c.microbatch) == key
-            and (phase is None or c.phase == phase) and (what is None or c.what == what)]
+def _find(code, kind: type, key: tuple, carries: Carried | None = None) -> list[int]:
+    return [j for j, c in enumerate(code) if isinstance(c, kind) and (c.stage, getattr(c, "microbatch", None)) == key
+            and (carries is None or c.carries is carries)]
 
 
 def assert_stash_program_order(pipe) -> None:
@@ -50,17 +51,17 @@ def assert_stash_program_order(pipe) -> None:
     for program in pipe.programs:
         code = program.instructions
         for index, ins in enumerate(code):
-            if ins.kind not in ("swap_in", "swap_out") or ins.what != "stash":
+            if not isinstance(ins, (StashIn, StashOut)):
                 continue
             key = (ins.stage, ins.microbatch)
-            if ins.kind == "swap_out":
-                (forward,) = _find(code, "compute", key, phase="F")
-                sends = _find(code, "send", key, what="act")
+            if isinstance(ins, StashOut):
+                (forward,) = _find(code, Forward, key)
+                sends = _find(code, Send, key, carries=Carried.ACTIVATIONS)
                 assert forward < index and forward in ins.waits
                 assert not sends or (max(sends) < index and max(sends) in ins.waits)
             else:
-                (out,) = _find(code, "swap_out", key, what="stash")
-                (backward,) = _find(code, "compute", key, phase="B")
+                (out,) = _find(code, StashOut, key)
+                (backward,) = _find(code, Backward, key)
                 assert out < index < backward and out in ins.waits and index in code[backward].waits
 
 
@@ -72,7 +73,7 @@ def test_schedules_with_stash_swapping_train_like_eager(schedule):
                                 microbatches=m, schedule=schedule, swap="all")
     assert_stash_program_order(pipe)
     swapped, sizes = swapped_microbatches(pipe), stash_bytes(pipe)
-    assert swapped and len(stash_swaps(pipe, "swap_in")) == len(stash_swaps(pipe))
+    assert swapped and len(stash_swaps(pipe, StashIn)) == len(stash_swaps(pipe))
     # the swapped bytes are the stash the pool counted: nothing of it stays on the device
     moved = {d: 0 for d in range(2)}
     for stage in pipe.plan.stages:
@@ -182,8 +183,8 @@ def test_simulated_gpipe_holds_depth_stashes_instead_of_m(depth, held):
     # the copies overlap compute: a swap-in runs while the backward before it computes
     spans = {(s.device, s.index): s for s in result.timeline}
     code = programs[0].instructions
-    swap_ins = [i for i, ins in enumerate(code) if ins.kind == "swap_in" and ins.what == "stash"]
-    backwards = [i for i, ins in enumerate(code) if ins.kind == "compute" and ins.phase == "B"]
+    swap_ins = [i for i, ins in enumerate(code) if isinstance(ins, StashIn)]
+    backwards = [i for i, ins in enumerate(code) if isinstance(ins, Backward)]
     if depth == 2:
         assert any(spans[(0, i)].start < spans[(0, b)].end and spans[(0, b)].start < spans[(0, i)].end
                    for i in swap_ins for b in backwards)
@@ -215,7 +216,7 @@ def test_a_backward_without_its_stash_is_an_error():
     pipe = sw.compile(TinyGPT(layers=2), 2, (ids[:, :-1],), loss_fn=lm_loss, example_target=ids[:, 1:], microbatches=2,
                       schedule="1f1b", swap="all")
     program = pipe.programs[0]
-    kept = tuple(i for i in program.instructions if not (i.kind == "swap_in" and i.what == "stash"))
+    kept = tuple(i for i in program.instructions if not isinstance(i, StashIn))
     index = {id(i): n for n, i in enumerate(kept)}
     renumber = {n: index[id(i)] for n, i in enumerate(program.instructions) if id(i) in index}
     kept = tuple(replace(i, waits=tuple(renumber[w] for w in i.waits if w in renumber)) for i in kept)

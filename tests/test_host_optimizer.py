@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import stagewise as sw
+from stagewise.ir.instructions import HostUpdate, Stream, Update
 from tests.hf import gpt2, lm_batches
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.reference import (
@@ -22,12 +23,12 @@ from tests.reference import (
 
 
 def host_updates(pipe) -> list:
-    return [i for p in pipe.programs for i in p.instructions if i.kind == "compute" and i.phase == "U"]
+    return [i for p in pipe.programs for i in p.instructions if isinstance(i, (Update, HostUpdate))]
 
 
 def assert_optimizer_on_host(pipe) -> None:
     updates = host_updates(pipe)
-    assert updates and all(u.what in ("host", "host-clip") and u.stream == "swap_out" for u in updates)
+    assert updates and all(isinstance(u, HostUpdate) and u.stream is Stream.SWAP_OUT for u in updates)
     for stats in pipe.stats:
         assert stats["optimizer_bytes"] == 0 and stats["swap_optimizer_bytes"] == 0
         assert stats["swap_grads_bytes"] > 0 and stats["swap_in_bytes"] > 0  # gradients out, weights in

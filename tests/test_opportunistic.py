@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import stagewise as sw
+from stagewise.ir.instructions import Backward, Carried, Forward, Recompute, Recv, Send, Stream
 from stagewise.passes.lower import lower
 from stagewise.passes.schedule import schedule_tasks
 from stagewise.passes.simulate import SimCost, simulate
@@ -31,19 +32,18 @@ from tests.test_distributed import _spawn
 from tests.test_simulator import chain
 
 SLOW_BACKWARD_S = 0.1  # the last stage's backward sleeps this long: its gradients arrive late
+MICROBATCH_COMPUTES = (Forward, Recompute, Backward)  # F, R, B: every compute but the update
 
 
 def compute_order(timeline, program) -> list[str]:
     """The compute instructions a device ran, in the order they started ("F3", "R0", ...), updates left out."""
     runs = sorted((start, index) for device, _, index, start, _ in timeline if device == program.device)
     code = program.instructions
-    return [f"{code[i].phase}{code[i].microbatch}" for _, i in runs
-            if code[i].kind == "compute" and code[i].phase != "U"]
+    return [f"{code[i].opcode}{code[i].microbatch}" for _, i in runs if isinstance(code[i], MICROBATCH_COMPUTES)]
 
 
 def program_order(program) -> list[str]:
-    return [f"{ins.phase}{ins.microbatch}" for ins in program.instructions
-            if ins.kind == "compute" and ins.phase != "U"]
+    return [f"{ins.opcode}{ins.microbatch}" for ins in program.instructions if isinstance(ins, MICROBATCH_COMPUTES)]
 
 
 def overtaken(order: list[str], static: list[str]) -> list[tuple[str, str]]:
@@ -102,10 +102,10 @@ def test_late_gradient_lets_a_ready_forward_run_first_and_training_is_unchanged(
     assert [b for b in order if b[0] == "B"] == [b for b in program_order(middle) if b[0] == "B"]
     for device, early, head in moved.executor.deviations:
         code = moved.programs[device].instructions
-        assert code[early].phase == "F" and code[head].phase in ("R", "B")
+        assert isinstance(code[early], Forward) and isinstance(code[head], (Recompute, Backward))
     early_on_1 = [middle.instructions[e].microbatch for device, e, _ in moved.executor.deviations if device == 1]
-    taken = [i for i, stream in moved.executor.owner[1].items() if stream == "compute"]  # in the last step
-    assert early_on_1 and {middle.instructions[i].microbatch for i in taken if middle.instructions[i].kind == "recv"} \
+    taken = [i for i, stream in moved.executor.owner[1].items() if stream is Stream.COMPUTE]  # in the last step
+    assert early_on_1 and {middle.instructions[i].microbatch for i in taken if isinstance(middle.instructions[i], Recv)} \
         >= set(early_on_1)  # the compute thread received the early forwards' activations itself
     for s in moved.stats:
         assert s["stash_bytes"] == 0 and s["buffer_bytes"] == 0  # every stash and buffer released
@@ -161,8 +161,8 @@ def varuna_programs(p: int, m: int):
 
 
 def simulated_order(result, device: int) -> list[str]:
-    return [f"{s.instruction.phase}{s.instruction.microbatch}" for s in result.timeline
-            if s.device == device and s.instruction.kind == "compute" and s.instruction.phase != "U"]
+    return [f"{s.instruction.opcode}{s.instruction.microbatch}" for s in result.timeline
+            if s.device == device and isinstance(s.instruction, MICROBATCH_COMPUTES)]
 
 
 def test_simulator_runs_a_ready_forward_while_a_gradient_crosses_a_slow_link():
@@ -179,11 +179,12 @@ def test_simulator_runs_a_ready_forward_while_a_gradient_crosses_a_slow_link():
         assert [b for b in simulated_order(moved, d) if b[0] != "F"] == [
             b for b in program_order(programs[d]) if b[0] != "F"]
         assert sorted(s.index for s in moved.timeline if s.device == d) == list(range(len(programs[d].instructions)))
-    early = next(s for s in moved.timeline if s.device == 1 and s.instruction.phase == "F" and s.instruction.microbatch == 3)
-    send = next(s for s in moved.timeline if s.device == 1 and s.instruction.kind == "send"
-                and s.instruction.what == "act" and s.instruction.microbatch == 3)
-    grad0 = next(s for s in moved.timeline if s.device == 1 and s.instruction.kind == "send"
-                 and s.instruction.what == "grad" and s.instruction.microbatch == 0)
+    early = next(s for s in moved.timeline if s.device == 1 and isinstance(s.instruction, Forward)
+                 and s.instruction.microbatch == 3)
+    send = next(s for s in moved.timeline if s.device == 1 and isinstance(s.instruction, Send)
+                and s.instruction.carries is Carried.ACTIVATIONS and s.instruction.microbatch == 3)
+    grad0 = next(s for s in moved.timeline if s.device == 1 and isinstance(s.instruction, Send)
+                 and s.instruction.carries is Carried.GRADIENTS and s.instruction.microbatch == 0)
     assert send.start == pytest.approx(early.end) and send.start < grad0.start  # not behind the gradient sends
 
 

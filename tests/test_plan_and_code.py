@@ -2,6 +2,7 @@
 
 import io
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import stagewise as sw
+from stagewise.ir.instructions import Stream
 from tests.hf import gpt2, lm_batches
 from tests.models.cnn import ResNet
 from tests.models.gpt import TinyGPT, lm_loss
@@ -49,9 +51,11 @@ def test_programs_print_and_name_streams():
     ids = torch.randint(0, 64, (4, 8))
     pipe = sw.compile(TinyGPT(), 2, (ids,), loss_fn=lm_loss, example_target=ids, microbatches=2, clip_grad_norm=1.0)
     text = str(pipe.programs[0])
-    assert "compute F stage=0 mb=0" in text and "send act" in text and "allreduce shared-grad" in text
-    assert "allreduce grad-norm" in text
-    assert {ins.stream for p in pipe.programs for ins in p.instructions} <= set(sw.ir.plan.STREAMS)
+    assert "compute  F stage=0 mb=0" in text and "p2p_out  send stage=0 mb=0 act peer=1 peer_stage=1 [" in text
+    assert re.search(r"compute  allreduce-shared stage=\d+ group=\d+(,\d+)+ tensors=\S+", text)
+    everyone = ",".join(str(s.index) for s in pipe.plan.stages)
+    assert f"compute  allreduce-norm stage=0 group={everyone}" in text
+    assert {ins.stream for p in pipe.programs for ins in p.instructions} <= set(Stream)
     plan_text = str(pipe.plan)
     assert "tok.weight" in plan_text and "tied-parameter" in plan_text
     console = rich.console.Console(file=io.StringIO(), width=140, color_system=None)

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 import stagewise as sw
 from stagewise.compiler.calibrate import local_topology
 from stagewise.ir.costs import training_state_per_param_byte
+from stagewise.ir.instructions import Stream
 from stagewise.ir.plan import CrossingValue, Cut, DeviceSpec, Layer, LayerCost
 from stagewise.ir.topology import Topology
 from stagewise.passes.costs import plan_charges
@@ -86,7 +87,7 @@ def test_model_larger_than_the_devices_gets_a_swapping_schedule():
     devices = [sw.Device("cpu", memory=state // 3) for _ in range(2)]
     pipe = sw.compile(model, devices, (x,), loss_fn=lm_loss, example_target=y, cost="analytic")
     assert pipe.plan.schedule in ("harmony-pp", "harmony-dp")
-    assert any(ins.kind == "swap_in" for p in pipe.programs for ins in p.instructions)
+    assert any(ins.stream is Stream.SWAP_IN for p in pipe.programs for ins in p.instructions)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "varuna"])

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import stagewise as sw
-from stagewise.ir.plan import Program
+from stagewise.ir.instructions import Forward, Recv, Send
+from stagewise.ir.program import Program
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.models.mlp import mlp
 from tests.reference import first_device_peak
@@ -26,10 +27,10 @@ def test_every_instruction_names_its_events():
     pipe = compile_mlp()
     program = pipe.programs[1]
     for index, ins in enumerate(program.instructions):
-        assert all(j < index and program.instructions[j].stream != ins.stream for j in ins.waits)
-        if ins.kind == "compute" and ins.phase == "F":
+        assert all(j < index and program.instructions[j].stream is not ins.stream for j in ins.waits)
+        if isinstance(ins, Forward):
             (recv,) = [program.instructions[j] for j in ins.waits]
-            assert recv.kind == "recv" and recv.microbatch == ins.microbatch
+            assert isinstance(recv, Recv) and recv.microbatch == ins.microbatch
 
 
 def test_stats_count_peak_stash_and_p2p():
@@ -69,7 +70,7 @@ def test_inconsistent_programs_are_a_deadlock_error_not_a_hang():
     pipe = compile_mlp()
     program = pipe.plan.programs[2]
     # drop device 2's first gradient send: device 1 then waits for a message that never comes
-    first_send = next(i for i, ins in enumerate(program.instructions) if ins.kind == "send")
+    first_send = next(i for i, ins in enumerate(program.instructions) if isinstance(ins, Send))
     broken = Program(2, program.instructions[:first_send] + program.instructions[first_send + 1 :])
     pipe.executor.programs = pipe.plan.programs[:2] + (_renumber(broken, first_send),)
     with pytest.raises(sw.PlanError, match="deadlock"):

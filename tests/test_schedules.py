@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from stagewise.ir.instructions import Phase
 from stagewise.ir.plan import Stage, Transfer
 from stagewise.passes.lower import lower
 from stagewise.passes.schedule import interleaved, schedule_tasks, varuna
@@ -13,7 +14,8 @@ from tests.reference import ADAMW, SGD, check_equal_training, first_device_peak
 
 
 def orders(tasks):
-    return [" ".join(f"{t.kind}{t.microbatch + 1}" for t in device if t.kind != "U") for device in tasks]
+    return [" ".join(f"{t.phase.value}{t.microbatch + 1}" for t in device if t.phase is not Phase.UPDATE)
+            for device in tasks]
 
 
 def test_varuna_reproduces_figure_4():
@@ -27,19 +29,19 @@ def test_varuna_reproduces_figure_4():
 
 def test_varuna_recomputes_everywhere_but_the_last_stage():
     tasks = varuna(3, 4)
-    assert all(t.recompute for t in tasks[0] + tasks[1] if t.kind == "F")
+    assert all(t.recompute for t in tasks[0] + tasks[1] if t.phase is Phase.FORWARD)
     assert not any(t.recompute for t in tasks[2])
     for device in tasks[:2]:  # rule 2: a recompute is followed by its microbatch's backward
         for a, b in zip(device, device[1:], strict=False):
-            if a.kind == "R":
-                assert (b.kind, b.microbatch) == ("B", a.microbatch)
+            if a.phase is Phase.RECOMPUTE:
+                assert (b.phase, b.microbatch) == (Phase.BACKWARD, a.microbatch)
 
 
 def test_interleaved_places_chunks_round_robin_and_covers_every_task():
     tasks = interleaved(n_devices=2, chunks=2, microbatches=4)
     for d, device in enumerate(tasks):
         assert {t.stage for t in device} == {d, d + 2}
-        work = [(t.kind, t.stage, t.microbatch) for t in device if t.kind != "U"]
+        work = [(t.phase.value, t.stage, t.microbatch) for t in device if t.phase is not Phase.UPDATE]
         assert sorted(work) == sorted((k, s, mb) for k in "FB" for s in (d, d + 2) for mb in range(4))
 
 

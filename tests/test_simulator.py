@@ -9,15 +9,23 @@ from __future__ import annotations
 import copy
 import json
 import math
-import struct
-import zlib
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from stagewise.ir.errors import PlanError
-from stagewise.ir.plan import Instruction, Program, SharedTensor, Stage, Transfer
+from stagewise.ir.instructions import (
+    AllReduceGradNorm,
+    AllReduceShared,
+    Carried,
+    Forward,
+    Recv,
+    Send,
+    Stream,
+)
+from stagewise.ir.plan import SharedTensor, Stage, Transfer
+from stagewise.ir.program import Program
 from stagewise.passes.lower import lower
 from stagewise.passes.schedule import one_f_one_b, schedule_tasks
 from stagewise.passes.simulate import SimCost, simulate
@@ -58,11 +66,11 @@ def uniform(p: int, tf: float = 1.0, tb: float = 2.0, **kwargs) -> SimCost:
 def test_1f1b_task_order() -> None:
     """Warm-up of p - s - 1 forwards, then alternate F and B, then the remaining backwards."""
     tasks = one_f_one_b(3, 4)
-    order = [[f"{t.kind}{'' if t.microbatch is None else t.microbatch}" for t in stage] for stage in tasks]
+    order = [[f"{t.phase.value}{'' if t.microbatch is None else t.microbatch}" for t in stage] for stage in tasks]
     assert order[0] == ["F0", "F1", "F2", "B0", "F3", "B1", "B2", "B3", "U"]
     assert order[1] == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3", "U"]
     assert order[2] == ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3", "U"]
-    few = [f"{t.kind}{'' if t.microbatch is None else t.microbatch}" for t in one_f_one_b(4, 2)[0]]
+    few = [f"{t.phase.value}{'' if t.microbatch is None else t.microbatch}" for t in one_f_one_b(4, 2)[0]]
     assert few == ["F0", "F1", "B0", "B1", "U"]  # m < p: the warm-up is cut to m
     assert schedule_tasks("1f1b", 2, 2)[0] == "1f1b"
     with pytest.raises(PlanError, match="unknown schedule 'zigzag'"):
@@ -111,15 +119,15 @@ def exchange(a_bytes: float, b_bytes: float, duplex: bool) -> float:
     dev0 = Program(
         0,
         (
-            Instruction("send", "p2p_out", 0, None, 0, "act", 1, ("a",)),
-            Instruction("recv", "p2p_in", 0, None, 0, "grad", 1, ("b",)),
+            Send(0, 0, Carried.ACTIVATIONS, peer=1, peer_stage=1, values=("a",)),
+            Recv(0, 0, Carried.GRADIENTS, peer=1, peer_stage=1, values=("b",)),
         ),
     )
     dev1 = Program(
         1,
         (
-            Instruction("send", "p2p_out", 1, None, 0, "grad", 0, ("b",)),
-            Instruction("recv", "p2p_in", 1, None, 0, "act", 0, ("a",)),
+            Send(1, 0, Carried.GRADIENTS, peer=0, peer_stage=0, values=("b",)),
+            Recv(1, 0, Carried.ACTIVATIONS, peer=0, peer_stage=0, values=("a",)),
         ),
     )
     cost = SimCost(
@@ -149,7 +157,7 @@ def test_allreduce_waits_for_the_group_and_costs_a_ring() -> None:
     tied = (SharedTensor("w", ("w0", "w2"), (0, 2), "tied-parameter"),)
     cost = uniform(3, tensor_bytes={"w": 300.0}, bandwidth=100.0)
     result = simulate(programs("gpipe", 3, 2, tied), cost)
-    spans = [s for s in result.timeline if s.instruction.kind == "allreduce"]
+    spans = [s for s in result.timeline if isinstance(s.instruction, (AllReduceShared, AllReduceGradNorm))]
     assert {s.device for s in spans} == {0, 2}
     assert spans[0].start == spans[1].start
     assert all(s.end - s.start == pytest.approx(2 * (2 - 1) / 2 * 300.0 / 100.0) for s in spans)
@@ -158,14 +166,14 @@ def test_allreduce_waits_for_the_group_and_costs_a_ring() -> None:
 
 def two_computes(start_second: float, concurrency: tuple[float, ...], instruction_s: float = 0.0) -> dict[int, float]:
     """Device 0 computes 1 s at t = 0; device 1 computes 1 s after a transfer that takes `start_second`."""
-    dev0 = Program(0, (Instruction("send", "p2p_out", 0, None, 0, "act", 1, ("y",)),
-                       Instruction("compute", "compute", 0, "F", 0)))
-    dev1 = Program(1, (Instruction("recv", "p2p_in", 1, None, 0, "act", 0, ("y",)),
-                       Instruction("compute", "compute", 1, "F", 0, waits=(0,))))
+    dev0 = Program(0, (Send(0, 0, Carried.ACTIVATIONS, peer=1, peer_stage=1, values=("y",)),
+                       Forward(0, 0)))
+    dev1 = Program(1, (Recv(1, 0, Carried.ACTIVATIONS, peer=0, peer_stage=0, values=("y",)),
+                       Forward(1, 0, waits=(0,))))
     cost = SimCost((1.0, 1.0), (0.0, 0.0), value_bytes={"y": start_second * 100.0}, bandwidth=100.0,
                    concurrency=concurrency, shared_devices=frozenset({0, 1}), instruction_s=instruction_s)
     result = simulate((dev0, dev1), cost)
-    return {s.device: s.end for s in result.timeline if s.instruction.kind == "compute"}
+    return {s.device: s.end for s in result.timeline if s.instruction.stream is Stream.COMPUTE}
 
 
 def test_devices_sharing_a_host_slow_each_other_while_both_compute() -> None:
@@ -186,7 +194,7 @@ def test_runtime_overhead_is_charged_per_instruction() -> None:
 
 
 def test_deadlock_is_reported() -> None:
-    never = Program(0, (Instruction("recv", "p2p_in", 0, None, 0, "act", 1, ("x",)),))
+    never = Program(0, (Recv(0, 0, Carried.ACTIVATIONS, peer=1, peer_stage=1, values=("x",)),))
     with pytest.raises(PlanError, match="deadlock"):
         simulate((never, Program(1, ())), SimCost((1.0,), (1.0,)))
 
@@ -210,31 +218,39 @@ def test_chrome_trace_has_one_event_per_instruction(tmp_path) -> None:
     assert names[(0, 0)] == "compute" and names[(2, 4)] == "p2p_out"
 
 
-def read_png(path) -> tuple[int, int, bytes]:
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    width, height = struct.unpack(">II", data[16:24])
-    chunks, at = {}, 8
-    while at < len(data):
-        (length,) = struct.unpack(">I", data[at : at + 4])
-        tag, body = data[at + 4 : at + 8], data[at + 8 : at + 8 + length]
-        assert struct.unpack(">I", data[at + 8 + length : at + 12 + length])[0] == zlib.crc32(tag + body)
-        chunks[tag] = body
-        at += 12 + length
-    return width, height, zlib.decompress(chunks[b"IDAT"])
-
-
 def test_png_gantt_chart(tmp_path) -> None:
+    """A matplotlib Gantt chart: a labelled row per device stream that ran something, time in ms."""
+    from matplotlib.patches import Rectangle
+
+    from stagewise.passes.timeline import gantt_figure
+
     result = simulate(programs("gpipe", 2, 2), uniform(2))
+    assert math.isclose(result.iteration_time, 9.0)  # (2 + 2 - 1) * (1 + 2)
     path = tmp_path / "gantt.png"
     result.to_png(path, width=300, row_height=10)
-    width, height, raw = read_png(path)
-    assert (width, height) == (300, 2 * 5 * 10)
-    assert len(raw) == height * (1 + 3 * width)
-    # F0 on dev0 runs over [0, 1) of an iteration of (2 + 2 - 1) * 3 = 9: blue in row 0 at x = 10.
-    row = raw[5 * (1 + 3 * width) + 1 :]
-    assert tuple(row[3 * 10 : 3 * 10 + 3]) == (66, 133, 244)
-    assert math.isclose(result.iteration_time, 9.0)
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    assert int.from_bytes(data[16:20], "big") == 300  # the width asked for, in pixels
+
+    figure = gantt_figure(result, width=300, row_height=10)
+    (axes,) = figure.axes
+    rows = [t.get_text() for t in axes.get_yticklabels()]
+    ran = {f"dev{s.device} {s.stream.value}" for s in result.timeline}
+    assert sorted(rows) == sorted(ran) and len(rows) == len(ran)
+    assert {"dev0 compute", "dev0 p2p_out", "dev0 p2p_in", "dev1 compute", "dev1 p2p_in", "dev1 p2p_out"} <= ran
+    assert axes.get_xlabel() == "time (ms)"
+    assert axes.get_xlim() == pytest.approx((0.0, 9000.0))
+    legend = {t.get_text() for t in axes.get_legend().get_texts()}
+    assert {"forward", "backward"} <= legend
+
+    # F0 on dev0 runs over [0, 1) s: a bar in the "dev0 compute" row from 0 ms, 1000 ms wide
+    row = rows.index("dev0 compute")
+    bars = [b for b in axes.patches if isinstance(b, Rectangle)
+            and b.get_y() < row < b.get_y() + b.get_height()]
+    first = min(bars, key=lambda b: b.get_x())
+    assert first.get_x() == pytest.approx(0.0) and first.get_width() == pytest.approx(1000.0)
+    (forward,) = [h for h in axes.get_legend().legend_handles if h.get_label() == "forward"]
+    assert first.get_facecolor() == forward.get_facecolor()
 
 
 # ---- end to end --------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import stagewise as sw
+from stagewise.ir.instructions import GradNormPart, HostUpdate, Update
 from tests.hf import gpt2, lm_batches
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.reference import ADAMW, SGD, check_equal_training, token_batches
@@ -95,7 +96,7 @@ def test_swap_volume_per_device_dp_is_4m_plus_2_n_times_the_weights():
 
 
 def _norm_parts(pipe) -> list:
-    return [i for p in pipe.programs for i in p.instructions if i.kind == "allreduce" and i.what == "grad-norm-part"]
+    return [i for p in pipe.programs for i in p.instructions if isinstance(i, GradNormPart)]
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "harmony-pp", "harmony-dp"])
@@ -106,9 +107,8 @@ def test_clip_grad_norm_with_swapping_trains_like_eager(schedule):
                                 microbatches=4, schedule=schedule, swap="on", clip_grad_norm=0.1)
     parts = _norm_parts(pipe)
     assert sorted(i.stage for i in parts) == sorted(s.index for s in pipe.plan.stages)
-    assert all(i.group == (i.stage,) for i in parts)
-    updates = [i for p in pipe.programs for i in p.instructions if i.kind == "compute" and i.phase == "U"]
-    assert updates and all(i.what == "clip" for i in updates)
+    updates = [i for p in pipe.programs for i in p.instructions if isinstance(i, (Update, HostUpdate))]
+    assert updates and all(isinstance(i, Update) and i.clip for i in updates)
     pipe.simulate()
 
 
