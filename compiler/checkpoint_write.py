@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+import torch.fx as fx
 
 from stagewise.codegen.source import stage_source
 from stagewise.compiler.runtime_setup import Runtime
@@ -45,13 +46,14 @@ def _save_distributed(plan: Plan, runtime: Runtime, target: Path) -> None:
         "under torch.distributed every rank must call pipe.save(directory) (each holds only its own stages), "
         "not only rank 0",
     )
+    mine: list[dict] | str  # this rank's stages, or why it could not snapshot them
+    local_error: BaseException | None = None
     try:
         mine = [_snapshot(plan, worker) for worker in runtime.workers]
-        local_error = None
     except Exception as error:  # noqa: BLE001 - sent to rank 0 so that no rank waits for it
         mine, local_error = f"{type(error).__name__}: {error}", error
     parts = transport.gather_to_first(mine)
-    outcome = None
+    outcome: str | None = None
     if parts is not None:  # rank 0
         failed = [f"rank {r}: {p}" for r, p in enumerate(parts) if isinstance(p, str)]
         if failed:
@@ -156,9 +158,9 @@ def _cpu_attrs(worker: StageWorker) -> dict[str, object]:
     return copy.deepcopy(_attrs(module), memo)
 
 
-def _attrs(module: torch.nn.Module) -> dict[str, object]:
+def _attrs(module: fx.GraphModule) -> dict[str, object]:
     """The objects the stage code reaches by FQN: leaf submodules and top-level tensors."""
-    attrs = {}
+    attrs: dict[str, object] = {}
     graph = module.graph
     for node in graph.nodes:
         if node.op == "call_module":

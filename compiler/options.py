@@ -101,7 +101,7 @@ class CompileRequest:
 
     @property
     def capacities(self) -> list[int | None]:
-        return [d.memory for d in self.devices]
+        return [d.spec().memory for d in self.devices]
 
     @property
     def sharing_cpu_devices(self) -> int:

@@ -93,14 +93,16 @@ class Pipeline:
     @property
     def timeout_s(self) -> float:
         """How long a device waits for a peer before a PeerError (default 300 s)."""
-        return self.executor.timeout_s if self.context is None else self.transport.timeout_s
+        transport = self.transport
+        return transport.timeout_s if isinstance(transport, DistributedTransport) else self.executor.timeout_s
 
     @timeout_s.setter
     def timeout_s(self, seconds: float) -> None:
         # Across processes the transport's wait names the silent rank: let it expire first.
-        self.executor.timeout_s = seconds if self.context is None else 2 * seconds
-        if self.context is not None:
-            self.transport.timeout_s = seconds
+        transport = self.transport
+        self.executor.timeout_s = 2 * seconds if isinstance(transport, DistributedTransport) else seconds
+        if isinstance(transport, DistributedTransport):
+            transport.timeout_s = seconds
 
     @property
     def stats(self) -> list[dict[str, int]]:
@@ -135,15 +137,15 @@ class Pipeline:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The trained state under the original model's names (tied names share one tensor).
         Under torch.distributed every rank gathers every stage's state."""
-        found = {}
+        found: dict[str, torch.Tensor] = {}
         for worker in self.workers:
             for name, tensor in worker.state_tensors().items():
                 found.setdefault(name, tensor)
         if self.context is not None:
-            gathered = [None] * len(self.plan.devices)
+            gathered: list[dict[str, torch.Tensor] | None] = [None] * len(self.plan.devices)
             torch.distributed.all_gather_object(gathered, {k: v.detach().cpu() for k, v in found.items()})
             for part in gathered:
-                for name, tensor in part.items():
+                for name, tensor in (part or {}).items():
                     found.setdefault(name, tensor)
         result = {}
         for name in self.plan.state_names:

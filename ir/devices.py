@@ -112,15 +112,23 @@ class Device:
         return torch_device(self.name)
 
     def spec(self) -> DeviceSpec:
+        """The plan's record of this device, its figures in bytes and per second (parsed at construction)."""
         return DeviceSpec(
             name=self.name,
             kind=self.torch_device.type,
-            memory=self.memory,
+            memory=_parsed(self.memory),
             speed=self.speed,
-            peak_flops=self.peak_flops,
-            memory_bandwidth=self.memory_bandwidth,
-            host_bandwidth=self.host_bandwidth,
+            peak_flops=_parsed(self.peak_flops),
+            memory_bandwidth=_parsed(self.memory_bandwidth),
+            host_bandwidth=_parsed(self.host_bandwidth),
         )
+
+
+def _parsed(value: int | float | str | None):
+    """A figure `__post_init__` parsed (a string left would be a bug of this module)."""
+    if isinstance(value, str):
+        raise TypeError(f"unparsed device figure {value!r}")
+    return value
 
 
 def torch_device(name: str | torch.device) -> torch.device:

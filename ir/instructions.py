@@ -16,7 +16,7 @@ import dataclasses
 import enum
 import typing
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from stagewise.ir.errors import PlanError
 
@@ -230,7 +230,7 @@ KINDS: tuple[type[Instruction], ...] = (
 )
 COMPUTES = (Forward, Recompute, Backward, Update)
 ALL_REDUCES = (AllReduceShared, AllReduceGradNorm)
-_BY_OPCODE = {kind.opcode: kind for kind in KINDS}
+_BY_OPCODE: dict[str, type[Instruction]] = {kind.opcode: kind for kind in KINDS}
 _SHORT = {"microbatch": "mb"}
 _LONG = {short: name for name, short in _SHORT.items()}
 
@@ -292,7 +292,7 @@ def parse_instruction(line: str) -> Instruction:
         raise PlanError(f"{tokens[1]} runs on {kind.stream.value}, not {tokens[0]}: {line!r}")
     hints = typing.get_type_hints(kind)
     fields = {f.name for f in dataclasses.fields(kind)}
-    kwargs: dict[str, object] = {}
+    kwargs: dict[str, Any] = {}
     for token in tokens[2:]:
         kwargs.update(_parse_token(token, kind, hints, fields, line))
     if values:
@@ -305,7 +305,7 @@ def parse_instruction(line: str) -> Instruction:
         raise PlanError(f"incomplete instruction {line!r}: {error}") from None
 
 
-def _parse_token(token: str, kind: type, hints: dict, fields: set[str], line: str) -> dict[str, object]:
+def _parse_token(token: str, kind: type[Instruction], hints: dict, fields: set[str], line: str) -> dict[str, Any]:
     if "=" in token:
         key, text = token.split("=", 1)
         name = _LONG.get(key, key)

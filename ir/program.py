@@ -58,7 +58,7 @@ def programs_from_text(text: str) -> tuple[Program, ...]:
         header = _HEADER.fullmatch(lines[0].strip())
         if header is None:
             raise PlanError(f"not a program header: {lines[0]!r}")
-        device, body = int(header[1]), []
+        device, body = int(header[1]), list[Instruction]()
         for line in lines[1:]:
             match = _LINE.fullmatch(line)
             if match is None:

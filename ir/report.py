@@ -75,6 +75,6 @@ def _transfers(transfers, microbatch_size: int, side: str) -> str:
 
 
 def _render(table: Table) -> str:
-    console = Console(file=io.StringIO(), width=140, force_terminal=False, color_system=None)
-    console.print(table)
-    return console.file.getvalue().rstrip()
+    buffer = io.StringIO()
+    Console(file=buffer, width=140, force_terminal=False, color_system=None).print(table)
+    return buffer.getvalue().rstrip()

@@ -16,6 +16,7 @@ import hashlib
 import json
 import threading
 import time
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,8 @@ from stagewise.runtime.pending import POLL_S, Pending
 from stagewise.runtime.pool import MemoryPool
 from stagewise.runtime.sync import Aborted, Sync
 from stagewise.runtime.transport import LocalTransport
+
+T = TypeVar("T")
 
 # What the ranks execute together and must agree on. Not the planner's predictions: each rank
 # measures its own layer costs, so predicted times differ between ranks in the last digits.
@@ -247,7 +250,7 @@ class DistributedTransport:
         dist.gather_object(value, gathered, dst=0, group=self.world)
         return gathered
 
-    def from_first(self, value: object) -> object:
+    def from_first(self, value: T) -> T:
         """Rank 0's `value`, on every rank."""
         box = [value]
         dist.broadcast_object_list(box, src=0, group=self.world)

@@ -6,5 +6,5 @@ source "$here/setup.sh"
 cd "$here/.."
 ruff check .
 lint-imports
-mypy stagewise/__init__.py
+mypy
 python -m pytest -q "$@"
