@@ -139,11 +139,9 @@ class AllReduceGradNorm(Instruction):
 
 # ---- point to point ---------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Send(Instruction):
-    """Send `values` of a microbatch to `peer_stage` on device `peer`."""
+class _PointToPoint(Instruction):
+    """Moves `values` of a microbatch between this stage and `peer_stage` on device `peer`."""
 
-    stream = Stream.P2P_OUT
-    opcode = "send"
     microbatch: int
     carries: Carried
     peer: int
@@ -152,16 +150,19 @@ class Send(Instruction):
 
 
 @dataclass(frozen=True)
-class Recv(Instruction):
+class Send(_PointToPoint):
+    """Send `values` of a microbatch to `peer_stage` on device `peer`."""
+
+    stream = Stream.P2P_OUT
+    opcode = "send"
+
+
+@dataclass(frozen=True)
+class Recv(_PointToPoint):
     """Receive `values` of a microbatch from `peer_stage` on device `peer`."""
 
     stream = Stream.P2P_IN
     opcode = "recv"
-    microbatch: int
-    carries: Carried
-    peer: int
-    peer_stage: int
-    values: tuple[str, ...]
 
 
 # ---- swaps (Harmony §4.4) ---------------------------------------------------------------------

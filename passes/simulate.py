@@ -39,11 +39,9 @@ GPipe (m stashed microbatches) and 1F1B (at most p) differ in (Narayanan §4.2.2
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 from stagewise.ir.deviations import DeviationPoints
 from stagewise.ir.errors import PlanError
@@ -71,13 +69,13 @@ from stagewise.ir.instructions import (
 )
 from stagewise.ir.interpreter import Interpreter, stashes
 from stagewise.ir.program import Program
+from stagewise.passes.sim_clock import HOST, FairShareClock, Flow
 from stagewise.passes.sim_cost import SimCost, _at, transfer_bytes
 from stagewise.passes.sim_result import SimResult, Span, occupancy, span_order
 from stagewise.passes.sim_varuna import VarunaDeviation
 
 __all__ = ["SimCost", "SimResult", "Span", "simulate", "transfer_bytes"]
 
-_EPS = 1e-12
 WAKE_IDLE_S = 1e-3  # a compute stream idle this long pays SimCost.wake_s at its next compute
 
 
@@ -91,22 +89,7 @@ def simulate(programs: Iterable[Program], cost: SimCost, opportunistic: bool | N
     return _Simulation(tuple(programs), cost, opportunistic).run()
 
 
-@dataclass
-class _Flow:
-    """A transfer in flight: the bytes still to move on its link."""
-
-    key: object  # the messages a transfer carries; a compute's instruction type
-    link: tuple[int, int]
-    bandwidth: float
-    remaining: float
-    start: float
-    send: tuple[int, int]  # the instruction that ends when the flow has drained
-
-
-_HOST = ("host",)  # the link key of computes sharing one host
-
-
-class _Simulation(VarunaDeviation, Interpreter):
+class _Simulation(FairShareClock, VarunaDeviation, Interpreter):
     """Plays the programs forward in time; one handler per instruction kind starts it."""
 
     handlers = {
@@ -134,7 +117,7 @@ class _Simulation(VarunaDeviation, Interpreter):
         self.started: dict[tuple[int, int], float] = {}
         self.finished: dict[tuple[int, int], float] = {}
         self.timers: list[tuple[float, int, Callable[[], None]]] = []
-        self.flows: list[_Flow] = []
+        self.flows: list[Flow] = []
         self.arrived: dict[tuple, deque[float]] = defaultdict(deque)  # key -> start times of arrived flows
         self.waiting: dict[tuple, deque[tuple[int, int]]] = defaultdict(deque)  # key -> posted recvs
         self.rendezvous: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
@@ -236,7 +219,7 @@ class _Simulation(VarunaDeviation, Interpreter):
         if shared and ins.stream is Stream.COMPUTE and idle:
             seconds += self.cost.wake_s
         if shared and self.cost.concurrency:
-            self.flows.append(_Flow(type(ins), _HOST, 1.0, seconds, self.now, op))
+            self.flows.append(Flow(type(ins), HOST, 1.0, seconds, self.now, op))
         else:
             self._after(seconds, op)
 
@@ -256,7 +239,7 @@ class _Simulation(VarunaDeviation, Interpreter):
         nbytes = self.cost.bytes_of(ins)
         self.p2p[device] += nbytes
         bandwidth = self.cost.link_bandwidth(device, ins.peer)
-        self.flows.append(_Flow(message_keys(ins), self.cost.link(device, ins.peer), bandwidth, nbytes, self.now,
+        self.flows.append(Flow(message_keys(ins), self.cost.link(device, ins.peer), bandwidth, nbytes, self.now,
                                 (device, index)))
 
     def _post_recv(self, device: int, index: int, ins: Recv) -> None:
@@ -285,14 +268,6 @@ class _Simulation(VarunaDeviation, Interpreter):
     def _after(self, duration: float, op: tuple[int, int]) -> None:
         self._later(duration, lambda: self._finish(op))
 
-    def _later(self, delay: float, action: Callable[[], None]) -> None:
-        """Run `action` `delay` seconds from now (at once when the delay is zero)."""
-        if delay <= 0:
-            action()
-            return
-        self._seq += 1
-        heapq.heappush(self.timers, (self.now + delay, self._seq, action))
-
     # -- finishing instructions
     def _finish(self, op: tuple[int, int]) -> None:
         device, index = op
@@ -317,7 +292,7 @@ class _Simulation(VarunaDeviation, Interpreter):
         else:
             assert index not in queue, (device, stream, index)
 
-    def _deliver(self, flow: _Flow) -> None:
+    def _deliver(self, flow: Flow) -> None:
         """The data of a send has arrived: the send finishes, and so does a recv waiting for it."""
         self._finish(flow.send)
         if self.waiting[flow.key]:
@@ -336,45 +311,6 @@ class _Simulation(VarunaDeviation, Interpreter):
             self.memory[op[0]].append((self.now, nbytes))
             self.buffers[(op[0], ins.stage, ins.microbatch)] += nbytes
         self._finish(op)
-
-    # -- time
-    def _rates(self) -> list[float]:
-        """Fair share: each flow gets its link's bandwidth divided by the flows on that link; a
-        compute on a shared host gets its speed with as many computes running."""
-        count: dict[tuple, int] = defaultdict(int)
-        for flow in self.flows:
-            count[flow.link] += 1
-        computing = count[_HOST]
-        return [self.cost.speed_with(computing, update=flow.key in (Update, HostUpdate)) if flow.link == _HOST
-                else flow.bandwidth / count[flow.link] for flow in self.flows]
-
-    def _next_time(self) -> float | None:
-        times = [self.timers[0][0]] if self.timers else []
-        times += [
-            self.now + f.remaining / r if f.remaining > 0 else self.now
-            for f, r in zip(self.flows, self._rates(), strict=True)
-        ]
-        return min(times) if times else None
-
-    def _advance(self, t: float) -> None:
-        """Move to time t: drain flows at their current rates, then fire what ends at t."""
-        dt, drained, moving = t - self.now, [], []
-        for flow, rate in zip(self.flows, self._rates(), strict=True):
-            ends = self.now + (flow.remaining / rate if flow.remaining > 0 else 0.0)
-            if ends <= t + _EPS * max(1.0, abs(t)):
-                drained.append(flow)
-            else:
-                flow.remaining -= rate * dt
-                moving.append(flow)
-        self.now, self.flows = t, moving
-        for flow in drained:  # a drained flow's data is usable after the link latency
-            if flow.link == _HOST:
-                self._finish(flow.send)
-            else:
-                latency = self.cost.latency_s + self.cost.instruction_s
-                self._later(latency, lambda flow=flow: self._deliver(flow))
-        while self.timers and self.timers[0][0] <= t + _EPS * max(1.0, abs(t)):
-            heapq.heappop(self.timers)[2]()
 
     def _stuck(self) -> str:
         heads = [
