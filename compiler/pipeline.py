@@ -11,6 +11,7 @@ from stagewise.compiler.batches import split_batch
 from stagewise.compiler.checkpoint_write import save
 from stagewise.compiler.runtime_setup import Runtime
 from stagewise.ir.errors import BatchSizeError, ExampleInputsError
+from stagewise.ir.instructions import Stream
 from stagewise.ir.plan import Plan, SharedTensor
 from stagewise.ir.program import Program
 from stagewise.passes.costs import plan_charges
@@ -83,11 +84,11 @@ class Pipeline:
         step = max((end for *_, end in timeline), default=0.0)
         rows = []
         for program in self.executor.programs:
-            busy = {stream: 0.0 for stream in ("compute", "swap_in", "swap_out", "p2p_in", "p2p_out")}
+            busy = dict.fromkeys(Stream, 0.0)
             for device, stream, _, start, end in timeline:
                 if device == program.device:
                     busy[stream] += end - start
-            rows.append({"device": program.device, "step_s": step, **{f"{k}_s": v for k, v in busy.items()}})
+            rows.append({"device": program.device, "step_s": step, **{f"{s.value}_s": v for s, v in busy.items()}})
         return rows
 
     @property

@@ -48,6 +48,20 @@ def test_stats_count_peak_stash_and_p2p():
     assert sum(s["reused_buffers"] for s in pipe.stats) > 0  # transfer buffers are recycled
 
 
+def test_time_breakdown_names_every_stream_and_sums_what_ran():
+    pipe = compile_mlp()
+    pipe.step(X, target=Y)
+    rows = pipe.time_breakdown()
+    assert [r["device"] for r in rows] == [0, 1, 2]
+    for row in rows:
+        assert set(row) == {"device", "step_s", "compute_s", "swap_in_s", "swap_out_s", "p2p_in_s", "p2p_out_s"}
+        assert 0 < row["compute_s"] <= row["step_s"]
+    spans = {(d, s): 0.0 for d, s, *_ in pipe.executor.timeline}
+    for device, stream, _, start, end in pipe.executor.timeline:
+        spans[(device, stream)] += end - start
+    assert rows[1]["p2p_in_s"] == pytest.approx(sum(v for (d, s), v in spans.items() if d == 1 and s.value == "p2p_in"))
+
+
 def test_one_f_one_b_stashes_less_than_gpipe():
     assert first_device_peak(TinyGPT(), 4, "1f1b") < first_device_peak(TinyGPT(), 4, "gpipe")
 
