@@ -9,19 +9,19 @@ gradient norm over every device so the norm is the whole model's, as eager clipp
 Clipping defers every update until that norm is known. Where a device swaps (Harmony §4.4)
 it cannot hold every stage's gradients for it, so the deferred updates run in stages: each
 stage's gradients come in once they are final (after its shared tensors' all-reduce), its
-part of the squared norm is counted (`allreduce grad-norm-part`, a group of that one stage)
-and they go back out; one `allreduce grad-norm` sums the parts across devices; then each
+part of the squared norm is counted (`GradNormPart`)
+and they go back out; one `AllReduceGradNorm` sums the parts across devices; then each
 stage in turn brings in its weights, gradients and optimizer state, scales its gradients
-(`compute U clip`), updates, and writes back.
+(`Update(clip=True)`), updates, and writes back.
 
 With the optimizer on the host (Harmony's CPU update, ZeRO-Offload) an update sends the
-stage's gradients to host memory (`swap_out grads`), steps the host master weights there
-(`compute U host`, on the swap-out stream: the device computes on meanwhile) and copies them
-back (`swap_in weights`) to a stage that keeps its weights on the device.
+stage's gradients to host memory (`SwapOut` of the gradients), steps the host master weights there
+(`HostUpdate`, on the swap-out stream: the device computes on meanwhile) and copies them
+back (`SwapIn` of the weights) to a stage that keeps its weights on the device.
 
 A stage whose stashed activations are swapped (Harmony's sX, passes/swap.py) writes each
-microbatch's stash out after its forward (`swap_out stash`, after the sends that read its
-outputs) and reads it back before the backward (`swap_in stash`); the swap-in depends only on
+microbatch's stash out after its forward (`StashOut`, after the sends that read its
+outputs) and reads it back before the backward (`StashIn`); the stash-in depends only on
 that swap-out and on the stash-residency bound, so the swap-in stream prefetches it while the
 compute stream runs the tasks before the backward.
 """
@@ -80,6 +80,13 @@ class _Wiring:
 
     def jit(self, stage: int) -> bool:
         return _jit(stage, self.groups, self.by_index, self.clip)
+
+    def takers(self, by_peer: dict[int, tuple[str, ...]], microbatch: int) -> dict[int, tuple[str, ...]]:
+        """The peers that process `microbatch`: a replica of a stage exchanges each microbatch only
+        with the instance of the neighbouring stage that takes it (an instance with no
+        microbatches listed takes them all)."""
+        return {peer: values for peer, values in by_peer.items()
+                if not self.by_index[peer].microbatches or microbatch in self.by_index[peer].microbatches}
 
 
 def lower(
@@ -178,7 +185,7 @@ def _emit_task(task: Task, code: list, wiring: _Wiring, waits: tuple[int, ...] =
     compute's index (`waits`: events the compute waits for beyond its receives)."""
     s, mb = task.stage, task.microbatch
     assert mb is not None, task
-    incoming, outgoing = wiring.incoming[s], wiring.outgoing[s]
+    incoming, outgoing = wiring.takers(wiring.incoming[s], mb), wiring.takers(wiring.outgoing[s], mb)
     if task.phase is Phase.FORWARD:
         code += [_p2p(Recv, s, mb, Carried.ACTIVATIONS, src, wiring, values) for src, values in incoming.items()]
         code.append(Forward(s, mb, stash=not task.recompute, waits=waits))

@@ -20,8 +20,8 @@ copy of the weights, and a stage whose weights stay on the device gets them back
 a swapped stage's next swap-in reads the updated master, so its device copy is only freed.
 
 Stashed activations (Table 3's sX row): a stage in `SwapPlan.stash` writes each microbatch's
-stash to host memory right after the forward that made it (`swap_out stash`, once its outputs
-are sent) and brings it back for that microbatch's backward (`swap_in stash`, issued on the
+stash to host memory right after the forward that made it (`StashOut`, once its outputs
+are sent) and brings it back for that microbatch's backward (`StashIn`, issued on the
 swap-in stream so that it overlaps the compute before the backward). A stash whose backward is
 the device's very next task stays (it would come straight back). Every stash of such a stage that
 is on the device is one residency: a forward that stashes or a swap-in waits until the residency

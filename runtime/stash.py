@@ -36,7 +36,7 @@ class _Saved:
 
     def get(self) -> torch.Tensor:
         if self.tensor is None:
-            raise PlanError("the backward reached a stashed activation still in host memory (no swap_in stash before it)")
+            raise PlanError("the backward reached a stashed activation still in host memory (no stash-in before it)")
         return self.tensor
 
 

@@ -4,8 +4,8 @@ Everything the stage holds is registered in its device's memory pool: weights at
 gradients from the first backward to the update, optimizer state from the first update,
 per microbatch the activations autograd saves (held through saved_tensors_hooks) until that
 microbatch's backward, and the transfer buffers its inputs arrived in. A program may move a
-microbatch's stash to host memory between its forward and its backward (`swap_out stash`,
-`swap_in stash`: Harmony's sX); the pool then holds it only while it is on the device.
+microbatch's stash to host memory between its forward and its backward (`stash-out`,
+`stash-in`: Harmony's sX); the pool then holds it only while it is on the device.
 
 With the optimizer on the host (an update instruction that says "host") the optimizer steps an
 fp32 master copy of each parameter in host memory, with the gradients the program copied there,
@@ -94,7 +94,7 @@ class StageWorker(CheckpointAccess):
         inputs stay (a recompute, the same call with stash=True, rebuilds the graph before B).
 
         What autograd saves goes through saved_tensors_hooks into a `Stash`, by handle, so that a
-        `swap_out stash` can move it to host memory and a `swap_in stash` bring it back before B;
+        a `stash-out` can move it to host memory and a `stash-in` bring it back before B;
         that happens for the microbatches the program swaps, and once to measure the stash size.
         The stash counted in the pool is that and the outputs, less the stage's state and the
         microbatch's inputs (received transfer buffers, counted as such, or the caller's tensors)."""
@@ -133,7 +133,7 @@ class StageWorker(CheckpointAccess):
         stash = self.stashes.pop(microbatch, None)
         if stash is not None and stash.on_host:
             raise PlanError(f"`{instruction}` runs while microbatch {microbatch}'s stash of stage {self.stage.index} is "
-                            "in host memory: the program lacks its `swap_in stash`")
+                            "in host memory: the program lacks its `stash-in`")
         tensors, grads = [], []
         outputs = self.outputs.pop(microbatch)
         for name, grad in self.output_grads.pop(microbatch, {}).items():

@@ -222,7 +222,7 @@ def test_a_backward_without_its_stash_is_an_error():
     kept = tuple(replace(i, waits=tuple(renumber[w] for w in i.waits if w in renumber)) for i in kept)
     pipe.executor.programs = (replace(program, instructions=kept),) + pipe.executor.programs[1:]
     pipe.timeout_s = 20
-    with pytest.raises(sw.PlanError, match="swap_in stash"):
+    with pytest.raises(sw.PlanError, match="stash-in"):
         pipe.step(ids[:, :-1], target=ids[:, 1:])
 
 
