@@ -15,6 +15,7 @@ from stagewise.compiler.calibrate import (
     optimizer_cost,
     optimizer_state_ratio,
 )
+from stagewise.compiler.cluster import cluster_topology
 from stagewise.compiler.options import CompileRequest
 from stagewise.ir.costs import RuntimeCosts, training_state_per_param_byte
 from stagewise.ir.devices import Device
@@ -63,10 +64,11 @@ class Costs:
 
 
 def measure_costs(request: CompileRequest, analysis: Analysis) -> Costs:
-    """Measure the links between the devices, profile (or model) every layer at the first size, and measure
-    what the runtime adds on this machine."""
+    """Measure the links between the devices (under torch.distributed, with a level per host), profile
+    (or model) every layer at the first size, and measure what the runtime adds on this machine."""
     devices = request.devices
-    topology = local_topology(devices)
+    context = request.distributed
+    topology = local_topology(devices) if context is None else cluster_topology(devices, context.local_rank)
     options = request.options
     # no optimizer state on the devices when the optimizer steps on the host
     optimizer_ratio = 0.0 if options.optimizer_on_host else optimizer_state_ratio(options.optimizer)

@@ -26,7 +26,7 @@ def compile(  # noqa: A001 - the public name of the API
     split_points: list[str] | None = None,
     clip_grad_norm: float | None = None,
     swap: str = "auto",
-    replicas: int | str = 1,
+    replicas: int | str | tuple[int, ...] = 1,
     stages: int | str | None = None,
     optimizer_on_host: bool = False,
 ) -> Pipeline:
@@ -45,6 +45,11 @@ def compile(  # noqa: A001 - the public name of the API
     device's next task stays). `replicas`: data-parallel copies of the pipeline (P x D, P =
     devices / replicas); "auto" lets the planner simulate every D that divides the devices and the
     microbatch count and keep the fastest, as Varuna's configuration search does (§4.4).
+    A tuple replicates each stage its own number of ways (PipeDream's replicated stages, §2.4.1):
+    `replicas=(2, 1)` runs stage 0 on two devices, each on half the microbatches, and stage 1 on a
+    third; "per-stage" lets PipeDream's DP choose each stage's replication over the topology's
+    levels and keeps it where the simulator predicts it faster than the straight pipeline (gpipe
+    and 1f1b; the replicas' gradients are summed before each update).
     `stages`: the depth P of a gpipe / 1f1b / varuna pipeline (default: every device, N / D); fewer
     leaves devices idle; "auto" lets the planner simulate every depth from 1 and keep the fastest
     (PipeDream's planner may use fewer workers, §2.4.1): in-process CPU devices that share fewer

@@ -16,6 +16,7 @@ from stagewise.ir.errors import ExampleInputsError, OversubscribedWarning, PlanE
 from stagewise.ir.plan import DeviceSpec
 from stagewise.passes.capture import input_names
 from stagewise.passes.contention import available_cores, computes_at_full_speed
+from stagewise.passes.layout import PER_STAGE
 from stagewise.passes.schedule import SCHEDULES
 from stagewise.runtime.launch import DistributedContext, distributed_context
 
@@ -36,17 +37,25 @@ class CompileOptions:
     split_points: tuple[str, ...] | None = None
     clip_grad_norm: float | None = None
     swap: str = "auto"
-    replicas: int | str = 1
+    replicas: int | str | tuple[int, ...] = 1
     stages: int | str | None = None
     optimizer_on_host: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.replicas, list):  # replicas=[2, 1] reads as (2, 1)
+            object.__setattr__(self, "replicas", tuple(self.replicas))
         if self.cost not in COST_MODELS:
             raise PlanError(f"unknown cost={self.cost!r}; choose 'profile' (measure) or 'analytic' (FLOPs and peak rates)")
         if self.schedule not in SCHEDULES:
             raise PlanError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
-        if self.replicas != "auto" and (not isinstance(self.replicas, int) or self.replicas < 1):
-            raise PlanError(f"replicas must be a positive int or 'auto', got {self.replicas!r}")
+        if not _valid_replicas(self.replicas):
+            raise PlanError(f"replicas must be a positive int, 'auto', '{PER_STAGE}' or a tuple with a positive count "
+                            f"per stage such as (2, 1), got {self.replicas!r}")
+        if (self.replicas == PER_STAGE or isinstance(self.replicas, tuple)) and self.stages is not None:
+            raise PlanError(f"replicas={self.replicas!r} places every stage's replicas itself; drop stages=")
+        if self.replicas == PER_STAGE and self.split_points is not None:
+            raise PlanError(f"replicas='{PER_STAGE}' lets PipeDream's DP choose the cuts; with split_points give each "
+                            "stage's replicas, e.g. replicas=(2, 1)")
         if self.stages not in (None, "auto") and (not isinstance(self.stages, int) or self.stages < 1):
             raise PlanError(f"stages must be a positive int, 'auto' or None (every device), got {self.stages!r}")
 
@@ -55,13 +64,24 @@ class CompileOptions:
         """Whether the planner simulates candidates rather than building the one plan asked for."""
         if self.split_points is not None:
             return False
-        return "auto" in (self.replicas, self.stages) or self.schedule == "auto" or self.microbatches is None
+        return ("auto" in (self.replicas, self.stages) or self.replicas == PER_STAGE or self.schedule == "auto"
+                or self.microbatches is None)
 
     @property
     def dynamic(self) -> bool:
         """Whether the planner weighs several microbatch counts, so the capture must serve every size
         (one count known in advance: a static export, about half the time of a symbolic one)."""
         return self.microbatches is None and self.split_points is None
+
+
+def _valid_replicas(replicas: object) -> bool:
+    """A count D of whole pipelines, 'auto', 'per-stage', or a count per stage."""
+    def positive(n: object) -> bool:
+        return isinstance(n, int) and not isinstance(n, bool) and n >= 1
+
+    if isinstance(replicas, tuple):
+        return bool(replicas) and all(positive(n) for n in replicas)
+    return replicas in ("auto", PER_STAGE) or positive(replicas)
 
 
 @dataclass(frozen=True)

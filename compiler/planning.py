@@ -8,13 +8,20 @@ from typing import NamedTuple
 
 import torch
 
-from stagewise.compiler.analysis import Analysis
+from stagewise.compiler.analysis import Analysed, Analysis
 from stagewise.compiler.costing import Costs
 from stagewise.compiler.options import CompileRequest
 from stagewise.ir.errors import PartitionError
 from stagewise.ir.plan import LayerCost
+from stagewise.passes.harmony_plan import HARMONY
+from stagewise.passes.harmony_search import PackSearch, choose_with_harmony
 from stagewise.passes.layout import choose_layout
 from stagewise.passes.partition import starts_from_split_points
+from stagewise.passes.pipedream_partition import (
+    check_replicated_schedule,
+    consecutive_devices,
+    replicated_partition,
+)
 from stagewise.passes.planner import (
     REPLICATING,
     Assembled,
@@ -22,7 +29,6 @@ from stagewise.passes.planner import (
     Prediction,
     assemble,
     candidates,
-    choose,
     partition,
     predict,
     sim_cost,
@@ -41,10 +47,12 @@ class Built(NamedTuple):
 
 @dataclass(frozen=True)
 class Placement:
-    """Stage starts and each stage's device, decided elsewhere (the planner, or rank 0)."""
+    """Stage starts and each stage's device, decided elsewhere (the planner, or rank 0); with
+    replicated stages, each stage's replicas' devices."""
 
     starts: tuple[int, ...]
     stage_devices: tuple[int, ...]
+    replica_devices: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -67,6 +75,7 @@ class PlanBuilder:
     costs: Costs
     partitions: dict[tuple, tuple[list[int], list[int]]] = field(default_factory=dict)
     built: dict[tuple, tuple] = field(default_factory=dict)  # stages per partition, for `assemble`
+    replicated: dict[tuple, tuple[list[int], tuple[tuple[int, ...], ...]]] = field(default_factory=dict)
 
     def build(self, candidate: Candidate, placement: Placement | None = None, exact: bool = False) -> Built:
         """`candidate` on the first graph (layers and per-sample bytes do not depend on the
@@ -75,20 +84,26 @@ class PlanBuilder:
         name, m = candidate.schedule, candidate.microbatches
         graph = self.analysis.at(m) if exact else self.analysis.first
         size = request.batch // m
-        layout = choose_layout(name, len(request.devices), candidate.replicas, graph.legal_cuts, graph.param_bytes,
-                               min((c for c in request.capacities if c), default=None), self.costs.state_ratio,
-                               candidate.stages)
+        layout = choose_layout(name, len(request.devices), candidate.replicas, graph.legal_cuts, candidate.stages)
         layer_costs = self.costs.layers.at(size)
-        if placement is not None:
+        replica_devices: tuple[tuple[int, ...], ...] = ()
+        if candidate.replicates_stages:
+            starts, replica_devices = ((list(placement.starts), placement.replica_devices) if placement
+                                       else self._replicated(candidate, graph, size))
+            stage_devices = [on[0] for on in replica_devices]
+        elif placement is not None:
             starts, stage_devices = list(placement.starts), list(placement.stage_devices)
         elif options.split_points is not None:
             starts = starts_from_split_points(graph.layers, graph.cuts, list(options.split_points))
-            if len(starts) != layout.positions:
+            if name not in HARMONY and len(starts) != layout.positions:  # Harmony's packs may be any number
                 raise PartitionError(
                     f"split_points gives {len(starts)} stages but {len(request.devices)} devices with schedule {name!r} "
                     f"need {layout.positions}; give {layout.positions - 1} split points, or stages={len(starts)}"
                 )
             stage_devices = [layout.device_of(s, 0) for s in range(len(starts))]
+        elif name in HARMONY:  # the packs Alg. 1 chooses at this one size
+            plan, packed_costs, size = self.pack_search(graph, exact).build(candidate)
+            return Built(plan, list(packed_costs), size)
         else:
             # the straight pipelines (gpipe, 1f1b, varuna) at one size share a partition
             key = ("pipeline" if name in REPLICATING else name, size, layout.positions, layout.replicas)
@@ -99,8 +114,38 @@ class PlanBuilder:
         plan = assemble(graph.graph, graph.layers, graph.cuts, graph.microbatch_size, name, m, starts, stage_devices, layout,
                         options.swap, request.capacities, options.clip_grad_norm is not None, self.costs.state_ratio,
                         optimizer_on_host=options.optimizer_on_host,
-                        stash_bytes=[c.stash_bytes for c in layer_costs], built=self.built)
+                        stash_bytes=[c.stash_bytes for c in layer_costs], built=self.built,
+                        replica_devices=replica_devices)
         return Built(plan, layer_costs, size)
+
+    def pack_search(self, graph: Analysed, exact: bool) -> PackSearch:
+        """Harmony's Alg. 1 over `graph`, building its configurations as `build` does."""
+        request = self.request
+
+        def build_packs(candidate: Candidate, starts: tuple[int, ...], on: tuple[int, ...]) -> Built:
+            return self.build(candidate, Placement(starts, on), exact)
+
+        return PackSearch(build_packs, request.batch, len(graph.layers), graph.cuts, self.costs.layers.at,
+                          request.specs, self.costs.topology, self.costs.runtime)
+
+    def _replicated(self, candidate: Candidate, graph, size: int) -> tuple[list[int], tuple[tuple[int, ...], ...]]:
+        """Stage starts and each stage's replicas' devices (PipeDream's replicated stages): from the
+        split points with the replication given, or from the DP (gpipe and 1f1b share them)."""
+        request, split_points = self.request, self.request.options.split_points
+        check_replicated_schedule(candidate.schedule)
+        key = (size, candidate.stage_replicas)  # () when the DP chooses
+        if key not in self.replicated and split_points is not None:
+            starts = starts_from_split_points(graph.layers, graph.cuts, list(split_points))
+            if len(starts) != len(candidate.stage_replicas):
+                raise PartitionError(f"split_points gives {len(starts)} stages but replicas="
+                                     f"{candidate.stage_replicas} replicates {len(candidate.stage_replicas)}; give one "
+                                     "count per stage")
+            self.replicated[key] = (starts, consecutive_devices(candidate.stage_replicas, len(request.devices)))
+        elif key not in self.replicated:
+            found = replicated_partition(candidate.schedule, graph.layers, graph.cuts, self.costs.layers.at(size),
+                                         request.specs, size, self.costs.topology, candidate.stage_replicas)
+            self.replicated[key] = (list(found.starts), found.devices)
+        return self.replicated[key]
 
 
 def choose_plan(request: CompileRequest, analysis: Analysis, costs: Costs) -> Choice:
@@ -114,7 +159,8 @@ def choose_plan(request: CompileRequest, analysis: Analysis, costs: Costs) -> Ch
         name = "gpipe" if options.schedule == "auto" else options.schedule
         replicas = options.replicas if isinstance(options.replicas, int) else 1
         depth = options.stages if isinstance(options.stages, int) else None
-        asked = Candidate(name, request.first_microbatches, replicas, depth)
+        per_stage = options.replicas if isinstance(options.replicas, tuple) else ()
+        asked = Candidate(name, request.first_microbatches, replicas, depth, stage_replicas=per_stage)
         built = builder.build(asked, exact=True)
         prediction, _ = predict(built.plan, built.layer_costs, request.specs, built.microbatch_size, costs.topology,
                                 costs.runtime)
@@ -133,7 +179,8 @@ def _search(request: CompileRequest, builder: PlanBuilder, analysis: Analysis,
     options_to_try = candidates(options.schedule, options.microbatches, request.batch, len(request.devices),
                              analysis.first.legal_cuts, _needs_swap(request, analysis, costs), options.replicas,
                              options.stages, _stages_at_full_speed(request))
-    chosen, prediction, tried = choose(options_to_try, builder.build, request.specs, costs.topology, costs.runtime)
+    chosen, prediction, tried = choose_with_harmony(options_to_try, builder.build,
+                                                    builder.pack_search(analysis.first, exact=False))
     return chosen, prediction, tuple(_describe(option, result) for option, result in tried)
 
 
@@ -178,12 +225,14 @@ def _exactly(chosen: Assembled, builder: PlanBuilder, analysis: Analysis) -> Ass
 
 
 def _candidate_of(plan: Assembled) -> Candidate:
+    if plan.replica_devices:
+        return Candidate(plan.schedule, plan.microbatches, stage_replicas=plan.stage_replicas)
     stages = plan.layout.positions if plan.schedule in REPLICATING else None
     return Candidate(plan.schedule, plan.microbatches, plan.layout.replicas, stages)
 
 
 def _placement_of(plan: Assembled) -> Placement:
-    return Placement(tuple(plan.starts), tuple(plan.stage_devices))
+    return Placement(tuple(plan.starts), tuple(plan.stage_devices), plan.replica_devices)
 
 
 def _agree_across_ranks(chosen: Assembled, builder: PlanBuilder) -> Assembled:

@@ -68,6 +68,7 @@ class SharedTensor:
     names: tuple[str, ...]
     stages: tuple[int, ...]
     kind: str  # "tied-parameter" | "parameter" | "buffer"
+    nbytes: int = 0  # one copy's bytes: what summing its gradient across the holders moves
 
     @property
     def owner(self) -> int:

@@ -18,7 +18,7 @@ from collections.abc import Collection, Sequence
 
 from stagewise.ir.costs import NO_RUNTIME_COSTS, RuntimeCosts
 from stagewise.ir.errors import PlanError
-from stagewise.ir.plan import DeviceSpec, LayerCost, Plan, Stage, Transfer
+from stagewise.ir.plan import DeviceSpec, LayerCost, Plan, SharedTensor, Stage, Transfer
 from stagewise.ir.topology import Topology
 from stagewise.passes.analytic import compute_bound
 from stagewise.passes.simulate import SimCost, transfer_bytes
@@ -26,10 +26,12 @@ from stagewise.passes.simulate import SimCost, transfer_bytes
 
 def stage_charges(stages: Sequence[Stage], transfers: Sequence[Transfer], swapped: Collection[int],
                   costs: Sequence[LayerCost], devices: Sequence[DeviceSpec], microbatch_size: int,
-                  topology: Topology, runtime: RuntimeCosts = NO_RUNTIME_COSTS) -> SimCost:
+                  topology: Topology, runtime: RuntimeCosts = NO_RUNTIME_COSTS,
+                  shared: Sequence[SharedTensor] = ()) -> SimCost:
     """Per-stage seconds and bytes from per-layer costs (measured or analytic), scaled by device speed;
-    the topology's links between the devices; and what the runtime adds. A `swapped` stage's training
-    state lives in host memory: its swaps charge it, not its device."""
+    the topology's links between the devices; the bytes of each `shared` tensor whose gradient is
+    all-reduced (tied weights, replicated stages); and what the runtime adds. A `swapped` stage's
+    training state lives in host memory: its swaps charge it, not its device."""
     forward, backward, update, stash, state = [], [], [], [], []
     for stage in sorted(stages, key=lambda s: s.index):
         speed = devices[stage.device].speed
@@ -42,6 +44,7 @@ def stage_charges(stages: Sequence[Stage], transfers: Sequence[Transfer], swappe
     return SimCost(
         forward_s=tuple(forward), backward_s=tuple(backward), update_s=tuple(update), stash_bytes=tuple(stash),
         state_bytes=tuple(state), value_bytes=transfer_bytes(transfers, microbatch_size),
+        tensor_bytes={t.fqn: float(t.nbytes) for t in shared if t.kind != "buffer"},
         bandwidth=topology.slowest_link, links=topology.links(),
         # a swap is charged the slowest send (a copy between devices; on a CPU, within its memory)
         host_bandwidth=topology.slowest_link,
@@ -67,4 +70,4 @@ def plan_charges(plan: Plan, peak_flops: float | None = None, bandwidth: float |
     if bandwidth is not None:
         topology = Topology.uniform(len(plan.devices), bandwidth)
     return stage_charges(plan.stages, plan.transfers, recorded.swapped, layers, plan.devices, plan.microbatch_size,
-                         topology, runtime)
+                         topology, runtime, plan.shared)

@@ -1,86 +1,64 @@
-"""Harmony's layer packs: balanced time packing and the four-tuple search (Harmony, §4.3.1).
+"""Harmony's layer packs: balanced time packing (Alg. 2) and the configuration search (Alg. 1), §4.3.1.
 
 Harmony runs a model that does not fit in GPU memory as *layer packs*: contiguous runs of
 layers that are swapped in and executed as one task. Packing greedily as large as memory
 allows gives "globally sub-optimal pipelines" (Fig. 8): packs of unequal time leave GPUs idle.
-And forward and backward passes differ (a backward is often 2-3x the time and memory of the
-forward), so Harmony picks a four-tuple configuration: forward microbatch size U_F, forward
-packs P_F, backward microbatch size U_B, backward packs P_B.
 
 * `balanced_time_packing` is Algorithm 2: for the fewest packs S that memory permits upward,
   cut the prefix sums of per-layer time at multiples of the average pack time, and return the
-  first packing whose every pack fits. Forward packs stop before the last backward pack:
-  that pack runs its forward right before its backward at U_B ("jit-compute", Alg. 2 line 2),
-  so its stash is never recomputed.
-* `search_configuration` is Algorithm 1: sweep U_B, pack the backward pass, sweep U_F, pack
-  the forward pass, estimate each configuration's iteration time, keep the best.
-* `round_robin_makespan` and `optimal_packing` are the simplified scheduling problem of
-  Appendix A (packs dealt round-robin to G GPUs, B microbatches), whose exact optimum is
-  NP-hard (reduction from Partition); `optimal_packing` enumerates for small instances.
+  first packing whose every pack fits.
+* `search_configuration` is Algorithm 1 as our runtime can run it. The paper searches a
+  four-tuple (U_F, P_F, U_B, P_B): forward and backward microbatch sizes and packs chosen apart.
+  Our runtime runs one microbatch size per step and one packing for both passes (a stage is one
+  pack for its forwards and its backwards), so the search is restricted to U_F = U_B and
+  P_F = P_B: it sweeps U, packs the backward pass with Alg. 2 (Alg. 1 line 7) and runs those
+  packs forward too, skipping line 9's forward packing. The paper measures this "Equi-FB"
+  1.7-29.1% slower than distinct configurations (Appendix, Table 5). And the runtime splits a
+  minibatch into equal microbatches, so U sweeps the sizes that divide it (the paper's 1 to U_MAX
+  leaves a smaller last group where U does not divide D). Each configuration is scored
+  by the caller's estimator; the paper's is its event-driven simulator over the task graph
+  (§4.3.1, Fig. 15), and the planner passes ours (passes/harmony_search.py).
 
-Per-layer costs are a `CostModel` of (phase, microbatch size, layer), so profiled tables and
-analytic formulas plug in the same way.
+The unrestricted four-tuple search, a compute-only estimator and Appendix A's exact packing are
+test oracles (tests/harmony_oracle.py). Per-layer costs are a `CostModel` of (phase, microbatch
+size, layer), the profile phi of Alg. 1.
 """
 
 from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
+from stagewise.ir.instructions import Phase
 from stagewise.passes.pipedream_dp import NoFeasiblePlan
 
-FORWARD, BACKWARD = "F", "B"
+FORWARD, BACKWARD = Phase.FORWARD, Phase.BACKWARD
 
 
 class CostModel(Protocol):
-    """Per-layer cost of one phase ("F" or "B") at microbatch size u (the profile phi of Alg. 1)."""
+    """Per-layer cost of one phase at microbatch size u (the profile phi of Alg. 1)."""
 
-    def time(self, phase: str, microbatch: int, layer: int) -> float: ...
+    def time(self, phase: Phase, microbatch: int, layer: int) -> float: ...
 
-    def memory(self, phase: str, microbatch: int, layer: int) -> float: ...
-
-
-@dataclass(frozen=True)
-class FunctionCosts:
-    """A cost model from two callables (phase, microbatch, layer) -> seconds / bytes."""
-
-    time_fn: Callable[[str, int, int], float]
-    memory_fn: Callable[[str, int, int], float]
-
-    def time(self, phase: str, microbatch: int, layer: int) -> float:
-        return self.time_fn(phase, microbatch, layer)
-
-    def memory(self, phase: str, microbatch: int, layer: int) -> float:
-        return self.memory_fn(phase, microbatch, layer)
-
-
-@dataclass(frozen=True)
-class TableCosts:
-    """Profiled tables: times[phase][u][layer] seconds and memories[phase][u][layer] bytes."""
-
-    times: Mapping[str, Mapping[int, Sequence[float]]]
-    memories: Mapping[str, Mapping[int, Sequence[float]]]
-
-    def time(self, phase: str, microbatch: int, layer: int) -> float:
-        return self.times[phase][microbatch][layer]
-
-    def memory(self, phase: str, microbatch: int, layer: int) -> float:
-        return self.memories[phase][microbatch][layer]
+    def memory(self, phase: Phase, microbatch: int, layer: int) -> float: ...
 
 
 Packs = tuple[range, ...]
 
 
-def balanced_time_packing(phase: str, microbatch: int, costs: CostModel, capacity: float, *,
-                          n_layers: int | None = None, backward_packs: Sequence[range] | None = None) -> Packs:
+def balanced_time_packing(phase: Phase, microbatch: int, costs: CostModel, capacity: float, *,
+                          n_layers: int | None = None, backward_packs: Sequence[range] | None = None,
+                          fewest: int = 1) -> Packs:
     """Algorithm 2: packs of nearly equal time, as few (as large) as memory allows.
 
     Give `n_layers` for the backward pass, or `backward_packs` for the forward pass, whose
-    packs then cover only the layers before the last backward pack (jit-compute).
+    packs then cover only the layers before the last backward pack (jit-compute, Alg. 2 line 2;
+    only the unrestricted search packs a forward pass). `fewest`: a floor on S above line 5's
+    S_min = sum(memory) / capacity, for a runtime that wants a number of packs whatever the memory.
     Raises NoFeasiblePlan when a single layer exceeds `capacity`.
     """
     layers = backward_packs[-1].start if backward_packs is not None else n_layers
@@ -90,15 +68,15 @@ def balanced_time_packing(phase: str, microbatch: int, costs: CostModel, capacit
         return ()
     times = [costs.time(phase, microbatch, layer) for layer in range(layers)]
     memory = [costs.memory(phase, microbatch, layer) for layer in range(layers)]
-    fewest = max(1, math.ceil(sum(memory) / capacity)) if capacity > 0 else layers
-    for count in range(fewest, layers + 1):
+    smallest = math.ceil(sum(memory) / capacity) if capacity > 0 else layers
+    for count in range(min(max(1, fewest, smallest), layers), layers + 1):
         packs = split_balanced(times, count)
         if all(sum(memory[i] for i in pack) <= capacity for pack in packs):
             return packs
     worst = max(range(layers), key=memory.__getitem__)
     raise NoFeasiblePlan(
-        f"layer {worst} needs {memory[worst]:.4g} bytes in phase {phase} at microbatch {microbatch}, "
-        f"more than the {capacity:.4g} bytes a pack may use; lower the microbatch size or add memory."
+        f"layer {worst} needs {memory[worst]:.4g} bytes in the {phase.name.lower()} pass at microbatch size "
+        f"{microbatch}, more than the {capacity:.4g} bytes a pack may use; lower the microbatch size or add memory."
     )
 
 
@@ -134,148 +112,47 @@ class Configuration:
     backward_packs: Packs
 
 
+Score = TypeVar("Score", float, tuple)  # what an estimator returns: lower is better
+
+
 @dataclass(frozen=True)
-class SearchResult:
+class SearchResult(Generic[Score]):
     config: Configuration
-    time: float
+    time: Score  # the estimator's score of `config`
     explored: int
 
 
-Estimator = Callable[[Configuration], float]
-Packer = Callable[..., Packs]
+class Packing(Protocol):
+    """Alg. 1's "adopted packing method" (its input): `balanced_time_packing` or one built on it."""
+
+    def __call__(self, phase: Phase, microbatch: int, costs: CostModel, capacity: float, *, n_layers: int,
+                 fewest: int) -> Packs: ...
 
 
-def search_configuration(n_layers: int, minibatch: int, costs: CostModel, capacity: float, *,
-                         gpus: int = 1, mode: str = "pp", max_forward_microbatch: int | None = None,
-                         max_backward_microbatch: int | None = None, estimator: Estimator | None = None,
-                         packer: Packer = balanced_time_packing) -> SearchResult:
-    """Algorithm 1: the configuration with the least estimated iteration time.
+def search_configuration(n_layers: int, microbatch_sizes: Sequence[int], costs: CostModel, capacity: float,
+                         estimator: Callable[[Configuration], Score], *, fewest: int = 1,
+                         packing: Packing = balanced_time_packing) -> SearchResult[Score]:
+    """Algorithm 1 restricted to U_F = U_B and P_F = P_B (see the module docstring): the configuration
+    the estimator scores lowest.
 
-    mode "pp" deals packs round-robin over the GPUs (Harmony PP); mode "dp" gives each GPU
-    minibatch / gpus samples through every pack (Harmony DP, Alg. 1 lines 1-3). The default
-    estimator is `estimate_iteration_time` (compute only); pass the simulator to count swaps.
+    `microbatch_sizes` are the U the runtime can run (the paper sweeps 1 to U_MAX, line 6; Harmony
+    DP's U_MAX is the samples per GPU, lines 1-3). A size at which some layer exceeds `capacity` is
+    skipped; NoFeasiblePlan when every size is. `fewest`: Alg. 2's floor on the number of packs.
     """
-    if mode not in ("pp", "dp"):
-        raise ValueError(f"mode must be 'pp' or 'dp', not {mode!r}")
-    samples = math.ceil(minibatch / gpus) if mode == "dp" else minibatch
-    u_f_max = min(max_forward_microbatch or samples, samples)
-    u_b_max = min(max_backward_microbatch or samples, samples)
-    if estimator is None:
-        def estimator(config: Configuration) -> float:
-            return estimate_iteration_time(config, costs, gpus=gpus, minibatch=minibatch, mode=mode)
-
-    best: tuple[float, Configuration | None] = (math.inf, None)
+    best: tuple[Score, Configuration] | None = None
     explored = 0
-    for u_b in range(1, u_b_max + 1):
-        backward = _try_pack(packer, BACKWARD, u_b, costs, capacity, n_layers=n_layers)
-        if backward is None:
+    for size in microbatch_sizes:
+        try:
+            packs = packing(BACKWARD, size, costs, capacity, n_layers=n_layers, fewest=fewest)
+        except NoFeasiblePlan:
             continue
-        for u_f in range(1, u_f_max + 1):
-            forward = _try_pack(packer, FORWARD, u_f, costs, capacity, backward_packs=backward)
-            if forward is None:
-                continue
-            config = Configuration(u_f, forward, u_b, backward)
-            explored += 1
-            time = estimator(config)
-            if time < best[0]:
-                best = (time, config)
-    if best[1] is None:
-        raise NoFeasiblePlan(f"no microbatch size from 1 to {u_b_max} lets every layer fit in "
-                             f"{capacity:.4g} bytes; add memory or use finer layers.")
+        config = Configuration(size, packs, size, packs)
+        explored += 1
+        score = estimator(config)
+        if best is None or score < best[0]:
+            best = (score, config)
+    if best is None:
+        sizes = ", ".join(map(str, microbatch_sizes))
+        raise NoFeasiblePlan(f"at no microbatch size ({sizes}) does every layer fit in the {capacity:.4g} bytes of "
+                             "a device; give the devices more memory, or make the model's blocks finer-grained")
     return SearchResult(best[1], best[0], explored)
-
-
-def _try_pack(packer: Packer, phase: str, microbatch: int, costs: CostModel, capacity: float,
-              **layers: object) -> Packs | None:
-    try:
-        return tuple(packer(phase, microbatch, costs, capacity, **layers))
-    except NoFeasiblePlan:
-        return None
-
-
-def estimate_iteration_time(config: Configuration, costs: CostModel, *, gpus: int, minibatch: int,
-                            mode: str = "pp") -> float:
-    """Compute-only iteration time of a configuration (the task graph of §4.3.2, simulated).
-
-    Tasks follow the model: each forward pack at U_F, then the backward packs in reverse at
-    U_B, where a backward task recomputes its pack's forward (or, for the last pack, runs it
-    for the first time: jit-compute) before its backward. A group of samples starts once
-    its GPU is free and the samples it needs have left the previous task.
-    """
-    samples = math.ceil(minibatch / gpus) if mode == "dp" else minibatch
-    tasks = [_groups(samples, config.forward_microbatch,
-                     lambda u, pack=pack: sum(costs.time(FORWARD, u, i) for i in pack))
-             for pack in config.forward_packs]
-    tasks += [_groups(samples, config.backward_microbatch,
-                      lambda u, pack=pack: sum(costs.time(FORWARD, u, i) + costs.time(BACKWARD, u, i)
-                                               for i in pack))
-              for pack in reversed(config.backward_packs)]
-    lanes = 1 if mode == "dp" else gpus
-    return simulate_tasks(tasks, [j % lanes for j in range(len(tasks))], lanes)
-
-
-Group = tuple[int, int, float]  # samples [start, stop) and seconds
-
-
-def _groups(samples: int, microbatch: int, seconds: Callable[[int], float]) -> list[Group]:
-    return [(lo, min(lo + microbatch, samples), seconds(min(microbatch, samples - lo)))
-            for lo in range(0, samples, microbatch)]
-
-
-def simulate_tasks(tasks: Sequence[Sequence[Group]], gpu_of: Sequence[int], gpus: int) -> float:
-    """List-schedule tasks in order: each GPU runs its groups in turn; a group waits for the
-    groups of the previous task that hold any of its samples. Returns the makespan."""
-    free = [0.0] * gpus
-    previous: list[tuple[int, int, float]] = []  # (start, stop, finish) of the previous task
-    for groups, gpu in zip(tasks, gpu_of, strict=True):
-        finished = []
-        for lo, hi, seconds in groups:
-            ready = max((end for a, b, end in previous if a < hi and b > lo), default=0.0)
-            start = max(free[gpu], ready)
-            free[gpu] = start + seconds
-            finished.append((lo, hi, free[gpu]))
-        previous = finished
-    return max(free)
-
-
-def round_robin_makespan(pack_times: Sequence[float], gpus: int, microbatches: int) -> float:
-    """Makespan of Definition A.1: pack j on GPU j mod G, each of B microbatches in order."""
-    tasks = [[(b, b + 1, t) for b in range(microbatches)] for t in pack_times]
-    return simulate_tasks(tasks, [j % gpus for j in range(len(tasks))], gpus)
-
-
-def contiguous_packings(sizes: Sequence[float], capacity: float) -> Iterator[Packs]:
-    """Every split of the layers into contiguous packs whose sizes fit `capacity`."""
-
-    def extend(first: int) -> Iterator[tuple[range, ...]]:
-        if first == len(sizes):
-            yield ()
-            return
-        total = 0.0
-        for stop in range(first + 1, len(sizes) + 1):
-            total += sizes[stop - 1]
-            if total > capacity:
-                return
-            for rest in extend(stop):
-                yield (range(first, stop), *rest)
-
-    yield from extend(0)
-
-
-def optimal_packing(times: Sequence[float], sizes: Sequence[float], capacity: float, gpus: int,
-                    microbatches: int, *, limit: int = 200_000) -> tuple[Packs, float]:
-    """The exact optimum of Appendix A's scheduling problem by enumeration (small instances).
-
-    The problem is NP-hard (Proposition A.2), so this is for tests and tiny models; it raises
-    ValueError after `limit` packings rather than run for ever.
-    """
-    best: tuple[Packs, float] = ((), math.inf)
-    for count, packs in enumerate(contiguous_packings(sizes, capacity)):
-        if count >= limit:
-            raise ValueError(f"more than {limit} feasible packings; use balanced_time_packing instead")
-        makespan = round_robin_makespan([sum(times[i] for i in pack) for pack in packs], gpus, microbatches)
-        if makespan < best[1]:
-            best = (packs, makespan)
-    if not best[0]:
-        raise NoFeasiblePlan(f"some layer is larger than the {capacity} bytes a pack may hold")
-    return best

@@ -27,7 +27,11 @@ checks each level against its own worker count; it undercounts inputs that are i
 other servers.
 
 The inputs are plain lists (the per-layer profile of §2.4.1 "Profiler": T_l, a_l, |w_l|, plus
-the bytes a layer stashes per in-flight input), so the DP can be checked against brute force.
+the bytes a layer stashes per in-flight input), so the DP can be checked against brute force
+(tests/pipedream_oracle.py scores a plan given whole). The planner runs it over the devices'
+`Topology` (passes/pipedream_partition.py): straight for the gpipe / 1f1b / varuna pipelines,
+with replication for replicas="per-stage", and `plan_with_replicas` for a replication given.
+`replica_devices` places a plan on devices; the runtime runs a replica of a stage on each.
 """
 
 from __future__ import annotations
@@ -125,38 +129,38 @@ class PipelinePlan:
 
     def device_stages(self) -> list[tuple[int, int, int]]:
         """Flattened (first, last, devices running it) per device-level stage, in layer order."""
-        return _flatten(self.stages, 1)
+        return [(first, last, len(devices)) for first, last, devices in self.replica_devices()]
+
+    def replica_devices(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        """(first, last, the devices of its replicas) per device-level stage, in layer order, devices
+        numbered group by group as in `Topology.hierarchical`: a level-k stage on r workers takes the
+        next r whole level-(k-1) groups, and each of its inner stages one set of devices in every one
+        of them. A plan that leaves workers idle leaves the last devices idle."""
+        return _place(self.stages, len(self.levels), 0, self.levels)
 
     def placed_stages(self) -> list[tuple[int, int, int]]:
-        """(first, last, device) per device-level stage of a straight plan, devices numbered group
-        by group as in `Topology.hierarchical`: a level-k stage takes the next whole level-(k-1)
-        group, so a plan that leaves workers idle leaves the rest of a group idle."""
-        placed: list[tuple[int, int, int]] = []
-        _place(self.stages, len(self.levels), 0, self.levels, placed)
-        return placed
+        """(first, last, device) per device-level stage of a straight plan (one device each)."""
+        placed = self.replica_devices()
+        replicated = [(first, last) for first, last, devices in placed if len(devices) != 1]
+        if replicated:
+            raise ValueError(f"layers {replicated} are replicated: only a straight plan puts one device on each stage")
+        return [(first, last, devices[0]) for first, last, devices in placed]
 
 
-def _place(stages: Sequence[StageSpan], k: int, device: int, levels: Sequence[Level],
-           placed: list[tuple[int, int, int]]) -> None:
+def _place(stages: Sequence[StageSpan], k: int, device: int,
+           levels: Sequence[Level]) -> list[tuple[int, int, tuple[int, ...]]]:
     group = math.prod(level.workers for level in levels[:k - 1])  # devices per level-(k-1) component
+    placed: list[tuple[int, int, tuple[int, ...]]] = []
     for stage in stages:
-        if stage.replicas != 1:
-            raise ValueError(f"{stage} is replicated: only a straight plan puts one device on each stage")
+        copies = [device + j * group for j in range(stage.replicas)]  # the first device of each replica
         if stage.inner:
-            _place(stage.inner, k - 1, device, levels, placed)
+            inner = [_place(stage.inner, k - 1, start, levels) for start in copies]
+            placed += [(first, last, tuple(d for copy in inner for d in copy[i][2]))
+                       for i, (first, last, _) in enumerate(inner[0])]
         else:
-            placed.append((stage.first, stage.last, device))
-        device += group
-
-
-def _flatten(stages: Sequence[StageSpan], outer: int) -> list[tuple[int, int, int]]:
-    flat: list[tuple[int, int, int]] = []
-    for stage in stages:
-        if stage.inner:
-            flat.extend(_flatten(stage.inner, outer * stage.replicas))
-        else:
-            flat.append((stage.first, stage.last, outer * stage.replicas))
-    return flat
+            placed.append((stage.first, stage.last, tuple(copies)))
+        device += stage.replicas * group
+    return placed
 
 
 class _Sums:
@@ -263,6 +267,26 @@ class _Solver:
     def _stage(self, k: int, first: int, last: int, replicas: int) -> StageSpan:
         return StageSpan(first, last, replicas, self.stage_compute(k, first, last)[1])
 
+    def with_replicas(self, replicas: Sequence[int]) -> tuple[float, tuple[StageSpan, ...]]:
+        """The one-level split into len(replicas) stages, stage j on replicas[j] workers, with the
+        least bottleneck: the DP's recurrence with the replication fixed instead of chosen."""
+        last = self.costs.n_layers - 1
+
+        @cache
+        def best(first: int, j: int) -> tuple[float, tuple[StageSpan, ...]]:
+            downstream = sum(replicas[j:])
+            if j == len(replicas) - 1:
+                return self.stage_time(1, first, last, replicas[j], downstream), (StageSpan(first, last, replicas[j]),)
+            found: tuple[float, tuple[StageSpan, ...]] = (INF, ())
+            for end in (c for c in self.cuts if first <= c < last):
+                head = max(self.stage_time(1, first, end, replicas[j], downstream), self.transfer_time(1, end))
+                rest_time, rest = best(end + 1, j + 1) if head < found[0] else (INF, ())
+                if max(head, rest_time) < found[0]:
+                    found = (max(head, rest_time), (StageSpan(first, end, replicas[j]), *rest))
+            return found
+
+        return best(0, 0)
+
     def balanced(self, bound: float, workers: int) -> tuple[StageSpan, ...] | None:
         """The straight one-level pipeline on exactly `workers` devices whose every stage and cut
         takes at most `bound` and whose stage times have the least sum of squares; None if none.
@@ -341,45 +365,20 @@ def _infeasible_reason(costs: LayerCosts, topology: Topology, memory: float | No
             "memory, allow more cut-points, or reduce the microbatch size.")
 
 
-def bottleneck_time(plan: Sequence[StageSpan], costs: LayerCosts, topology: Topology, *,
-                    memory: float | None = None) -> float:
-    """Time of the slowest stage or cut of a given plan under the DP's model (INF: does not fit).
-
-    Scores a plan the DP did not make, for example the user's split points.
-    """
-    _check_cover(plan, 0, costs.n_layers - 1, costs)
-    levels = topology.hierarchy()
-    return _pipeline_time(plan, _Solver(costs, levels, memory, straight=False), len(levels))
-
-
-def _check_cover(stages: Sequence[StageSpan], first: int, last: int, costs: LayerCosts) -> None:
-    """A plan's stages must tile first..last in order, cut only where cuts are allowed."""
-    position = first
-    for stage in stages:
-        if stage.first != position or stage.last < stage.first or stage.replicas < 1:
-            raise ValueError(f"stages {stages} do not tile layers {first}..{last} in order")
-        if stage.last < last and not costs.can_cut_after(stage.last):
-            raise ValueError(f"stage {stage} ends after layer {stage.last}, where no cut is allowed")
-        if stage.inner:
-            _check_cover(stage.inner, stage.first, stage.last, costs)
-        position = stage.last + 1
-    if position != last + 1:
-        raise ValueError(f"stages {stages} do not tile layers {first}..{last}")
-
-
-def _pipeline_time(stages: Sequence[StageSpan], solver: _Solver, k: int) -> float:
-    level = solver.levels[k - 1]
-    if sum(stage.replicas for stage in stages) > level.workers:
-        return INF
-    time, downstream = 0.0, sum(stage.replicas for stage in stages)
-    for index, stage in enumerate(stages):
-        if k == 1:
-            time = max(time, solver.stage_time(1, stage.first, stage.last, stage.replicas, downstream))
-        else:
-            inner = _pipeline_time(stage.inner, solver, k - 1)
-            weights = solver.weights(stage.first, stage.last)
-            time = max(time, replicated_stage_time(inner, weights, stage.replicas, level.bandwidth))
-        if index + 1 < len(stages):
-            time = max(time, solver.transfer_time(k, stage.last))
-        downstream -= stage.replicas
-    return time
+def plan_with_replicas(costs: LayerCosts, topology: Topology, replicas: Sequence[int], *,
+                       memory: float | None = None) -> PipelinePlan:
+    """Where to cut when the replication is given (`replicas[j]` devices run stage j, e.g. (2, 1)):
+    the least bottleneck under the same model, over one level joined by the topology's slowest link.
+    Raises NoFeasiblePlan when no such split fits the device memory (or there are too few cuts)."""
+    if not replicas or any(r < 1 for r in replicas) or sum(replicas) > topology.n_devices:
+        raise NoFeasiblePlan(f"replicas {tuple(replicas)} need {sum(replicas)} devices, there are {topology.n_devices}: "
+                             "give every stage at least one replica, and fewer in all, or add devices")
+    levels = (Level(sum(replicas), topology.slowest_link),)
+    solver = _Solver(costs, levels, memory, straight=False)
+    if len(solver.cuts) + 1 < len(replicas):
+        raise NoFeasiblePlan(f"replicas {tuple(replicas)} asks for {len(replicas)} stages but the layers have only "
+                             f"{len(solver.cuts)} legal cut-points: give at most {len(solver.cuts) + 1} counts")
+    time, stages = solver.with_replicas(tuple(replicas))
+    if time == INF:
+        raise NoFeasiblePlan(_infeasible_reason(costs, topology, memory))
+    return PipelinePlan(stages=stages, bottleneck=time, levels=levels)

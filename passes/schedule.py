@@ -18,16 +18,23 @@ A schedule returns one task list per device; with virtual stages a device runs s
   backward. Harmony DP (Fig. 6(c)): every device runs all packs on its own microbatches.
 
 Generators describe one pipeline lane (one data-parallel replica) with logical stages and
-lane-local microbatches; `schedule_tasks` maps lanes onto stage instances and devices.
+lane-local microbatches; `instance_tasks` maps lanes onto stage instances and devices. Stages
+replicated each their own number of ways (PipeDream's 2-1 plans) form no lanes: each instance
+runs GPipe or 1F1B-RR over its own microbatches (`replicated_stage_tasks`).
 """
 
 from __future__ import annotations
 
+import math
+from collections import Counter
+from collections.abc import Sequence
+
 from stagewise.ir.errors import PlanError
 from stagewise.ir.instructions import Phase
-from stagewise.ir.plan import Task
+from stagewise.ir.plan import Stage, Task
 
 SCHEDULES = ("auto", "gpipe", "1f1b", "interleaved", "varuna", "harmony-pp", "harmony-dp")
+REPLICATED_STAGE_SCHEDULES = ("gpipe", "1f1b")  # the schedules that run stages replicated unevenly
 
 
 def gpipe(n_stages: int, microbatches: int) -> list[list[Task]]:
@@ -46,15 +53,17 @@ def one_f_one_b(n_stages: int, microbatches: int) -> list[list[Task]]:
     The warm-up fills the pipeline so that stage s's k-th backward meets the gradient that
     the later stages produced meanwhile; backwards run in microbatch order (§4.2.2).
     """
-    tasks = []
-    for s in range(n_stages):
-        warmup = min(n_stages - s - 1, microbatches)
-        order = [Task(Phase.FORWARD, s, mb) for mb in range(warmup)]
-        for i in range(microbatches - warmup):
-            order += [Task(Phase.FORWARD, s, warmup + i), Task(Phase.BACKWARD, s, i)]
-        order += [Task(Phase.BACKWARD, s, mb) for mb in range(microbatches - warmup, microbatches)]
-        tasks.append(order + [Task(Phase.UPDATE, s)])
-    return tasks
+    return [alternate(s, range(microbatches), n_stages - s - 1) + [Task(Phase.UPDATE, s)] for s in range(n_stages)]
+
+
+def alternate(stage: int, microbatches: Sequence[int], warmup: int) -> list[Task]:
+    """`warmup` forwards, then one forward and one backward in turn, then the remaining backwards:
+    the 1F1B order of one stage over its microbatches (in the order given)."""
+    mbs, warmup = list(microbatches), min(warmup, len(microbatches))
+    order = [Task(Phase.FORWARD, stage, mb) for mb in mbs[:warmup]]
+    for i in range(len(mbs) - warmup):
+        order += [Task(Phase.FORWARD, stage, mbs[warmup + i]), Task(Phase.BACKWARD, stage, mbs[i])]
+    return order + [Task(Phase.BACKWARD, stage, mb) for mb in mbs[len(mbs) - warmup:]]
 
 
 def interleaved(n_devices: int, chunks: int, microbatches: int) -> list[list[Task]]:
@@ -192,11 +201,18 @@ def schedule_tasks(
     return name, lane_tasks(name, n_stages, microbatches, n_devices, jit_update)
 
 
-def instance_tasks(name: str, stages, microbatches: int, n_devices: int, jit_update: bool) -> list[list[Task]]:
-    """Each device's tasks when stages may be data-parallel instances (replica r, microbatch share)."""
-    lanes: dict[int, list] = {}
+def instance_tasks(name: str, stages: Sequence[Stage], microbatches: int, n_devices: int,
+                   jit_update: bool) -> list[list[Task]]:
+    """Each device's tasks when stages may be data-parallel instances (replica r, its microbatches):
+    whole pipelines copied (lanes, P x D) run the schedule per lane; stages replicated each their own
+    number of ways run PipeDream's 1F1B-RR (`replicated_stage_tasks`)."""
+    lanes: dict[int, list[Stage]] = {}
     for stage in stages:
         lanes.setdefault(stage.replica, []).append(stage)
+    positions = {s.position for s in stages}
+    if any({s.position for s in lane} != positions or len({s.microbatches for s in lane}) != 1
+           for lane in lanes.values()):
+        return replicated_stage_tasks(name, stages, microbatches, n_devices)
     per_device: list[list[Task]] = [[] for _ in range(n_devices)]
     for lane in lanes.values():
         by_position = {s.position: s for s in lane}
@@ -207,4 +223,27 @@ def instance_tasks(name: str, stages, microbatches: int, n_devices: int, jit_upd
                 instance = by_position[task.stage]
                 mb = None if task.microbatch is None else local[task.microbatch]
                 per_device[instance.device].append(Task(task.phase, instance.index, mb, task.recompute))
+    return per_device
+
+
+def replicated_stage_tasks(name: str, stages: Sequence[Stage], microbatches: int, n_devices: int) -> list[list[Task]]:
+    """Stages replicated each their own number of ways (PipeDream §2.4.1, e.g. 2-1): every instance
+    runs its own microbatches. GPipe: its forwards, its backwards in reverse, its update. 1F1B-RR
+    (§2.4.2): a replica of a stage on r devices followed by w devices (itself included) keeps
+    NOAM = ceil(w / r) inputs in flight, so it warms up with NOAM - 1 forwards and then alternates;
+    with every stage on one device that is PipeDream-Flush's warm-up, p - s - 1."""
+    if name not in REPLICATED_STAGE_SCHEDULES:
+        raise PlanError(f"the {name} schedule cannot run stages replicated unevenly (each stage its own number of "
+                        f"devices); use one of {', '.join(REPLICATED_STAGE_SCHEDULES)}, or replicate whole pipelines")
+    ways = Counter(s.position for s in stages)
+    per_device: list[list[Task]] = [[] for _ in range(n_devices)]
+    for stage in sorted(stages, key=lambda s: s.index):
+        mine = stage.microbatches or tuple(range(microbatches))
+        if name == "gpipe":
+            order = ([Task(Phase.FORWARD, stage.index, mb) for mb in mine]
+                     + [Task(Phase.BACKWARD, stage.index, mb) for mb in reversed(mine)])
+        else:
+            following = sum(n for position, n in ways.items() if position >= stage.position)
+            order = alternate(stage.index, mine, math.ceil(following / ways[stage.position]) - 1)
+        per_device[stage.device] += order + [Task(Phase.UPDATE, stage.index)]
     return per_device

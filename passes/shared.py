@@ -35,7 +35,9 @@ def find_shared(gm: fx.GraphModule, stages: tuple[Stage, ...]) -> tuple[SharedTe
             kind = "buffer"
         else:
             kind = "tied-parameter" if len(names) > 1 else "parameter"
-        shared.append(SharedTensor(names[0], names, tuple(sorted(stage_ids)), kind))
+        tensor = tensors[names[0]]
+        shared.append(SharedTensor(names[0], names, tuple(sorted(stage_ids)), kind,
+                                   tensor.nelement() * tensor.element_size()))
     return tuple(shared)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from stagewise.ir.errors import PlanError
@@ -99,14 +99,14 @@ class SimCost:
             return sum(self.tensor_bytes.get(v, 0.0) for v in ins.tensors)
         return sum(self.value_bytes.get(v, 0.0) for v in ins.values)
 
-    def allreduce_s(self, ins: AllReduceShared | AllReduceGradNorm) -> float:
-        """Ring all-reduce: every member sends and receives 2 (n - 1) / n of the bytes."""
-        n = len(ins.group)
+    def allreduce_s(self, ins: AllReduceShared | AllReduceGradNorm, devices: Sequence[int] | None = None) -> float:
+        """Ring all-reduce over the member `devices` (default: the group read as devices): every
+        member sends and receives 2 (n - 1) / n of the bytes."""
+        ring_of = list(ins.group if devices is None else devices)
+        n = len(ring_of)
         if n < 2:
             return 0.0
-        ring = [
-            self.link_bandwidth(a, b) for a, b in zip(ins.group, ins.group[1:] + ins.group[:1], strict=True)
-        ]
+        ring = [self.link_bandwidth(a, b) for a, b in zip(ring_of, ring_of[1:] + ring_of[:1], strict=True)]
         return 2 * (n - 1) / n * self.bytes_of(ins) / min(ring) + 2 * (n - 1) * self.latency_s
 
 

@@ -259,7 +259,7 @@ class _Simulation(FairShareClock, VarunaDeviation, Interpreter):
         # groups list stages; each device joins once for all its member stages
         expected = len({self.stage_device.get(s, s) for s in ins.group})
         if len(members) == expected:
-            duration = self.cost.allreduce_s(ins)
+            duration = self.cost.allreduce_s(ins, sorted(device for device, _ in members))
             for member in members:
                 self.span_start[member] = self.now
                 self._after(duration, member)

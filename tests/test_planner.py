@@ -7,7 +7,6 @@ import torch.nn.functional as F
 
 import stagewise as sw
 from stagewise.compiler.calibrate import local_topology
-from stagewise.ir.costs import training_state_per_param_byte
 from stagewise.ir.instructions import Stream
 from stagewise.ir.plan import CrossingValue, Cut, DeviceSpec, Layer, LayerCost
 from stagewise.ir.topology import Topology
@@ -50,7 +49,9 @@ def test_large_vocabulary_head_gets_its_own_share():
     uniform = sw.compile(model, 3, (x,), loss_fn=lm_loss, example_target=y, cost="analytic", schedule="gpipe",
                          microbatches=4, split_points=_uniform_split(ours, 3))
     assert max(ours.plan.predicted_stage_s) < max(uniform.plan.predicted_stage_s)
-    assert ours.plan.predicted_iteration_s < uniform.plan.predicted_iteration_s
+    # the same charges for both (FLOPs at one rate, no runtime costs measured per compile): the two
+    # compiles' measured runtime costs differ by noise as large as the plans' difference
+    assert ours.simulate(peak_flops=1e11).iteration_time < uniform.simulate(peak_flops=1e11).iteration_time
     last = ours.plan.stages[-1]
     assert len(last.layers) < len(uniform.plan.stages[-1].layers)
 
@@ -189,7 +190,7 @@ def _chain(seconds: list[float], activation_bytes: list[float]):
 
 def _partition(devices: list[DeviceSpec], topology: Topology, seconds, activation_bytes):
     layers, cuts, costs = _chain(seconds, activation_bytes)
-    layout = choose_layout("gpipe", len(devices), 1, len(cuts), 0, None, training_state_per_param_byte(0.0))
+    layout = choose_layout("gpipe", len(devices), 1, len(cuts))
     return partition("gpipe", layers, cuts, costs, layout, devices, 1, topology)
 
 

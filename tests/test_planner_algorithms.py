@@ -22,15 +22,7 @@ from stagewise.passes.harmony_packing import (
     BACKWARD,
     FORWARD,
     Configuration,
-    FunctionCosts,
-    TableCosts,
     balanced_time_packing,
-    contiguous_packings,
-    estimate_iteration_time,
-    optimal_packing,
-    round_robin_makespan,
-    search_configuration,
-    simulate_tasks,
     split_balanced,
 )
 from stagewise.passes.pipedream_dp import (
@@ -38,9 +30,19 @@ from stagewise.passes.pipedream_dp import (
     NoFeasiblePlan,
     PipelinePlan,
     StageSpan,
-    bottleneck_time,
     plan_pipeline,
 )
+from tests.harmony_oracle import (
+    FunctionCosts,
+    TableCosts,
+    contiguous_packings,
+    estimate_iteration_time,
+    optimal_packing,
+    round_robin_makespan,
+    search_four_tuple,
+    simulate_tasks,
+)
+from tests.pipedream_oracle import bottleneck_time
 
 # --------------------------------------------------------------------------- brute force: DP
 
@@ -560,7 +562,7 @@ def test_configuration_search_beats_equal_forward_and_backward_sizes() -> None:
     caps U_B at 4: only separate sizes get both."""
     n, minibatch, capacity = 6, 8, 12.0
     costs = efficient_but_hungry_costs(n)
-    result = search_configuration(n, minibatch, costs, capacity, gpus=1)
+    result = search_four_tuple(n, minibatch, costs, capacity, gpus=1)
     assert result.config.forward_microbatch > result.config.backward_microbatch
 
     def time_of(u_f: int, u_b: int) -> float:
@@ -582,9 +584,9 @@ def test_configuration_search_uses_the_given_estimator_and_limits() -> None:
         seen.append(config)
         return -config.forward_microbatch - 10 * config.backward_microbatch
 
-    result = search_configuration(4, 16, uniform_costs(4), 100.0, gpus=4, mode="dp",
+    result = search_four_tuple(4, 16, uniform_costs(4), 100.0, gpus=4, mode="dp",
                                   max_forward_microbatch=8, estimator=estimator)
     assert len(seen) == result.explored == 4 * 4  # Harmony DP: D = 16 / 4 caps both sizes at 4
     assert (result.config.forward_microbatch, result.config.backward_microbatch) == (4, 4)
     with pytest.raises(NoFeasiblePlan):
-        search_configuration(4, 16, uniform_costs(4), 0.5)
+        search_four_tuple(4, 16, uniform_costs(4), 0.5)
