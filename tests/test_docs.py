@@ -1,0 +1,115 @@
+"""The docs stay true to the tree: docs/code-map.md lists every module of the package, every path
+and every `stagewise.` name the README and docs/ mention exists, every link stays inside the
+repository, and the program the README prints is what compile prints today.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("ir", "compiler", "passes", "codegen", "runtime")
+DOCS = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
+CODE_MAP = ROOT / "docs" / "code-map.md"
+
+_FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
+_CODE_SPAN = re.compile(r"`[^`\n]*`")
+_LINK = re.compile(r"\[[^\]\n]*\]\(([^)\s]+)\)")
+# a repository path as the docs write it: starts at a top-level folder, not inside another path or URL
+_PATH = re.compile(r"(?<![\w./~-])((?:ir|compiler|passes|codegen|runtime|stagewise|tests|bench|examples|scripts|docs|\.ci)"
+                   r"/[\w.*/-]*)")
+_DOTTED = re.compile(r"(?<![\w.])stagewise(?:\.\w+)+")
+
+
+def _prose(text: str) -> str:
+    """The text without fenced blocks and code spans, where a link is a link."""
+    return _CODE_SPAN.sub("", _FENCE.sub("", text))
+
+
+def _links(doc: Path) -> list[str]:
+    return _LINK.findall(_prose(doc.read_text()))
+
+
+def _target(doc: Path, link: str) -> str:
+    """A relative link as a repository path (normalised, symlinks not followed)."""
+    return Path(os.path.relpath(os.path.normpath(doc.parent / link.partition("#")[0]), ROOT)).as_posix()
+
+
+def _package_files() -> list[str]:
+    files = [p for package in PACKAGES for p in (ROOT / package).rglob("*.py") if "__pycache__" not in p.parts]
+    files += (ROOT / "stagewise").glob("*.py")  # not into its symlinks: those are the packages above
+    return sorted(p.relative_to(ROOT).as_posix() for p in files)
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda d: d.relative_to(ROOT).as_posix())
+def test_links_stay_inside_the_repository(doc: Path) -> None:
+    problems = []
+    for link in _links(doc):
+        if re.match(r"[a-z][a-z0-9+.-]*:", link) or link.startswith("/"):
+            problems.append(f"{link}: not a relative link (the docs link only to files of this repository)")
+            continue
+        if not link.partition("#")[0]:
+            continue  # an anchor in the same file
+        target = _target(doc, link)
+        if target == ".." or target.startswith("../"):
+            problems.append(f"{link}: leaves the repository")
+        elif not (ROOT / target).exists():
+            problems.append(f"{link}: {target} does not exist")
+    assert not problems, f"{doc.name}:\n  " + "\n  ".join(problems)
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda d: d.relative_to(ROOT).as_posix())
+def test_named_paths_exist(doc: Path) -> None:
+    missing = []
+    for path in _PATH.findall(doc.read_text()):
+        path = path.rstrip(".,:;")
+        if not ((ROOT / path).exists() or ("*" in path and any(ROOT.glob(path)))):
+            missing.append(path)
+    assert not missing, f"{doc.name} names paths that do not exist: {sorted(set(missing))}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda d: d.relative_to(ROOT).as_posix())
+def test_named_modules_and_attributes_exist(doc: Path) -> None:
+    missing = [name for name in sorted(set(_DOTTED.findall(doc.read_text()))) if not _resolves(name)]
+    assert not missing, f"{doc.name} names what stagewise does not have: {missing}"
+
+
+def _resolves(dotted: str) -> bool:
+    """Whether `dotted` is a module of stagewise, or an attribute reached from one."""
+    parts = dotted.split(".")
+    for split in range(len(parts), 0, -1):
+        try:
+            value = importlib.import_module(".".join(parts[:split]))
+        except ModuleNotFoundError:
+            continue
+        for name in parts[split:]:
+            if not hasattr(value, name):
+                return False
+            value = getattr(value, name)
+        return True
+    return False
+
+
+def test_code_map_lists_every_module() -> None:
+    listed = {_target(CODE_MAP, link) for link in _links(CODE_MAP)}
+    missing = [path for path in _package_files() if path not in listed]
+    assert not missing, f"add a line for each to docs/code-map.md: {missing}"
+
+
+def test_readme_program_is_what_compile_prints() -> None:
+    """The README's `print(pipe.programs[1])` snippet, run as written, prints the block after it."""
+    pytest.importorskip("transformers")
+    blocks = re.findall(r"^```(\w*)\n(.*?)^```", (ROOT / "README.md").read_text(), re.MULTILINE | re.DOTALL)
+    (index,) = [i for i, (lang, body) in enumerate(blocks) if lang == "python" and "print(pipe.programs[1])" in body]
+    code, (_, expected) = blocks[index][1], blocks[index + 1]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code, "README.md", "exec"), {})  # noqa: S102 - the README's own example
+    assert printed.getvalue().strip() == expected.strip()
