@@ -115,13 +115,13 @@ class Stage:
 @dataclass(frozen=True)
 class Task:
     """One unit of schedule: forward, recompute or backward of a stage on a microbatch, or its
-    update. A forward with `recompute` keeps only its inputs; a recompute task re-runs it with
-    autograd just before the backward (Varuna §3.2)."""
+    update. A forward with `stash=False` keeps only its inputs (as the Forward instruction it
+    lowers to); a recompute task re-runs it with autograd just before the backward (Varuna §3.2)."""
 
     phase: Phase
     stage: int
     microbatch: int | None = None
-    recompute: bool = False
+    stash: bool = True
 
 
 @dataclass(frozen=True)

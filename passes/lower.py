@@ -153,7 +153,7 @@ def _lower_work(task: Task, wiring: _Wiring, residency: Residency, code: list, a
     """A forward, recompute or backward with the state it needs brought in and its stash moved."""
     s, mb = task.stage, task.microbatch
     residency.need(s, State.WEIGHTS)
-    stashes = task.phase is Phase.RECOMPUTE or (task.phase is Phase.FORWARD and not task.recompute)
+    stashes = task.phase is Phase.RECOMPUTE or (task.phase is Phase.FORWARD and task.stash)
     waits = residency.stash_arrives(s, mb) if stashes else ()
     if task.phase is Phase.BACKWARD:
         residency.need(s, State.GRADS)
@@ -188,7 +188,7 @@ def _emit_task(task: Task, code: list, wiring: _Wiring, waits: tuple[int, ...] =
     incoming, outgoing = wiring.takers(wiring.incoming[s], mb), wiring.takers(wiring.outgoing[s], mb)
     if task.phase is Phase.FORWARD:
         code += [_p2p(Recv, s, mb, Carried.ACTIVATIONS, src, wiring, values) for src, values in incoming.items()]
-        code.append(Forward(s, mb, stash=not task.recompute, waits=waits))
+        code.append(Forward(s, mb, stash=task.stash, waits=waits))
         compute = len(code) - 1
         code += [_p2p(Send, s, mb, Carried.ACTIVATIONS, dst, wiring, values) for dst, values in outgoing.items()]
     elif task.phase is Phase.RECOMPUTE:

@@ -129,7 +129,7 @@ def varuna(n_stages: int, microbatches: int) -> list[list[Task]]:
         end[kind][k][j] = free[k]
         next_f[k] += kind == "F"
         next_b[k] += kind == "B"
-        order[k].append(Task(Phase(kind), k, j, recompute=kind == "F" and k < p - 1))
+        order[k].append(Task(Phase(kind), k, j, stash=kind != "F" or k == p - 1))
     return [tasks + [Task(Phase.UPDATE, k)] for k, tasks in enumerate(order)]
 
 
@@ -222,7 +222,7 @@ def instance_tasks(name: str, stages: Sequence[Stage], microbatches: int, n_devi
             for task in tasks:
                 instance = by_position[task.stage]
                 mb = None if task.microbatch is None else local[task.microbatch]
-                per_device[instance.device].append(Task(task.phase, instance.index, mb, task.recompute))
+                per_device[instance.device].append(Task(task.phase, instance.index, mb, task.stash))
     return per_device
 
 

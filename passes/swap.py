@@ -253,7 +253,7 @@ def _stash_in_flight(tasks: Sequence[Task], stash: dict[int, int], swapped=froze
     live: dict[int, int] = {}
     most = 0.0
     for task in tasks:
-        if task.phase is Phase.RECOMPUTE or (task.phase is Phase.FORWARD and not task.recompute):
+        if task.phase is Phase.RECOMPUTE or (task.phase is Phase.FORWARD and task.stash):
             live[task.stage] = live.get(task.stage, 0) + 1
         elif task.phase is Phase.BACKWARD:
             live[task.stage] = live.get(task.stage, 0) - 1

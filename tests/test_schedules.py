@@ -29,8 +29,8 @@ def test_varuna_reproduces_figure_4():
 
 def test_varuna_recomputes_everywhere_but_the_last_stage():
     tasks = varuna(3, 4)
-    assert all(t.recompute for t in tasks[0] + tasks[1] if t.phase is Phase.FORWARD)
-    assert not any(t.recompute for t in tasks[2])
+    assert not any(t.stash for t in tasks[0] + tasks[1] if t.phase is Phase.FORWARD)
+    assert all(t.stash for t in tasks[2])
     for device in tasks[:2]:  # rule 2: a recompute is followed by its microbatch's backward
         for a, b in zip(device, device[1:], strict=False):
             if a.phase is Phase.RECOMPUTE:
