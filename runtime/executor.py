@@ -123,9 +123,9 @@ class StreamExecutor(Interpreter):
         self.sync = Sync(len(streams), self.timeout_s)
         self.transport.sync = self.sync
         self.done = {p.device: [False] * len(p.instructions) for p in self.programs}
-        self.owner: dict[int, dict[int, str]] = {p.device: {} for p in self.programs}  # adoptable index -> stream
+        self.owner: dict[int, dict[int, Stream]] = {p.device: {} for p in self.programs}  # adoptable index -> stream
         self.deviations: list[tuple[int, int, int]] = []  # (device, forward run early, the head it overtook)
-        self.timeline: list[tuple[int, str, int, float, float]] = []  # measured (device, stream, index, start, end)
+        self.timeline: list[tuple[int, Stream, int, float, float]] = []  # measured (device, stream, index, start, end)
         self.started_at = time.perf_counter()
         for device_streams in self.streams.values():
             device_streams.begin_step()
