@@ -3,8 +3,10 @@
 Layout: plan.json (the whole IR, programs included), programs.txt (readable), stage_<i>.py
 (the stage source that load imports), stage_<i>.pt (the stage's submodules and tensors under
 their FQNs, and its optimizer state, all on the CPU), runtime.pt (optimizer factory, clipping,
-which stages swap). The directory is written beside the target and renamed into place, so an
-interrupted save never leaves a half-written checkpoint where a good one was.
+which stages swap), stagewise.json (the marker: format version, size and SHA-256 of every other
+file; load checks each file it reads against it). Save never replaces anything but a stagewise
+checkpoint, and a crash at any moment leaves the old or the new one loadable at the path
+(compiler/checkpoint_swap.py).
 
 Under torch.distributed each rank holds only its own stages. Every rank calls `save`; each
 snapshots its stages (weights, optimizer state, generated source) to CPU memory and gathers
@@ -17,19 +19,27 @@ copy the directory to each machine) to `load` under torchrun; a single process l
 
 from __future__ import annotations
 
+import io
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 
 from stagewise.codegen.source import load_stage
+from stagewise.compiler.checkpoint_files import MARKER, FileRecord, read_checked, read_marker
+from stagewise.compiler.checkpoint_swap import previous_path
 from stagewise.compiler.pipeline import Pipeline
 from stagewise.compiler.runtime_setup import start_runtime
-from stagewise.ir.errors import PlanError
+from stagewise.ir.errors import CheckpointError, PlanError
 from stagewise.ir.plan import Plan
 from stagewise.runtime.launch import DistributedContext, distributed_context
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -81,18 +91,59 @@ def _read_on_every_rank(root: Path, context: DistributedContext) -> _Saved:
 
 
 def _read(root: Path, rank: int | None) -> _Saved:
-    """The checkpoint under `root`; under torch.distributed only the stages of device `rank` (the
-    Pipeline keeps only this rank's stages)."""
-    if not (root / "plan.json").exists():
-        raise PlanError(f"{root} holds no stagewise checkpoint (plan.json is missing)")
-    plan = Plan.from_json((root / "plan.json").read_text())
-    settings = torch.load(root / "runtime.pt", weights_only=False, map_location="cpu")
+    """The checkpoint under `root`, every file checked against its marker; under torch.distributed
+    only the stages of device `rank` (the Pipeline keeps only this rank's stages)."""
+    root = _recovered(root)
+    files = read_marker(root)
+    plan = _parse(root, "plan.json", files, lambda data: Plan.from_json(data.decode()))
+    settings = _parse(root, "runtime.pt", files, _unpickle)
+    read_checked(root, "programs.txt", files)  # only for reading, but a damaged copy is still told
     states: dict[int, dict] = {}
     modules: list[fx.GraphModule | None] = []
     for s in plan.stages:
         if rank is not None and s.device != rank:
             modules.append(None)
             continue
-        states[s.index] = torch.load(root / f"stage_{s.index}.pt", weights_only=False, map_location="cpu")
-        modules.append(load_stage(str(root / f"stage_{s.index}.py"), f"Stage{s.index}", states[s.index]["attrs"]))
+        states[s.index] = _parse(root, f"stage_{s.index}.pt", files, _unpickle)
+        source = f"stage_{s.index}.py"
+        read_checked(root, source, files)
+        try:
+            modules.append(load_stage(str(root / source), f"Stage{s.index}", states[s.index]["attrs"]))
+        except Exception as error:  # noqa: BLE001 - any failure of a whole file: this stagewise cannot use it
+            raise _unusable(root / source, error) from error
     return _Saved(plan, settings, states, modules)
+
+
+def _recovered(root: Path) -> Path:
+    """`root`, or, where a save was interrupted between its two renames, the previous checkpoint it
+    left complete beside it (said in a warning)."""
+    previous = previous_path(root)
+    if root.exists() or not (previous / MARKER).is_file():
+        return root
+    warnings.warn(
+        f"{root} is missing: a save to it was interrupted while replacing the checkpoint there; loading "
+        f"the previous checkpoint from {previous} (the next pipe.save({str(root)!r}) puts one back at "
+        f"{root}, or rename {previous.name} to {root.name})",
+        stacklevel=4,
+    )
+    return previous
+
+
+def _parse(root: Path, name: str, files: dict[str, FileRecord], parse: Callable[[bytes], _T]) -> _T:
+    """A checked file of the checkpoint, parsed; a file that is whole but unusable names itself."""
+    data = read_checked(root, name, files)
+    try:
+        return parse(data)
+    except Exception as error:  # noqa: BLE001 - any failure of a whole file: this stagewise cannot use it
+        raise _unusable(root / name, error) from error
+
+
+def _unpickle(data: bytes):
+    return torch.load(io.BytesIO(data), weights_only=False, map_location="cpu")
+
+
+def _unusable(path: Path, error: Exception) -> CheckpointError:
+    return CheckpointError(
+        f"{path} is whole but cannot be used ({type(error).__name__}: {error}); it was probably written by "
+        "another version of stagewise or torch: load it with that version"
+    )

@@ -1,7 +1,8 @@
-"""Writing a checkpoint (the layout and the guarantees: compiler/checkpoint.py).
+"""Writing a checkpoint (the layout: compiler/checkpoint.py; the marker and the checks:
+compiler/checkpoint_files.py; how it is put in place safely: compiler/checkpoint_swap.py).
 
-The directory is written beside the target and renamed into place, so an interrupted save never
-leaves a half-written checkpoint where a good one was. Under torch.distributed every rank
+Save refuses a target that holds anything but a stagewise checkpoint, and a crash at any moment
+leaves the old or the new checkpoint loadable there. Under torch.distributed every rank
 snapshots its stages to CPU memory and gathers them to rank 0, which writes them; every rank
 returns only after the rename (or raises the same failure).
 """
@@ -10,15 +11,14 @@ from __future__ import annotations
 
 import copy
 import io
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.fx as fx
 
 from stagewise.codegen.source import stage_source
+from stagewise.compiler.checkpoint_files import FileRecord
+from stagewise.compiler.checkpoint_swap import publish, put
 from stagewise.compiler.runtime_setup import Runtime
 from stagewise.ir.errors import PlanError
 from stagewise.ir.plan import Plan
@@ -87,39 +87,38 @@ def _snapshot(plan: Plan, worker: StageWorker) -> dict:
 
 
 def _write(plan: Plan, runtime: Runtime, target: Path, records) -> None:
-    """Write the plan and the stage records into a staging directory beside `target`, then rename."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        _put(staging / "plan.json", plan.to_json())
-        _put(staging / "programs.txt", "\n\n".join(str(p) for p in plan.programs) + "\n")
-        written, swapped = set(), set()
+    """Write the plan and the stage records into a staging directory beside `target`, then swap it
+    in (compiler/checkpoint_swap.py)."""
+
+    def fill(staging: Path) -> dict[str, FileRecord]:
+        files = {
+            "plan.json": put(staging / "plan.json", plan.to_json()),
+            "programs.txt": put(staging / "programs.txt", "\n\n".join(str(p) for p in plan.programs) + "\n"),
+        }
+        swapped = set()
         for record in records:
             i = record["index"]
-            _put(staging / f"stage_{i}.py", record["source"])
-            _put(staging / f"stage_{i}.pt", record["state"])
-            written.add(i)
+            files[f"stage_{i}.py"] = put(staging / f"stage_{i}.py", record["source"])
+            files[f"stage_{i}.pt"] = put(staging / f"stage_{i}.pt", record["state"])
             if record["swapped"]:
                 swapped.add(i)
-        missing = sorted({s.index for s in plan.stages} - written)
+        missing = sorted(s.index for s in plan.stages if f"stage_{s.index}.pt" not in files)
         if missing:
             raise PlanError(f"no rank held stages {missing}; the checkpoint would be incomplete")
-        settings = io.BytesIO()
-        torch.save(
-            {
-                "optimizer": runtime.optimizer_factory,
-                "clip_grad_norm": runtime.clip_grad_norm,
-                "swapped": frozenset(swapped),
-            },
-            settings,
-        )
-        _put(staging / "runtime.pt", settings.getvalue())
-        _sync_directory(staging)
-        _replace(staging, target)
-        _sync_directory(target.parent)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        files["runtime.pt"] = put(staging / "runtime.pt", _runtime_settings(runtime, swapped))
+        return files
+
+    publish(target, fill)
+
+
+def _runtime_settings(runtime: Runtime, swapped: set[int]) -> bytes:
+    """runtime.pt: what load needs to rebuild the runtime besides the stages."""
+    settings = io.BytesIO()
+    torch.save(
+        {"optimizer": runtime.optimizer_factory, "clip_grad_norm": runtime.clip_grad_norm, "swapped": frozenset(swapped)},
+        settings,
+    )
+    return settings.getvalue()
 
 
 def _stage_doc(plan: Plan, worker: StageWorker) -> str:
@@ -170,37 +169,3 @@ def _attrs(module: fx.GraphModule) -> dict[str, object]:
             owner = module.get_submodule(".".join(path)) if path else module
             attrs[node.target] = getattr(owner, leaf)
     return attrs
-
-
-def _put(path: Path, data: str | bytes) -> None:
-    """Write a file and flush it to the disk, so the rename never publishes data still in flight."""
-    with open(path, "wb") as file:
-        file.write(data.encode() if isinstance(data, str) else data)
-        file.flush()
-        os.fsync(file.fileno())
-
-
-def _sync_directory(path: Path) -> None:
-    """Make a directory's entries (the files in it, a rename into it) durable, where the OS allows."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _replace(staging: Path, target: Path) -> None:
-    """Move the finished checkpoint into place; the old one is removed only after."""
-    if target.exists():
-        old = target.with_name(f".{target.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(target, old)
-        os.replace(staging, target)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(staging, target)

@@ -37,6 +37,16 @@ class PlanError(StagewiseError):
     """A saved plan or program is inconsistent or cannot be executed."""
 
 
+class OptionError(PlanError):
+    """A compile argument has the wrong type or a value out of range (a PlanError, as the
+    unknown-schedule and replica checks that came first)."""
+
+
+class CheckpointError(PlanError):
+    """A checkpoint directory that cannot be written (the target holds something else) or read (a
+    file missing, truncated or corrupted); a PlanError, as the missing-plan check that came first."""
+
+
 class CapacityError(StagewiseError):
     """A device's memory pool would exceed the capacity given with `sw.Device(..., memory=)`."""
 

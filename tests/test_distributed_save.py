@@ -175,7 +175,7 @@ def test_every_rank_returns_once_the_checkpoint_is_complete(ranks, case):
     out, results = ranks
     written = sorted(p.name for p in _case_dir(out, case).iterdir())
     stages = results[0][case]["all_stages"]
-    assert {"plan.json", "programs.txt", "runtime.pt"} | {
+    assert {"plan.json", "programs.txt", "runtime.pt", "stagewise.json"} | {
         f"stage_{i}.{x}" for i in stages for x in ("py", "pt")
     } == set(written)
     plan = sw.Plan.from_json((_case_dir(out, case) / "plan.json").read_text())

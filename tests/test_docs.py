@@ -25,7 +25,7 @@ _LINK = re.compile(r"\[[^\]\n]*\]\(([^)\s]+)\)")
 # a repository path as the docs write it: starts at a top-level folder, not inside another path or URL
 _PATH = re.compile(r"(?<![\w./~-])((?:ir|compiler|passes|codegen|runtime|stagewise|tests|bench|examples|scripts|docs|\.ci)"
                    r"/[\w.*/-]*)")
-_DOTTED = re.compile(r"(?<![\w.])stagewise(?:\.\w+)+")
+_DOTTED = re.compile(r"(?<![\w.])stagewise(?:\.\w+)+(?!\w)(?<!\.json)")  # not the file stagewise.json
 
 
 def _prose(text: str) -> str:

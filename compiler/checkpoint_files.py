@@ -1,0 +1,128 @@
+"""What makes a directory a stagewise checkpoint, and the checks that every file of one is whole.
+
+A checkpoint holds a marker, stagewise.json, written last: the format version and, for every
+other file, its size and SHA-256. Save replaces or removes only folders it can recognise as its
+own (the marker, or only checkpoint file names under a name of its own), never a user's; load
+checks every file it reads against the marker, so a missing, truncated or corrupted file is an
+error naming that file, not a raw unpickling or import failure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from stagewise.ir.errors import CheckpointError
+
+MARKER = "stagewise.json"
+FORMAT = "stagewise-checkpoint"
+VERSION = 1
+_OWN_FILE = re.compile(r"plan\.json|programs\.txt|runtime\.pt|stage_\d+\.(py|pt)|stagewise\.json")
+_BYTECODE = "__pycache__"  # where importing a stage's source may cache its bytecode
+_OWN_BYTECODE = re.compile(r"stage_\d+\..*\.pyc")
+_DAMAGED = "save the pipeline again, or restore the directory from a copy"
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """What the marker says of one file: its size and SHA-256 when it was written."""
+
+    size: int
+    sha256: str
+
+    @staticmethod
+    def of(data: bytes) -> FileRecord:
+        return FileRecord(len(data), hashlib.sha256(data).hexdigest())
+
+
+def marker_text(files: dict[str, FileRecord]) -> str:
+    """The marker of a checkpoint made of `files`."""
+    listed = {name: {"bytes": r.size, "sha256": r.sha256} for name, r in sorted(files.items())}
+    marker = {"format": FORMAT, "version": VERSION, "files": listed, "files_sha256": _digest_of(listed)}
+    return json.dumps(marker, indent=1) + "\n"
+
+
+def _digest_of(listed: dict) -> str:
+    """The marker's own check: a changed size or digest in it is corruption, not a changed file."""
+    return hashlib.sha256(json.dumps(listed, sort_keys=True).encode()).hexdigest()
+
+
+def read_marker(root: Path) -> dict[str, FileRecord]:
+    """The files the checkpoint at `root` was written with, by name."""
+    path = root / MARKER
+    if not root.is_dir():
+        why = "it is not a directory" if root.exists() else "it does not exist"
+        raise CheckpointError(f"{root} holds no stagewise checkpoint ({why})")
+    if not path.is_file():
+        if not (root / "plan.json").exists():
+            raise CheckpointError(f"{root} holds no stagewise checkpoint (plan.json is missing)")
+        raise CheckpointError(f"{path} is missing: {root} is not a complete stagewise checkpoint; {_DAMAGED}")
+    try:
+        data = json.loads(path.read_bytes())
+        if data["format"] != FORMAT:
+            raise ValueError(f"format {data['format']!r}")
+        version = int(data["version"])
+        if _digest_of(data["files"]) != data["files_sha256"]:
+            raise ValueError("its list of files does not match its own SHA-256")
+        files = {str(n): FileRecord(int(r["bytes"]), str(r["sha256"])) for n, r in data["files"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise CheckpointError(f"{path} is corrupted ({type(error).__name__}: {error}); {_DAMAGED}") from error
+    if version > VERSION:
+        raise CheckpointError(
+            f"{root} was written by a newer stagewise (checkpoint format {version}, this one reads up to "
+            f"{VERSION}); upgrade stagewise to load it"
+        )
+    return files
+
+
+def read_checked(root: Path, name: str, files: dict[str, FileRecord]) -> bytes:
+    """The bytes of `root / name`, once they are what the checkpoint wrote."""
+    path = root / name
+    if name not in files:
+        raise CheckpointError(f"{root / MARKER} does not list {name}, which the plan needs; {_DAMAGED}")
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing from the checkpoint; {_DAMAGED}") from None
+    except OSError as error:
+        raise CheckpointError(f"{path} cannot be read ({error}); check its permissions") from error
+    want = files[name]
+    if len(data) != want.size:
+        raise CheckpointError(
+            f"{path} is {'truncated' if len(data) < want.size else 'too long'}: {len(data)} bytes where "
+            f"{want.size} were saved; {_DAMAGED}"
+        )
+    if FileRecord.of(data) != want:
+        raise CheckpointError(f"{path} is corrupted: its contents differ from what was saved (SHA-256); {_DAMAGED}")
+    return data
+
+
+def foreign_entries(path: Path) -> list[str]:
+    """The entries of directory `path` that no checkpoint writes (a user's files)."""
+    foreign = []
+    for entry in os.scandir(path):
+        if entry.name == _BYTECODE and entry.is_dir(follow_symlinks=False):
+            foreign += [f"{_BYTECODE}/{n}" for n in os.listdir(entry.path) if not _OWN_BYTECODE.fullmatch(n)]
+        elif not (_OWN_FILE.fullmatch(entry.name) and entry.is_file(follow_symlinks=False)):
+            foreign.append(entry.name)
+    return sorted(foreign)
+
+
+def remove_own_folder(path: Path) -> None:
+    """Remove a folder of checkpoint files, the marker last (so a folder interrupted half-way is
+    still recognisably a checkpoint's); refuses one that holds anything else."""
+    foreign = foreign_entries(path)
+    if foreign:
+        raise CheckpointError(f"{path} holds files stagewise did not write ({', '.join(foreign)}); it was left as it is")
+    bytecode = path / _BYTECODE
+    if bytecode.is_dir():
+        for name in os.listdir(bytecode):
+            os.unlink(bytecode / name)
+        os.rmdir(bytecode)
+    for name in sorted(os.listdir(path), key=lambda n: n == MARKER):
+        os.unlink(path / name)
+    os.rmdir(path)
