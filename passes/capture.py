@@ -29,7 +29,8 @@ forward of it gives eager's loss on the same inputs (else it is exported at size
 
 The parts live beside this module: capture_tracers (the two tracers and the normalisation of
 their graphs), symbolic_sizes (binding, evaluating and folding the symbolic sizes),
-capture_annotate (node values and FLOPs by fake-tensor propagation, FLOPs of an ATen node).
+capture_annotate (node values and FLOPs by fake-tensor propagation, FLOPs of an ATen node),
+capture_functional (in-place ops written out of place where no alias can tell).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from torch.utils._pytree import tree_flatten
 
 from stagewise.ir.errors import ExampleInputsError, LossError, TraceError
 from stagewise.passes.capture_annotate import annotate, check_loss, op_flops
+from stagewise.passes.capture_functional import functionalize
 from stagewise.passes.capture_tracers import Exported, normalise, trace_export, trace_fx
 from stagewise.passes.symbolic_sizes import SYMBOLIC, Evaluator, NotCovered, bind, fold
 
@@ -190,6 +192,7 @@ class Capture:
         if self.tracer == "fx":
             gm = _copy(self.template)
             annotate(gm, inputs, target)
+            functionalize(gm)
             check_loss(gm)
             return gm
         leaves = self._leaves(inputs, target)
@@ -232,6 +235,7 @@ class Capture:
             annotate(_module(template, graph), inputs, target)
         fold(graph, symbolic)
         gm = _module(template, graph)
+        functionalize(gm)
         check_loss(gm)
         return gm, verify
 

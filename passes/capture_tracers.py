@@ -18,6 +18,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_map
 
 from stagewise.ir.errors import TraceError
+from stagewise.passes.capture_functional import modifies_input
 
 
 @dataclass
@@ -103,7 +104,7 @@ def normalise(gm: fx.GraphModule, wanted: list[str]) -> None:
             base = re.sub(r"_\d+$", "", node.name)
             prefix = node.meta["module_path"].replace(".", "_")
             node._rename(f"{prefix}_{base}" if prefix and not base.startswith(prefix) else base)
-    graph.eliminate_dead_code()
+    graph.eliminate_dead_code(lambda n: n.is_impure() or modifies_input(gm, n))
     graph.lint()
     gm.recompile()
 

@@ -19,6 +19,7 @@ import torch.fx as fx
 
 from stagewise.ir.devices import Device
 from stagewise.ir.plan import Layer
+from stagewise.passes.capture_functional import modifies_input
 from stagewise.passes.profile_fit import LayerProfile
 from stagewise.passes.profile_layer import layer_module
 from stagewise.passes.profile_measure import real_inputs, timed
@@ -77,6 +78,16 @@ def in_context_factors(gm: fx.GraphModule, layers: Sequence[Layer], profiles: Se
     return [tuple(statistics.median(r[k] for r in by_signature[p.signature]) for k in (0, 1)) for p in profiles]
 
 
+def _placeholders(module: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in module.graph.nodes if n.op == "placeholder"]
+
+
+def _written_inputs(module: fx.GraphModule) -> set[fx.Node]:
+    """The layer's inputs an in-place op left by the capture (a view modified in place) writes into."""
+    return {n.args[0] for n in module.graph.nodes
+            if n.args and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder" and modifies_input(module, n)}
+
+
 def _ratio(in_context: float, alone: float) -> float:
     factor = in_context / alone if alone > 0 else 1.0
     return factor if CONTEXT_RANGE[0] <= factor <= CONTEXT_RANGE[1] else 1.0
@@ -93,11 +104,14 @@ def _layers_back_to_back(layers: Sequence[Layer], modules: Sequence[fx.GraphModu
     forward_s = []
     for layer, module in zip(layers, modules, strict=True):
         args, mine = [], []
-        for name in layer.inputs:
+        written = _written_inputs(module)
+        for name, placeholder in zip(layer.inputs, _placeholders(module), strict=True):
             value = values[name]
             if isinstance(value, torch.Tensor) and value.is_floating_point() and value.requires_grad:
                 value = value.detach().requires_grad_()
                 mine.append((name, value))
+            if placeholder in written and isinstance(value, torch.Tensor):
+                value = value.clone()  # a leaf may not be modified in place; nor may a value others read
             args.append(value)
         seconds, result = timed(lambda module=module, args=args: module(*args), where)
         forward_s.append(seconds)

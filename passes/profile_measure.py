@@ -45,7 +45,7 @@ def measure_layer(module: torch.nn.Module, inputs: Sequence[Any], device: torch.
 
     Each timed run is F, then R (the forward again, as a recompute right before a backward), then B.
     """
-    _backward(_forward(module, inputs))  # warm-up: lazy initialisation, allocator caches
+    _backward(_forward(module, _own_copies(inputs)))  # warm-up: lazy initialisation, allocator caches
     _clear_grads(module, inputs)
     state_ids = {storage_id(t) for t in (*module.parameters(), *module.buffers())}
     saved: dict[int, int] = {}
@@ -56,8 +56,9 @@ def measure_layer(module: torch.nn.Module, inputs: Sequence[Any], device: torch.
         return t
 
     peak = _PeakMemory(device)
+    args = _own_copies(inputs)
     with peak.phase(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = _forward(module, inputs)
+        out = _forward(module, args)
     act = tree_bytes(out[2])
     with peak.phase():
         _backward(out)
@@ -66,10 +67,10 @@ def measure_layer(module: torch.nn.Module, inputs: Sequence[Any], device: torch.
 
     times: dict[str, list[float]] = {k: [] for k in TIMES}
     for _ in range(repeats):
-        seconds, first = timed(lambda: _forward(module, inputs), device)
+        seconds, first = timed(functools.partial(_forward, module, _own_copies(inputs)), device)
         times["fwd_s"].append(seconds)
         del first  # the recompute below must not find the forward's stash still held
-        seconds, out = timed(lambda: _forward(module, inputs), device)
+        seconds, out = timed(functools.partial(_forward, module, _own_copies(inputs)), device)
         times["recompute_s"].append(seconds)
         seconds, _ = timed(functools.partial(_backward, out), device)
         times["bwd_s"].append(seconds if out[0] else 0.0)
@@ -114,6 +115,13 @@ def _forward(module, inputs) -> tuple[list[torch.Tensor], list[torch.Tensor], An
     flat, _ = tree_flatten(out)
     roots = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
     return roots, [torch.ones_like(t) for t in roots], out
+
+
+def _own_copies(inputs: Sequence[Any]) -> list[Any]:
+    """Copies of the inputs for one run, made before its timer starts: a layer that modifies its
+    input in place (one left in place by the capture) may, and a copy is not a leaf, so autograd
+    lets it; gradients still reach the inputs through the copy."""
+    return [tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, value) for value in inputs]
 
 
 def _backward(forward: tuple[list[torch.Tensor], list[torch.Tensor], Any]) -> None:
