@@ -4,12 +4,15 @@ capture -> analyse -> cost -> plan -> codegen -> runtime."""
 from __future__ import annotations
 
 import torch
+import torch.fx as fx
 
 from stagewise.compiler.context import CompileContext, after
 from stagewise.compiler.options import DEFAULT_OPTIMIZER, CompileOptions, CompileRequest
-from stagewise.compiler.phases import run_phases
+from stagewise.compiler.phases import PHASES, analyse, plan, run_phases
 from stagewise.compiler.pipeline import Compiled, Pipeline
-from stagewise.ir.errors import ExampleInputsError
+from stagewise.ir.devices import format_bytes
+from stagewise.ir.errors import CapacityError, ExampleInputsError, LossError, OptionError
+from stagewise.ir.plan import Plan
 
 
 def compile(  # noqa: A001 - the public name of the API
@@ -61,12 +64,83 @@ def compile(  # noqa: A001 - the public name of the API
     """
     if not isinstance(model, torch.nn.Module):
         raise ExampleInputsError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    options = CompileOptions(loss_fn=loss_fn, example_target=example_target, optimizer=optimizer or DEFAULT_OPTIMIZER,
+    _check_split_points(split_points)
+    options = CompileOptions(loss_fn=loss_fn, example_target=example_target,
+                             optimizer=DEFAULT_OPTIMIZER if optimizer is None else optimizer,
                              microbatches=microbatches, schedule=schedule, cost=cost,
                              split_points=None if split_points is None else tuple(split_points),
                              clip_grad_norm=clip_grad_norm, swap=swap, replicas=replicas, stages=stages,
                              optimizer_on_host=optimizer_on_host)
     ctx = CompileContext(CompileRequest.make(model, devices, example_inputs, options))
-    run_phases(ctx)
+    _run_checked(ctx)
     compiled = Compiled(after(ctx.choice, "plan").sim_cost, ctx.seconds)
     return Pipeline(after(ctx.plan, "plan"), after(ctx.runtime, "runtime"), compiled)
+
+
+def _check_split_points(split_points: object) -> None:
+    """A list of names (a string would be read as one name per character)."""
+    if split_points is not None and not isinstance(split_points, list | tuple):
+        example = [split_points] if isinstance(split_points, str) else ["blocks.2"]
+        raise OptionError(f"split_points={split_points!r} must be a list of layer names, e.g. split_points={example!r}")
+
+
+def _run_checked(ctx: CompileContext) -> None:
+    """The compile phases, with the checks that need a phase's result run right after it."""
+    checks = {analyse: lambda: _check_loss_is_differentiable(ctx.request.model, after(ctx.first, "analyse").graph),
+              plan: lambda: _check_layers_fit(after(ctx.plan, "plan"))}
+    for phase in PHASES:
+        run_phases(ctx, (phase,))
+        if phase in checks:
+            checks[phase]()
+
+
+_DETACHING = {("call_method", "detach"), ("call_function", torch.detach), ("call_function", torch.Tensor.detach),
+              ("call_function", torch.ops.aten.detach.default)}
+
+
+def _check_loss_is_differentiable(model: torch.nn.Module, graph: fx.GraphModule) -> None:
+    """The loss depends on a trainable parameter other than through a detach: else backward has
+    nothing to differentiate, and the step would fail deep in the runtime."""
+    if not any(p.requires_grad for p in model.parameters()):
+        return
+    output = next(n for n in graph.graph.nodes if n.op == "output")
+    seen: set[fx.Node] = set()
+    frontier = list(output.all_input_nodes)
+    while frontier:
+        node = frontier.pop()
+        if node in seen or (node.op, node.target) in _DETACHING:
+            continue
+        seen.add(node)
+        if _holds_trainable_parameter(graph, node):
+            return
+        frontier.extend(node.all_input_nodes)
+    raise LossError("the loss does not depend on any trainable parameter (is it detached, or computed under "
+                    "torch.no_grad?); return the loss with its autograd graph: drop .detach() / .item() / no_grad "
+                    "from the model's forward and loss_fn")
+
+
+def _holds_trainable_parameter(graph: fx.GraphModule, node: fx.Node) -> bool:
+    if node.op == "call_module":
+        return any(p.requires_grad for p in graph.get_submodule(str(node.target)).parameters())
+    if node.op == "get_attr":
+        try:
+            value = graph.get_parameter(str(node.target))
+        except AttributeError:
+            return False
+        return value.requires_grad
+    return False
+
+
+def _check_layers_fit(chosen: Plan) -> None:
+    """Each device's memory holds the weights of the largest layer its stages run: no schedule or
+    swap can run a layer whose weights do not fit (the pool would refuse it at the first step)."""
+    for stage in chosen.stages:
+        capacity = chosen.devices[stage.device].memory
+        if capacity is None or not stage.layers:
+            continue
+        largest = max((chosen.layers[i] for i in stage.layers), key=lambda layer: layer.param_bytes)
+        if largest.param_bytes > capacity:
+            raise CapacityError(
+                f"device {stage.device} ({chosen.devices[stage.device].name}, memory={format_bytes(capacity)}) "
+                f"cannot hold layer {largest.name!r}: its weights alone take {format_bytes(largest.param_bytes)}; "
+                "give the device more memory (or memory=None for no limit), or cut the model finer")

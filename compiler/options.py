@@ -4,20 +4,30 @@ devices resolved, and the facts about this process that the phases read."""
 from __future__ import annotations
 
 import functools
+import math
+import pickle
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from stagewise.compiler.batches import batch_size, check_microbatches
+from stagewise.compiler.batches import batch_size, check_microbatches, input_specs
 from stagewise.ir.devices import Device, resolve_devices
-from stagewise.ir.errors import ExampleInputsError, OversubscribedWarning, PlanError
-from stagewise.ir.plan import DeviceSpec
+from stagewise.ir.errors import (
+    BatchSizeError,
+    ExampleInputsError,
+    LossError,
+    OptionError,
+    OversubscribedWarning,
+    PlanError,
+)
+from stagewise.ir.plan import DeviceSpec, InputSpec
 from stagewise.passes.capture import input_names
 from stagewise.passes.contention import available_cores, computes_at_full_speed
 from stagewise.passes.layout import PER_STAGE
 from stagewise.passes.schedule import SCHEDULES
+from stagewise.passes.swap import CHOICES as SWAP_CHOICES
 from stagewise.runtime.launch import DistributedContext, distributed_context
 
 DEFAULT_OPTIMIZER = functools.partial(torch.optim.SGD, lr=0.01)
@@ -44,20 +54,10 @@ class CompileOptions:
     def __post_init__(self) -> None:
         if isinstance(self.replicas, list):  # replicas=[2, 1] reads as (2, 1)
             object.__setattr__(self, "replicas", tuple(self.replicas))
-        if self.cost not in COST_MODELS:
-            raise PlanError(f"unknown cost={self.cost!r}; choose 'profile' (measure) or 'analytic' (FLOPs and peak rates)")
-        if self.schedule not in SCHEDULES:
-            raise PlanError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
-        if not _valid_replicas(self.replicas):
-            raise PlanError(f"replicas must be a positive int, 'auto', '{PER_STAGE}' or a tuple with a positive count "
-                            f"per stage such as (2, 1), got {self.replicas!r}")
-        if (self.replicas == PER_STAGE or isinstance(self.replicas, tuple)) and self.stages is not None:
-            raise PlanError(f"replicas={self.replicas!r} places every stage's replicas itself; drop stages=")
-        if self.replicas == PER_STAGE and self.split_points is not None:
-            raise PlanError(f"replicas='{PER_STAGE}' lets PipeDream's DP choose the cuts; with split_points give each "
-                            "stage's replicas, e.g. replicas=(2, 1)")
-        if self.stages not in (None, "auto") and (not isinstance(self.stages, int) or self.stages < 1):
-            raise PlanError(f"stages must be a positive int, 'auto' or None (every device), got {self.stages!r}")
+        _check_loss(self.loss_fn, self.example_target)
+        _check_optimizer(self.optimizer)
+        _check_scalars(self)
+        _check_layout(self)
 
     @property
     def searched(self) -> bool:
@@ -72,6 +72,87 @@ class CompileOptions:
         """Whether the planner weighs several microbatch counts, so the capture must serve every size
         (one count known in advance: a static export, about half the time of a symbolic one)."""
         return self.microbatches is None and self.split_points is None
+
+
+def _check_loss(loss_fn: object, example_target: object) -> None:
+    """A loss_fn comes with an example target (a tensor), and a target with a loss_fn."""
+    if loss_fn is not None and not callable(loss_fn):
+        raise LossError(f"loss_fn={loss_fn!r} is not callable; give a function (output, target) -> scalar loss, "
+                        "e.g. loss_fn=torch.nn.functional.cross_entropy")
+    if loss_fn is not None and example_target is None:
+        raise LossError("loss_fn is given without example_target: pass example_target= (a batch of targets like "
+                        "those step(..., target=) will get), so the loss can be traced with the model")
+    if loss_fn is None and example_target is not None:
+        raise LossError("example_target is given without loss_fn: pass loss_fn=(output, target) -> loss, or drop "
+                        "example_target if the model returns its own loss")
+    if example_target is not None and not isinstance(example_target, torch.Tensor):
+        raise ExampleInputsError(f"example_target is a {type(example_target).__name__}; give a tensor with the batch "
+                                 "along dim 0, as step(..., target=) will get")
+
+
+def _check_optimizer(factory: object) -> None:
+    """A factory `params -> torch.optim.Optimizer` that `pipe.save` can pickle (each stage makes its
+    own optimizer over its own parameters, and a checkpoint stores how)."""
+    fix = "pass a factory such as functools.partial(torch.optim.AdamW, lr=1e-3)"
+    if isinstance(factory, torch.optim.Optimizer):
+        raise OptionError(f"optimizer= is a {type(factory).__name__} instance over the model's parameters; each "
+                          f"stage makes its own optimizer over its own parameters: {fix}")
+    if not callable(factory):
+        raise OptionError(f"optimizer={factory!r} is not callable; {fix}")
+    try:
+        pickle.dumps(factory)
+    except (pickle.PicklingError, AttributeError, TypeError) as err:
+        raise OptionError(f"optimizer={factory!r} cannot be pickled, so pipe.save could not store it ({err}); "
+                          f"a lambda or a function defined inside another cannot: {fix} or a module-level "
+                          "function") from None
+    try:
+        made = factory([torch.nn.Parameter(torch.zeros(1))])
+    except Exception as err:  # noqa: BLE001 - any failure of the user's factory is reported as one
+        raise OptionError(f"optimizer={factory!r} fails when called with a list of parameters "
+                          f"({type(err).__name__}: {err}); {fix}") from None
+    if not isinstance(made, torch.optim.Optimizer):
+        raise OptionError(f"optimizer= returned a {type(made).__name__}, not a torch.optim.Optimizer; {fix}")
+
+
+def _check_scalars(options: CompileOptions) -> None:
+    """Counts, norms and flags of the right type and range (a negative or NaN clip norm trains wrongly)."""
+    clip = options.clip_grad_norm
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, int | float)
+                             or not math.isfinite(clip) or clip <= 0):
+        raise OptionError(f"clip_grad_norm={clip!r} must be a positive finite number (the largest gradient norm "
+                          "kept), e.g. clip_grad_norm=1.0, or None for no clipping")
+    m = options.microbatches
+    if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+        raise BatchSizeError(f"microbatches must be a positive int, got {m!r}; e.g. microbatches=4, or None to let "
+                             "the planner choose")
+    if not isinstance(options.optimizer_on_host, bool):
+        raise OptionError(f"optimizer_on_host={options.optimizer_on_host!r} must be True or False")
+    if not isinstance(options.swap, str) or options.swap not in SWAP_CHOICES:
+        raise OptionError(f"unknown swap={options.swap!r}; choose one of {', '.join(map(repr, SWAP_CHOICES))}")
+    points = options.split_points
+    if points is not None and not all(isinstance(p, str) and p for p in points):
+        raise OptionError(f"split_points={list(points)!r} must name layers by their module names (strings), "
+                          "e.g. split_points=['blocks.2']")
+
+
+def _check_layout(options: CompileOptions) -> None:
+    """Cost model, schedule, replicas and stages: known names, positive counts, no contradictions."""
+    if not isinstance(options.cost, str) or options.cost not in COST_MODELS:
+        raise PlanError(f"unknown cost={options.cost!r}; choose 'profile' (measure) or 'analytic' (FLOPs and peak "
+                        "rates)")
+    if not isinstance(options.schedule, str) or options.schedule not in SCHEDULES:
+        raise PlanError(f"unknown schedule {options.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    replicas, stages = options.replicas, options.stages
+    if not _valid_replicas(replicas):
+        raise PlanError(f"replicas must be a positive int, 'auto', '{PER_STAGE}' or a tuple with a positive count "
+                        f"per stage such as (2, 1), got {replicas!r}")
+    if (replicas == PER_STAGE or isinstance(replicas, tuple)) and stages is not None:
+        raise PlanError(f"replicas={replicas!r} places every stage's replicas itself; drop stages=")
+    if replicas == PER_STAGE and options.split_points is not None:
+        raise PlanError(f"replicas='{PER_STAGE}' lets PipeDream's DP choose the cuts; with split_points give each "
+                        "stage's replicas, e.g. replicas=(2, 1)")
+    if stages not in (None, "auto") and (isinstance(stages, bool) or not isinstance(stages, int) or stages < 1):
+        raise PlanError(f"stages must be a positive int, 'auto' or None (every device), got {stages!r}")
 
 
 def _valid_replicas(replicas: object) -> bool:
@@ -98,12 +179,12 @@ class CompileRequest:
     first_microbatches: int  # the count the first trace is cut at (the planner's other counts reuse it)
     distributed: DistributedContext | None
     cores_at_full_speed: float  # single-device computes this process's cores run at full speed at once
+    input_specs: tuple[InputSpec, ...] = ()  # each example tensor's dtype and sizes, for step's checks
 
     @classmethod
     def make(cls, model: torch.nn.Module, devices, example_inputs, options: CompileOptions) -> CompileRequest:
         """Check the model and inputs, resolve the devices, pick the first microbatch count."""
-        if not isinstance(model, torch.nn.Module):
-            raise ExampleInputsError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        _check_model(model)
         resolved = resolve_devices(devices)
         distributed = distributed_context()
         _warn_if_oversubscribed(_sharing_cpu_devices(resolved, distributed))
@@ -112,8 +193,16 @@ class CompileRequest:
         if options.microbatches is not None:
             check_microbatches(batch, options.microbatches)
         first = options.microbatches or max(d for d in range(1, len(resolved) + 1) if batch % d == 0)
+        named = dict(zip(names, example_inputs.values() if isinstance(example_inputs, dict) else example_inputs,
+                         strict=True))
+        for name, tensor in named.items():
+            if tensor.is_meta:
+                raise ExampleInputsError(f"example input {name!r} is on the meta device (no data); give real "
+                                         "tensors on 'cpu' or 'cuda'")
+        target = [options.example_target] if isinstance(options.example_target, torch.Tensor) else []
+        specs = input_specs([*named.values(), *target])
         return cls(model, example_inputs, options, resolved, tuple(names), kind, batch, first, distributed,
-                   computes_at_full_speed())
+                   computes_at_full_speed(), specs)
 
     @property
     def specs(self) -> list[DeviceSpec]:
@@ -127,6 +216,16 @@ class CompileRequest:
     def sharing_cpu_devices(self) -> int:
         """In-process CPU devices computing side by side on this process's cores."""
         return _sharing_cpu_devices(self.devices, self.distributed)
+
+
+def _check_model(model: object) -> None:
+    """A module whose parameters and buffers hold data (a meta-device model has only shapes)."""
+    if not isinstance(model, torch.nn.Module):
+        raise ExampleInputsError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_meta:
+            raise ExampleInputsError(f"the model's {name!r} is on the meta device (shapes, no data); materialise it "
+                                     "first, e.g. model.to_empty(device='cpu') then load its weights")
 
 
 def _sharing_cpu_devices(devices: list[Device], distributed: DistributedContext | None) -> int:

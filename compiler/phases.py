@@ -54,6 +54,7 @@ def plan(ctx: CompileContext) -> None:
         input_names=request.input_names,
         input_kind=request.input_kind,
         target_name=analysis.target_name,
+        input_specs=request.input_specs,
         graph_inputs=graph.graph_inputs,
         microbatches=chosen.microbatches,
         microbatch_size=graph.microbatch_size,

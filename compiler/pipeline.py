@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from stagewise.compiler.batches import split_batch
+from stagewise.compiler.batches import check_step_tensors, split_batch
 from stagewise.compiler.checkpoint_write import save
 from stagewise.compiler.runtime_setup import Runtime
 from stagewise.ir.errors import BatchSizeError, ExampleInputsError
@@ -114,16 +114,20 @@ class Pipeline:
         """One synchronous training iteration on a minibatch; returns its mean loss."""
         inputs = self._inputs(args, kwargs)
         m = self.plan.microbatches
-        batch = next(iter(inputs.values())).shape[0]
-        if batch != m * self.plan.microbatch_size:
+        first = next(iter(inputs.values()))
+        if first.dim() > 0 and first.shape[0] != m * self.plan.microbatch_size:
             raise BatchSizeError(
-                f"step got a batch of {batch} but the pipeline was compiled for {m} microbatches of "
+                f"step got a batch of {first.shape[0]} but the pipeline was compiled for {m} microbatches of "
                 f"{self.plan.microbatch_size} ({m * self.plan.microbatch_size}); recompile for the new size"
             )
         if self.plan.target_name is not None:
             if target is None:
                 raise ExampleInputsError("this pipeline was compiled with loss_fn: call step(..., target=targets)")
             inputs[self.plan.target_name] = target
+        elif target is not None:
+            raise ExampleInputsError("step got target= but the pipeline was compiled without loss_fn (the model "
+                                     "returns its loss): drop target=, or recompile with loss_fn and example_target")
+        check_step_tensors(inputs, self.plan.input_specs, m * self.plan.microbatch_size)
         node_names = dict(zip(self.plan.input_names + (self.plan.target_name,), self.plan.graph_inputs, strict=False))
         pieces = [{node_names[k]: v for k, v in piece.items()} for piece in split_batch(inputs, m)]
         for worker in self.workers:
@@ -205,8 +209,10 @@ class Pipeline:
                     f"and {sorted(kwargs)} keyword"
                 )
             inputs = {n: kwargs[n] for n in names}
-        if not all(isinstance(v, torch.Tensor) for v in inputs.values()):
-            raise ExampleInputsError("every input to step must be a tensor, as in example_inputs")
+        for name, value in inputs.items():
+            if not isinstance(value, torch.Tensor):
+                raise ExampleInputsError(f"every input to step must be a tensor, as in example_inputs; "
+                                         f"{name!r} is a {type(value).__name__}")
         return inputs
 
     def _aliases(self, name: str) -> tuple[str, ...]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -14,13 +15,23 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 
 def parse_bytes(value: int | str | None) -> int | None:
-    """'512MiB' -> 536870912. Accepts ints and strings with B/KB/MB/GB/KiB/MiB/GiB."""
-    if value is None or isinstance(value, int):
-        return value
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(value))
-    if not match or match.group(2).lower() not in _UNITS:
+    """'512MiB' -> 536870912. Accepts positive ints and strings with B/KB/MB/GB/KiB/MiB/GiB
+    (a pool of 0 bytes or fewer could hold nothing: refused here, not at the first step)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise DeviceError(f"memory={value!r} is a {type(value).__name__}; write it like memory='512MiB' or 1000000")
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if isinstance(value, int):
+        number = value
+    elif not match or match.group(2).lower() not in _UNITS:
         raise DeviceError(f"cannot read memory size {value!r}; write it like 512MiB, 2GiB or 1000000")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    else:
+        number = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if number < 1:
+        raise DeviceError(f"memory={value!r} leaves no bytes for the pool; give a positive size such as "
+                          "memory='512MiB', or memory=None for no limit")
+    return number
 
 
 _PREFIX = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "p": 10**15}
@@ -31,7 +42,7 @@ def parse_flops(value: float | str | None) -> float | None:
     if value is None:
         return None
     if not isinstance(value, str):
-        return _positive(float(value), value, "peak_flops", "312TFLOPS")
+        return _positive(_number(value, "peak_flops", "312TFLOPS"), value, "peak_flops", "312TFLOPS")
     match = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*([kmgtp]?)\s*(?:flops|flop/s)?\s*", value.lower())
     if not match:
         raise DeviceError(f"cannot read peak_flops {value!r}; write it like 312TFLOPS, 50GFLOPS or 1e14")
@@ -43,7 +54,7 @@ def parse_bandwidth(value: float | str | None, what: str = "bandwidth") -> float
     if value is None:
         return None
     if not isinstance(value, str):
-        return _positive(float(value), value, what, "900GB/s")
+        return _positive(_number(value, what, "900GB/s"), value, what, "900GB/s")
     match = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*(?:/\s*s|ps)?\s*", value)
     unit = match.group(2).lower() if match else ""
     if unit.endswith("ps") and unit[:-2] in _UNITS:  # 'GBps'
@@ -54,9 +65,18 @@ def parse_bandwidth(value: float | str | None, what: str = "bandwidth") -> float
 
 
 def _positive(number: float, value, what: str, example: str) -> float:
-    if not number > 0:
-        raise DeviceError(f"{what}={value!r} must be positive, e.g. {what}={example!r}")
+    """`number`, checked: a rate of 0, below or NaN/inf would give nonsense predictions."""
+    if not (number > 0 and math.isfinite(number)):
+        raise DeviceError(f"{what}={value!r} must be a positive finite number, e.g. {what}={example!r}")
     return number
+
+
+def _number(value, what: str, example: str) -> float:
+    """A figure given as a number (not a bool, str or None)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise DeviceError(f"{what}={value!r} is a {type(value).__name__}; give a number or a string "
+                          f"such as {what}={example!r}")
+    return float(value)
 
 
 def format_bytes(n: float) -> str:
@@ -105,6 +125,12 @@ class Device:
         object.__setattr__(self, "peak_flops", parse_flops(self.peak_flops))
         object.__setattr__(self, "memory_bandwidth", parse_bandwidth(self.memory_bandwidth, "memory_bandwidth"))
         object.__setattr__(self, "host_bandwidth", parse_bandwidth(self.host_bandwidth, "host_bandwidth"))
+        if isinstance(self.speed, bool) or not isinstance(self.speed, int | float):
+            raise DeviceError(f"speed={self.speed!r} is a {type(self.speed).__name__}; give a relative speed such as 1.0")
+        _positive(float(self.speed), self.speed, "speed", 1.0)
+        if not isinstance(self.name, str | torch.device):
+            raise DeviceError(f"device name {self.name!r} is a {type(self.name).__name__}; "
+                              "give 'cpu', 'cuda:0' or a torch.device")
         torch_device(self.name)
 
     @property

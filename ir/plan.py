@@ -125,6 +125,18 @@ class Task:
 
 
 @dataclass(frozen=True)
+class InputSpec:
+    """What `step` checks one of its tensors against: the example's dtype and its sizes after the
+    batch dimension (`batched`: dim 0 is the batch; a 0-d tensor is every microbatch's as it is).
+    A step tensor of another dtype or size would fail deep in a stage, or be received into a
+    buffer sized from the example's."""
+
+    dtype: str  # as torch prints it: "torch.float32"
+    shape: tuple[int, ...]  # sizes after dim 0 (all sizes when not batched)
+    batched: bool = True
+
+
+@dataclass(frozen=True)
 class Plan:
     """Everything compile decided: layers, cuts, shared tensors, stages, transfers, programs."""
 
@@ -152,6 +164,7 @@ class Plan:
     predicted_peak_bytes: tuple[int, ...] = ()  # per device
     considered: tuple[str, ...] = ()  # the candidate plans the planner simulated, one line each
     costs: PlanCosts | None = None  # what the predictions charged: a loaded plan predicts the same
+    input_specs: tuple[InputSpec, ...] = ()  # per input_names (then the target); () skips step's checks
 
     def to_json(self) -> str:
         """JSON of every field; the programs in their printed form (typed instructions read back)."""
@@ -243,7 +256,7 @@ class PlanCosts:
 _NESTED.update(
     {
         cls.__name__: cls
-        for cls in (Layer, CrossingValue, Cut, SharedTensor, Transfer, Stage, DeviceSpec, LayerCost, PlanCosts, Topology,
+        for cls in (Layer, InputSpec, CrossingValue, Cut, SharedTensor, Transfer, Stage, DeviceSpec, LayerCost, PlanCosts, Topology,
                     Level, RuntimeCosts)
     }
 )

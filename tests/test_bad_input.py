@@ -1,0 +1,196 @@
+"""Bad compile arguments and step inputs: each gets a StagewiseError subclass naming the problem
+and the fix, at compile where it can be known then (issue 10, item 8). tests/test_errors.py has
+the cases that came first (devices, traces, partitions); checkpoint files are tested with saves."""
+
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import stagewise as sw
+from tests.models.mlp import mlp
+
+X, Y = torch.randn(8, 8), torch.randint(0, 5, (8,))
+
+
+def compile_mlp(devices=2, model=None, example_inputs=(X,), **kwargs):
+    kwargs.setdefault("loss_fn", F.cross_entropy)
+    if kwargs["loss_fn"] is not None:
+        kwargs.setdefault("example_target", Y)
+    kwargs.setdefault("cost", "analytic")
+    return sw.compile(model if model is not None else mlp(), devices, example_inputs, **kwargs)
+
+
+def _local_factory():
+    def make(params):
+        return torch.optim.SGD(params, lr=0.1)
+
+    return make
+
+
+class _Detached(nn.Module):
+    """Returns its loss detached from the parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 5)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.b(self.a(x)), y).detach()
+
+
+COMPILE_CASES = {
+    # clipping: a negative norm makes the loss climb, NaN makes every weight NaN
+    "clip-negative": (dict(clip_grad_norm=-1.0), sw.OptionError, "clip_grad_norm=-1.0 must be a positive finite"),
+    "clip-zero": (dict(clip_grad_norm=0), sw.OptionError, "clip_grad_norm=0 must be a positive"),
+    "clip-nan": (dict(clip_grad_norm=float("nan")), sw.OptionError, "clip_grad_norm=nan"),
+    "clip-inf": (dict(clip_grad_norm=float("inf")), sw.OptionError, "clip_grad_norm=inf"),
+    "clip-string": (dict(clip_grad_norm="1.0"), sw.OptionError, "e.g. clip_grad_norm=1.0"),
+    "clip-bool": (dict(clip_grad_norm=True), sw.OptionError, "clip_grad_norm=True"),
+    # the optimizer: a factory that makes an optimizer and can be saved
+    "optimizer-instance": (dict(optimizer=torch.optim.SGD(mlp().parameters(), lr=0.1)), sw.OptionError,
+                           "SGD instance.*functools.partial"),
+    "optimizer-lambda": (dict(optimizer=lambda params: torch.optim.SGD(params, lr=0.1)), sw.OptionError,
+                         "cannot be pickled.*lambda"),
+    "optimizer-local-function": (dict(optimizer=_local_factory()), sw.OptionError, "cannot be pickled"),
+    "optimizer-not-callable": (dict(optimizer="adam"), sw.OptionError, "optimizer='adam' is not callable"),
+    "optimizer-returns-other": (dict(optimizer=functools.partial(list)), sw.OptionError,
+                                "returned a list, not a torch.optim.Optimizer"),
+    "optimizer-bad-arguments": (dict(optimizer=functools.partial(torch.optim.SGD, lr=-1.0)), sw.OptionError,
+                                "fails when called with a list of parameters"),
+    "optimizer-zero": (dict(optimizer=0), sw.OptionError, "optimizer=0 is not callable"),
+    # loss and target
+    "loss-without-target": (dict(example_target=None), sw.LossError, "without example_target"),
+    "target-without-loss": (dict(loss_fn=None, example_target=Y), sw.LossError, "example_target is given without loss_fn"),
+    "loss-not-callable": (dict(loss_fn="cross_entropy"), sw.LossError, "is not callable"),
+    "target-not-tensor": (dict(example_target=[1, 2]), sw.ExampleInputsError, "example_target is a list"),
+    "loss-fn-detached": (dict(loss_fn=lambda out, y: F.cross_entropy(out, y).detach()), sw.LossError,
+                         "does not depend on any trainable parameter"),
+    "loss-fn-detached-output": (dict(loss_fn=lambda out, y: F.cross_entropy(out.detach(), y)), sw.LossError,
+                                "drop .detach()"),
+    # counts, names and flags
+    "microbatches-zero": (dict(microbatches=0), sw.BatchSizeError, "microbatches must be a positive int, got 0"),
+    "microbatches-float": (dict(microbatches=2.0), sw.BatchSizeError, "got 2.0"),
+    "microbatches-bool": (dict(microbatches=True), sw.BatchSizeError, "got True"),
+    "swap-unknown": (dict(swap="sometimes"), sw.OptionError, "unknown swap='sometimes'; choose one of"),
+    "swap-bool": (dict(swap=True), sw.OptionError, "unknown swap=True"),
+    "cost-unknown": (dict(cost="guess"), sw.PlanError, "unknown cost='guess'"),
+    "schedule-list": (dict(schedule=["gpipe"]), sw.PlanError, r"unknown schedule \['gpipe'\]"),
+    "stages-bool": (dict(stages=True), sw.PlanError, "stages must be a positive int"),
+    "stages-zero": (dict(stages=0), sw.PlanError, "stages must be a positive int"),
+    "replicas-zero": (dict(replicas=0), sw.PlanError, "replicas must be a positive int"),
+    "host-optimizer-string": (dict(optimizer_on_host="yes"), sw.OptionError, "must be True or False"),
+    "split-points-string": (dict(split_points="4"), sw.OptionError, r"split_points=\['4'\]"),
+    "split-points-int": (dict(split_points=4), sw.OptionError, "must be a list of layer names"),
+    "split-points-of-ints": (dict(split_points=[4]), sw.OptionError, "by their module names"),
+}
+
+
+@pytest.mark.parametrize(("kwargs", "error", "phrase"), COMPILE_CASES.values(), ids=COMPILE_CASES.keys())
+def test_bad_compile_argument(kwargs, error, phrase):
+    with pytest.raises(error, match=phrase):
+        compile_mlp(**kwargs)
+
+
+DEVICE_CASES = {
+    "memory-zero": (dict(memory=0), "memory=0 leaves no bytes"),
+    "memory-negative": (dict(memory=-5), "give a positive size"),
+    "memory-zero-string": (dict(memory="0GiB"), "leaves no bytes"),
+    "memory-bool": (dict(memory=True), "memory=True is a bool"),
+    "memory-list": (dict(memory=[1]), "is a list"),
+    "speed-zero": (dict(speed=0), "speed=0 must be a positive finite"),
+    "speed-nan": (dict(speed=float("nan")), "speed=nan"),
+    "speed-string": (dict(speed="fast"), "speed='fast' is a str"),
+    "peak-flops-inf": (dict(peak_flops=float("inf")), "peak_flops=inf must be a positive finite"),
+    "peak-flops-negative": (dict(peak_flops=-1), "peak_flops=-1 must be"),
+    "bandwidth-nan": (dict(memory_bandwidth=float("nan")), "memory_bandwidth=nan"),
+    "host-bandwidth-bool": (dict(host_bandwidth=True), "host_bandwidth=True is a bool"),
+    "name-int-list": (dict(name=["cpu"]), "is a list; give 'cpu'"),
+}
+
+
+@pytest.mark.parametrize(("kwargs", "phrase"), DEVICE_CASES.values(), ids=DEVICE_CASES.keys())
+def test_bad_device_figure(kwargs, phrase):
+    with pytest.raises(sw.DeviceError, match=phrase):
+        sw.Device(**kwargs)
+
+
+def test_memory_too_small_for_a_layer_is_refused_at_compile():
+    """An explicit plan is not searched; a device that cannot hold one layer's weights fails now."""
+    with pytest.raises(sw.CapacityError, match="cannot hold layer .* its weights alone take"):
+        compile_mlp([sw.Device("cpu", memory=64)] * 2, schedule="gpipe", microbatches=2)
+
+
+MODEL_CASES = {
+    "model-on-meta": (dict(model=mlp().to("meta")), sw.ExampleInputsError, "meta device.*to_empty"),
+    "inputs-on-meta": (dict(example_inputs=(X.to("meta"),)), sw.ExampleInputsError, "'input' is on the meta device"),
+    "batch-of-zero": (dict(example_inputs=(X[:0],), example_target=Y[:0]), sw.BatchSizeError, "batch of 0 samples"),
+    "target-batch-differs": (dict(example_target=Y[:6]), sw.ExampleInputsError, r"disagree on the batch size.*\[6, 8\]"),
+    "model-returns-detached-loss": (dict(model=_Detached(), example_inputs=(X, Y), loss_fn=None), sw.LossError,
+                                    "does not depend on any trainable parameter"),
+}
+
+
+@pytest.mark.parametrize(("kwargs", "error", "phrase"), MODEL_CASES.values(), ids=MODEL_CASES.keys())
+def test_bad_model_or_example(kwargs, error, phrase):
+    with pytest.raises(error, match=phrase):
+        compile_mlp(**kwargs)
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return compile_mlp(microbatches=2, schedule="gpipe")
+
+
+STEP_CASES = {
+    "target-batch-differs": ((X,), dict(target=Y[:6]), sw.BatchSizeError, "batch of 6 for 'target'.*batches of 8"),
+    "target-0d": ((X,), dict(target=Y[0]), sw.BatchSizeError, "0-d tensor for 'target'"),
+    "target-not-tensor": ((X,), dict(target=Y.tolist()), sw.ExampleInputsError, "step got a list for 'target'"),
+    "target-dtype": ((X,), dict(target=Y.float()), sw.ExampleInputsError, "'target' of dtype torch.float32.*torch.int64"),
+    "target-extra-dim": ((X,), dict(target=Y[:, None]), sw.ExampleInputsError, r"'target' with sizes .* \[1\] .* \[\]"),
+    "input-other-width": ((torch.randn(8, 9),), dict(target=Y), sw.ExampleInputsError,
+                          r"sizes after the batch dimension \[9\] but the example had \[8\]"),
+    "input-dtype": ((X.double(),), dict(target=Y), sw.ExampleInputsError, r"convert it with .to\(torch.float32\)"),
+    "input-on-meta": ((X.to("meta"),), dict(target=Y), sw.ExampleInputsError, "on the meta device"),
+    "input-not-tensor": ((X.tolist(),), dict(target=Y), sw.ExampleInputsError, "'input' is a list"),
+    "input-0d": ((torch.tensor(1.0),), dict(target=Y), sw.BatchSizeError, "0-d tensor for 'input'"),
+    "too-many-inputs": ((X, X), dict(target=Y), sw.ExampleInputsError, "1 positional inputs"),
+}
+
+
+@pytest.mark.parametrize(("args", "kwargs", "error", "phrase"), STEP_CASES.values(), ids=STEP_CASES.keys())
+def test_bad_step_input(pipe, args, kwargs, error, phrase):
+    with pytest.raises(error, match=phrase):
+        pipe.step(*args, **kwargs)
+
+
+def test_bad_step_inputs_leave_the_pipeline_usable(pipe):
+    """Every check runs before any stage is given a tensor: a good step follows a refused one."""
+    with pytest.raises(sw.ExampleInputsError):
+        pipe.step(X.double(), target=Y)
+    assert torch.isfinite(pipe.step(X, target=Y))
+
+
+def test_target_given_to_a_pipeline_without_loss_fn():
+    model = _Ok()
+    pipe = sw.compile(model, 2, (X, Y), cost="analytic", microbatches=2, schedule="gpipe")
+    with pytest.raises(sw.ExampleInputsError, match="compiled without loss_fn.*drop target="):
+        pipe.step(X, Y, target=Y)
+
+
+class _Ok(nn.Module):
+    """Returns its own loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 5)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.b(self.a(x)), y)
+
+
+def test_option_errors_are_plan_errors():
+    """OptionError came after the PlanErrors raised for unknown schedules: code catching those keeps working."""
+    assert issubclass(sw.OptionError, sw.PlanError) and issubclass(sw.OptionError, sw.StagewiseError)
