@@ -31,10 +31,13 @@ Rules, one per instruction kind:
   once each computes at `concurrency[k - 1]` of its speed alone (measured), recomputed
   whenever a compute starts or ends.
 - Varuna's opportunistic policy (§3.2), as the runtime applies it: passes/sim_varuna.py.
-Memory per device is the static state of its stages plus the activations each stage stashes
-from the start of a forward to the end of its backward (less while a stash is swapped out), and
-the transfer buffers its receives fill, held until that stage's backward of the microbatch; the peak over the timeline is what
-GPipe (m stashed microbatches) and 1F1B (at most p) differ in (Narayanan §4.2.2).
+
+Memory per device is the static state of its stages, their gradients from a stage's first
+backward to its update (with `SimCost.grad_bytes`), the activations each stage stashes from the
+start of a forward to the end of its backward (less while a stash is swapped out), and the
+transfer buffers messages fill from their arrival (the runtime's mailbox holds them before the
+receive is posted) until that stage's backward of the microbatch. The peak over the timeline is
+what GPipe (m stashed microbatches) and 1F1B (at most p) differ in (Narayanan §4.2.2).
 """
 
 from __future__ import annotations
@@ -293,23 +296,24 @@ class _Simulation(FairShareClock, VarunaDeviation, Interpreter):
             assert index not in queue, (device, stream, index)
 
     def _deliver(self, flow: Flow) -> None:
-        """The data of a send has arrived: the send finishes, and so does a recv waiting for it."""
+        """The data of a send has arrived: the send finishes, and so does a recv waiting for it. What
+        arrived occupies a transfer buffer on the receiver from now (the runtime's mailbox holds it
+        whether or not the receive is posted) until the receiving stage's backward of that microbatch."""
         self._finish(flow.send)
+        send = self.programs[flow.send[0]].instructions[flow.send[1]]
+        assert isinstance(send, Send), send
+        nbytes = self.cost.bytes_of(send)
+        if nbytes:
+            self.memory[send.peer].append((self.now, nbytes))
+            self.buffers[(send.peer, send.peer_stage, send.microbatch)] += nbytes
         if self.waiting[flow.key]:
             self._complete_recv(self.waiting[flow.key].popleft(), flow.start)
         else:
             self.arrived[flow.key].append(flow.start)
 
     def _complete_recv(self, op: tuple[int, int], flow_start: float) -> None:
-        """The recv's span covers the data moving, not the wait before the sender started. What it
-        received occupies a transfer buffer until the stage's backward of that microbatch is done."""
+        """The recv's span covers the data moving, not the wait before the sender started."""
         self.span_start[op] = min(max(self.started[op], flow_start), self.now)
-        ins = self.programs[op[0]].instructions[op[1]]
-        assert isinstance(ins, Recv), ins
-        nbytes = self.cost.bytes_of(ins)
-        if nbytes:
-            self.memory[op[0]].append((self.now, nbytes))
-            self.buffers[(op[0], ins.stage, ins.microbatch)] += nbytes
         self._finish(op)
 
     def _stuck(self) -> str:
