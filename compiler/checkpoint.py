@@ -3,8 +3,10 @@
 Layout: plan.json (the whole IR, programs included), programs.txt (readable), stage_<i>.py
 (the stage source that load imports), stage_<i>.pt (the stage's submodules and tensors under
 their FQNs, and its optimizer state, all on the CPU), runtime.pt (optimizer factory, clipping,
-which stages swap), stagewise.json (the marker: format version, size and SHA-256 of every other
-file; load checks each file it reads against it). Save never replaces anything but a stagewise
+which stages swap), unused.pt where the model has state no stage holds (a layer the loss never
+reaches: kept as it was at compile, so that state_dict and load_state_dict have every key of the
+model), stagewise.json (the marker: format version, size and SHA-256 of every other file; load
+checks each file it reads against it). Save never replaces anything but a stagewise
 checkpoint, and a crash at any moment leaves the old or the new one loadable at the path
 (compiler/checkpoint_swap.py).
 
@@ -50,6 +52,7 @@ class _Saved:
     settings: dict  # runtime.pt: the optimizer factory, clip_grad_norm, the swapped stages
     states: dict[int, dict]  # stage index -> its stage_<i>.pt (attrs, optimizer state), this process's stages
     modules: list[fx.GraphModule | None]  # per stage; None for another rank's
+    unheld: dict[str, torch.Tensor]  # unused.pt: state no stage holds
 
 
 def load(directory) -> Pipeline:
@@ -67,7 +70,7 @@ def load(directory) -> Pipeline:
     runtime = start_runtime(saved.plan, saved.modules, optimizer, clip, saved.settings.get("swapped", frozenset()))
     for worker in runtime.workers:
         worker.load_optimizer_state(saved.states[worker.stage.index]["optimizer"])
-    return Pipeline(saved.plan, runtime)
+    return Pipeline(saved.plan, runtime, unheld=saved.unheld)
 
 
 def _read_on_every_rank(root: Path, context: DistributedContext) -> _Saved:
@@ -111,7 +114,8 @@ def _read(root: Path, rank: int | None) -> _Saved:
             modules.append(load_stage(str(root / source), f"Stage{s.index}", states[s.index]["attrs"]))
         except Exception as error:  # noqa: BLE001 - any failure of a whole file: this stagewise cannot use it
             raise _unusable(root / source, error) from error
-    return _Saved(plan, settings, states, modules)
+    unheld = _parse(root, "unused.pt", files, _unpickle) if "unused.pt" in files else {}
+    return _Saved(plan, settings, states, modules, unheld)
 
 
 def _recovered(root: Path) -> Path:

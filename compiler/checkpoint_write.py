@@ -26,17 +26,17 @@ from stagewise.runtime.distributed import DistributedTransport
 from stagewise.runtime.worker import StageWorker
 
 
-def save(plan: Plan, runtime: Runtime, directory) -> None:
-    """Write the pipeline of `plan` to `directory`, atomically; under torch.distributed every rank
-    must call it."""
+def save(plan: Plan, runtime: Runtime, directory, unheld: dict[str, torch.Tensor]) -> None:
+    """Write the pipeline of `plan` and the state no stage holds (`unheld`, every rank's alike) to
+    `directory`, atomically; under torch.distributed every rank must call it."""
     if runtime.context is None:
         records = (_snapshot(plan, worker) for worker in runtime.workers)  # one stage at a time
-        _write(plan, runtime, Path(directory), records)
+        _write(plan, runtime, Path(directory), records, unheld)
         return
-    _save_distributed(plan, runtime, Path(directory))
+    _save_distributed(plan, runtime, Path(directory), unheld)
 
 
-def _save_distributed(plan: Plan, runtime: Runtime, target: Path) -> None:
+def _save_distributed(plan: Plan, runtime: Runtime, target: Path, unheld: dict[str, torch.Tensor]) -> None:
     """Gather every rank's stages to rank 0, which writes them; everyone returns after the rename."""
     transport = runtime.transport
     if not isinstance(transport, DistributedTransport):
@@ -60,7 +60,7 @@ def _save_distributed(plan: Plan, runtime: Runtime, target: Path) -> None:
             outcome = f"the checkpoint was not written: {'; '.join(failed)}"
         else:
             try:
-                _write(plan, runtime, target, (record for part in parts for record in part))
+                _write(plan, runtime, target, (record for part in parts for record in part), unheld)
             except Exception as error:  # noqa: BLE001 - told to the other ranks, then re-raised
                 local_error = local_error or error
                 outcome = f"rank 0 could not write {target} ({type(error).__name__}: {error})"
@@ -86,7 +86,7 @@ def _snapshot(plan: Plan, worker: StageWorker) -> dict:
     }
 
 
-def _write(plan: Plan, runtime: Runtime, target: Path, records) -> None:
+def _write(plan: Plan, runtime: Runtime, target: Path, records, unheld: dict[str, torch.Tensor]) -> None:
     """Write the plan and the stage records into a staging directory beside `target`, then swap it
     in (compiler/checkpoint_swap.py)."""
 
@@ -106,6 +106,8 @@ def _write(plan: Plan, runtime: Runtime, target: Path, records) -> None:
         if missing:
             raise PlanError(f"no rank held stages {missing}; the checkpoint would be incomplete")
         files["runtime.pt"] = put(staging / "runtime.pt", _runtime_settings(runtime, swapped))
+        if unheld:
+            files["unused.pt"] = put(staging / "unused.pt", _serialised(unheld))
         return files
 
     publish(target, fill)
@@ -113,12 +115,15 @@ def _write(plan: Plan, runtime: Runtime, target: Path, records) -> None:
 
 def _runtime_settings(runtime: Runtime, swapped: set[int]) -> bytes:
     """runtime.pt: what load needs to rebuild the runtime besides the stages."""
-    settings = io.BytesIO()
-    torch.save(
-        {"optimizer": runtime.optimizer_factory, "clip_grad_norm": runtime.clip_grad_norm, "swapped": frozenset(swapped)},
-        settings,
+    return _serialised(
+        {"optimizer": runtime.optimizer_factory, "clip_grad_norm": runtime.clip_grad_norm, "swapped": frozenset(swapped)}
     )
-    return settings.getvalue()
+
+
+def _serialised(value: object) -> bytes:
+    data = io.BytesIO()
+    torch.save(value, data)
+    return data.getvalue()
 
 
 def _stage_doc(plan: Plan, worker: StageWorker) -> str:

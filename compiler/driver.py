@@ -13,6 +13,7 @@ from stagewise.compiler.pipeline import Compiled, Pipeline
 from stagewise.ir.devices import format_bytes
 from stagewise.ir.errors import CapacityError, ExampleInputsError, LossError, OptionError
 from stagewise.ir.plan import Plan
+from stagewise.passes.shared import unheld_state
 
 
 def compile(  # noqa: A001 - the public name of the API
@@ -74,7 +75,8 @@ def compile(  # noqa: A001 - the public name of the API
     ctx = CompileContext(CompileRequest.make(model, devices, example_inputs, options))
     _run_checked(ctx)
     compiled = Compiled(after(ctx.choice, "plan").sim_cost, ctx.seconds)
-    return Pipeline(after(ctx.plan, "plan"), after(ctx.runtime, "runtime"), compiled)
+    described = after(ctx.plan, "plan")
+    return Pipeline(described, after(ctx.runtime, "runtime"), compiled, unheld_state(model, described.stages))
 
 
 def _check_split_points(split_points: object) -> None:

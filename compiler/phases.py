@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+import torch
+
 from stagewise.codegen.stages import build_stage_modules
 from stagewise.compiler.analysis import Analysis
 from stagewise.compiler.context import CompileContext, after
@@ -47,6 +49,7 @@ def plan(ctx: CompileContext) -> None:
     chosen, prediction = ctx.choice.plan, ctx.choice.prediction
     graph = analysis.at(chosen.microbatches)
     request, costs = ctx.request, after(ctx.costs, "cost")
+    state = request.model.state_dict(keep_vars=True)  # every key, unused layers' and every alias's
     ctx.plan = Plan(
         model=type(request.model).__name__,
         tracer=analysis.tracer,
@@ -65,8 +68,9 @@ def plan(ctx: CompileContext) -> None:
         stages=chosen.stages,
         transfers=chosen.transfers,
         programs=chosen.programs,
-        state_names=tuple(request.model.state_dict().keys()),
-        aliases=tuple(alias_groups(graph.graph)),
+        state_names=tuple(state),
+        aliases=tuple(alias_groups(request.model)),
+        state_shapes=tuple(tuple(v.shape) if isinstance(v, torch.Tensor) else () for v in state.values()),
         cost_model=request.options.cost,
         predicted_iteration_s=prediction.iteration_s,
         predicted_stage_s=prediction.stage_s,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -10,6 +11,7 @@ import torch.fx as fx
 from stagewise.compiler.batches import check_step_tensors, split_batch
 from stagewise.compiler.checkpoint_write import save
 from stagewise.compiler.runtime_setup import Runtime
+from stagewise.compiler.state_dict import IncompatibleKeys, aliases_of, check_state_dict
 from stagewise.ir.errors import BatchSizeError, ExampleInputsError
 from stagewise.ir.instructions import Stream
 from stagewise.ir.plan import Plan, SharedTensor
@@ -37,9 +39,13 @@ class Compiled:
 class Pipeline:
     """Stage modules, their device programs, and the runtime that executes them."""
 
-    def __init__(self, plan: Plan, runtime: Runtime, compiled: Compiled | None = None):
+    def __init__(self, plan: Plan, runtime: Runtime, compiled: Compiled | None = None,
+                 unheld: dict[str, torch.Tensor] | None = None):
         self.plan = plan
         self.runtime = runtime
+        # state_dict entries no stage holds (layers the loss never reaches), on the CPU: training
+        # leaves them as they are, state_dict returns them and save / load carry them (unused.pt).
+        self.unheld = dict(unheld or {})
         self.sim_cost = compiled.sim_cost if compiled is not None else None
         self.compile_times: dict[str, float] = dict(compiled.phase_seconds) if compiled is not None else {}
         self.timeout_s = DEFAULT_TIMEOUT_S
@@ -140,35 +146,40 @@ class Pipeline:
         return self.executor.run(m)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The trained state under the original model's names (tied names share one tensor).
-        Under torch.distributed every rank gathers every stage's state."""
-        found: dict[str, torch.Tensor] = {}
-        for worker in self.workers:
-            for name, tensor in worker.state_tensors().items():
-                found.setdefault(name, tensor)
+        """The trained state under every key of the original model's state_dict, in its order (tied
+        names share one tensor; layers no stage holds as they were at compile). Under
+        torch.distributed every rank gathers every stage's state."""
+        found = self._local_state()
         if self.context is not None:
             gathered: list[dict[str, torch.Tensor] | None] = [None] * len(self.plan.devices)
-            torch.distributed.all_gather_object(gathered, {k: v.detach().cpu() for k, v in found.items()})
+            mine = {k: v.detach().cpu() for k, v in found.items() if k not in self.unheld}  # every rank has those
+            torch.distributed.all_gather_object(gathered, mine)
             for part in gathered:
                 for name, tensor in (part or {}).items():
                     found.setdefault(name, tensor)
         result = {}
         for name in self.plan.state_names:
-            holder = next((n for n in self._aliases(name) if n in found), None)
+            holder = next((n for n in aliases_of(self.plan, name) if n in found), None)
             if holder is not None:
                 result[name] = found[holder]
         return result
 
-    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        missing = [n for n in self.plan.state_names if not any(a in state_dict for a in self._aliases(n))]
-        if missing:
-            raise ExampleInputsError(f"state_dict lacks {len(missing)} entries, e.g. {missing[:3]}")
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> IncompatibleKeys:
+        """Copy `state_dict`'s values into the pipeline's state, as torch's `Module.load_state_dict`:
+        returns (missing_keys, unexpected_keys); with `strict` either is a StateDictError, and a
+        wrongly shaped tensor always is (compiler/state_dict.py). When it raises nothing is loaded.
+        Under torch.distributed every rank calls it with the same state_dict."""
+        shapes = (dict(zip(self.plan.state_names, self.plan.state_shapes, strict=True)) if self.plan.state_shapes
+                  else {n: tuple(t.shape) for n, t in self._local_state().items()})
+        result = check_state_dict(self.plan, state_dict, strict, shapes)
+        holders = [self.unheld] + [worker.state_tensors() for worker in self.workers]  # every replica of a tie
         with torch.no_grad():
-            for worker in self.workers:
-                for name, tensor in worker.state_tensors().items():
-                    source = next((state_dict[a] for a in self._aliases(name) if a in state_dict), None)
+            for held in holders:
+                for name, tensor in held.items():
+                    source = next((state_dict[a] for a in aliases_of(self.plan, name) if a in state_dict), None)
                     if source is not None:
                         tensor.copy_(source)
+        return result
 
     def simulate(self, peak_flops: float | None = None, bandwidth: float | None = None) -> SimResult:
         """The predicted timeline of one iteration of these programs, with the costs the plan's
@@ -179,7 +190,8 @@ class Pipeline:
 
     def save(self, directory) -> None:
         """Write the pipeline to `directory` for `sw.load`: plan.json, programs.txt, stage_<i>.py (the
-        generated source), each stage's weights and optimizer state, and the optimizer factory.
+        generated source), each stage's weights and optimizer state, the optimizer factory, and the
+        state no stage holds (unused.pt).
 
         The checkpoint is complete or absent: it is written beside `directory` and renamed into
         place, replacing an earlier one only once finished. Under torch.distributed every rank
@@ -190,7 +202,7 @@ class Pipeline:
         are; `sw.load` under torchrun reads them on every rank, so across machines put
         `directory` on a shared filesystem (or copy it to each machine first).
         """
-        save(self.plan, self.runtime, directory)
+        save(self.plan, self.runtime, directory, self.unheld)
 
     # ---- helpers --------------------------------------------------------------------------
     def _inputs(self, args, kwargs) -> dict:
@@ -215,8 +227,10 @@ class Pipeline:
                                          f"{name!r} is a {type(value).__name__}")
         return inputs
 
-    def _aliases(self, name: str) -> tuple[str, ...]:
-        for group in self.plan.aliases:
-            if name in group:
-                return (name,) + tuple(a for a in group if a != name)
-        return (name,)
+    def _local_state(self) -> dict[str, torch.Tensor]:
+        """This process's state tensors by name: its stages' and the unheld entries."""
+        found = dict(self.unheld)
+        for worker in self.workers:
+            for name, tensor in worker.state_tensors().items():
+                found.setdefault(name, tensor)
+        return found

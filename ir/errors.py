@@ -47,6 +47,11 @@ class CheckpointError(PlanError):
     file missing, truncated or corrupted); a PlanError, as the missing-plan check that came first."""
 
 
+class StateDictError(StagewiseError):
+    """A state_dict given to `load_state_dict` has a key the model lacks, lacks one (strict), or
+    holds a tensor of another shape than the model's under some key."""
+
+
 class CapacityError(StagewiseError):
     """A device's memory pool would exceed the capacity given with `sw.Device(..., memory=)`."""
 

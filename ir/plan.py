@@ -158,6 +158,7 @@ class Plan:
     programs: tuple[Program, ...] = field(default=())
     state_names: tuple[str, ...] = ()  # every key of the original model's state_dict
     aliases: tuple[tuple[str, ...], ...] = ()  # groups of FQNs naming one tensor (tied weights)
+    state_shapes: tuple[tuple[int, ...], ...] = ()  # per state_names: what load_state_dict accepts
     cost_model: str = ""  # "profile" | "analytic": where the predictions come from
     predicted_iteration_s: float | None = None
     predicted_stage_s: tuple[float, ...] = ()  # forward + backward of one microbatch, per stage

@@ -22,6 +22,7 @@ from stagewise.ir.errors import (
     PeerError,
     PlanError,
     StagewiseError,
+    StateDictError,
     TraceError,
 )
 from stagewise.ir.plan import Plan
@@ -42,6 +43,7 @@ __all__ = [
     "Plan",
     "PlanError",
     "StagewiseError",
+    "StateDictError",
     "TraceError",
     "compile",
     "load",
