@@ -1,5 +1,5 @@
 """Choosing the plan: build candidate plans on the analysed graph, let the planner simulate them
-and keep the fastest that fits, agree on it across ranks, and rebuild it at its own size."""
+and keep the simplest that fits within a margin of the fastest, agree on it across ranks, and rebuild it at its own size."""
 
 from __future__ import annotations
 
@@ -173,15 +173,18 @@ def choose_plan(request: CompileRequest, analysis: Analysis, costs: Costs) -> Ch
 
 def _search(request: CompileRequest, builder: PlanBuilder, analysis: Analysis,
             costs: Costs) -> tuple[Assembled, Prediction, tuple[str, ...]]:
-    """Simulate every candidate the options allow; the fastest that fits, its prediction, and a
-    line per candidate tried."""
+    """Simulate every candidate the options allow; the simplest that fits within the planner's margin
+    of the fastest (passes/planner.py `keep_simplest`), its prediction, and a line per candidate
+    tried, the chosen one and the fastest marked so, with why."""
     options = request.options
     options_to_try = candidates(options.schedule, options.microbatches, request.batch, len(request.devices),
                              analysis.first.legal_cuts, _needs_swap(request, analysis, costs), options.replicas,
                              options.stages, _stages_at_full_speed(request))
-    chosen, prediction, tried = choose_with_harmony(options_to_try, builder.build,
-                                                    builder.pack_search(analysis.first, exact=False))
-    return chosen, prediction, tuple(_describe(option, result) for option, result in tried)
+    chosen, prediction, tried, verdict = choose_with_harmony(options_to_try, builder.build,
+                                                             builder.pack_search(analysis.first, exact=False))
+    notes = verdict.notes(tried)
+    return chosen, prediction, tuple(_describe(option, result) + notes.get(row, "")
+                                     for row, (option, result) in enumerate(tried))
 
 
 def _stages_at_full_speed(request: CompileRequest) -> int | None:

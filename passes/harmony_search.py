@@ -25,7 +25,16 @@ from stagewise.ir.plan import Cut, LayerCost
 from stagewise.ir.topology import Topology
 from stagewise.passes.harmony_plan import HARMONY, search_packs
 from stagewise.passes.layout import choose_layout
-from stagewise.passes.planner import Assembled, Candidate, Prediction, choose, predict
+from stagewise.passes.planner import (
+    Assembled,
+    Candidate,
+    Prediction,
+    Verdict,
+    choose,
+    keep_simplest,
+    predict,
+    simplicity,
+)
 
 Built = tuple[Assembled, Sequence[LayerCost], int]  # a plan, its layers' costs, its microbatch size
 Tried = tuple[Candidate, Prediction | str]
@@ -75,12 +84,14 @@ class PackSearch:
         layout = choose_layout(group[0].schedule, len(self.devices), 1, sum(cut.legal for cut in self.cuts))
         on = tuple(layout.device_of(s, 0) for s in range(self.n_layers))
         rows: list[Tried] = []
+        scored: list[tuple[Candidate, Simulated]] = []
 
         def simulate(size: int, starts: list[int]) -> Simulated:
             return self._simulate(by_size[size], tuple(starts), on[:len(starts)])
 
         def estimate(size: int, starts: list[int]) -> Score:
             rows.append((by_size[size], simulate(size, starts).prediction))
+            scored.append((by_size[size], simulate(size, starts)))
             return simulate(size, starts).score
 
         def fits(size: int, starts: list[int]) -> bool:
@@ -92,7 +103,7 @@ class PackSearch:
                                         layout.positions, estimate, fits)
         except StagewiseError as error:  # at no size can Alg. 2 pack the layers
             return group[0], Simulated(error, str(error)), [(option, str(error).splitlines()[0]) for option in group]
-        return by_size[size], simulate(size, starts), rows
+        return (*_simplest_within_margin(scored, (by_size[size], simulate(size, starts))), rows)
 
     def _simulate(self, option: Candidate, starts: tuple[int, ...], on: tuple[int, ...]) -> Simulated:
         key = (option, starts)
@@ -108,7 +119,7 @@ class PackSearch:
 
 
 def choose_with_harmony(options: Sequence[Candidate], build: Callable[[Candidate], Built],
-                        search: PackSearch) -> tuple[Assembled, Prediction, list[Tried]]:
+                        search: PackSearch) -> tuple[Assembled, Prediction, list[Tried], Verdict]:
     """The planner's `choose`, with each Harmony schedule's candidates replaced by Alg. 1's pick among them
     (a candidate replicating single stages goes to `build`, which refuses it for Harmony)."""
     searched = sorted((o for o in options if _packed(o)), key=lambda o: o.schedule)
@@ -128,8 +139,21 @@ def choose_with_harmony(options: Sequence[Candidate], build: Callable[[Candidate
         return built
 
     finalists = [o for o in options if not _packed(o)] + list(winners)
-    plan, prediction, others = choose(finalists, build_winner, search.devices, search.topology, search.runtime)
-    return plan, prediction, [row for row in others if row[0] not in winners] + tried
+    plan, prediction, others, verdict = choose(finalists, build_winner, search.devices, search.topology, search.runtime)
+    return plan, prediction, [row for row in others if row[0] not in winners] + tried, verdict
+
+
+def _simplest_within_margin(scored: Sequence[tuple[Candidate, Simulated]],
+                            alg1: tuple[Candidate, Simulated]) -> tuple[Candidate, Simulated]:
+    """Alg. 1's pick made stable as the planner's (`keep_simplest`): among the configurations it scored
+    that built and fit, the simplest within PLAN_MARGIN of the fastest; Alg. 1's own when none fits."""
+    fitting = [(option, found, found.built[0], found.prediction) for option, found in scored
+               if not isinstance(found.built, StagewiseError) and isinstance(found.prediction, Prediction)
+               and found.prediction.fits]
+    if not fitting:
+        return alg1
+    kept, _ = keep_simplest([(simplicity(plan), prediction) for _, _, plan, prediction in fitting])
+    return fitting[kept][0], fitting[kept][1]
 
 
 def _packed(option: Candidate) -> bool:

@@ -1,4 +1,4 @@
-"""The planner: partition, assemble and simulate candidate plans; keep the fastest that fits.
+"""The planner: partition, assemble and simulate candidate plans; keep the simplest that fits within a margin of the fastest.
 
 For each candidate (schedule x microbatch count) it partitions the layers from their costs at
 that microbatch size: PipeDream's dynamic program (§2.4.1) over contiguous layers for equal
@@ -8,15 +8,17 @@ CP-SAT read the links between the devices from their `Topology` (ir/topology.py:
 the DP may also replicate single stages (a 2-1 plan), a candidate beside the straight pipeline
 (passes/pipedream_partition.py). It then lowers the
 candidate to the same instruction programs the runtime executes and simulates them (Srifty
-§3.3: an event-driven simulator over per-layer costs and the same links), and keeps the lowest
-predicted iteration time whose predicted per-device peak memory fits every device (Harmony
-§4.3, Varuna §4.4).
+§3.3: an event-driven simulator over per-layer costs and the same links). Among the candidates whose
+predicted per-device peak memory fits every device (Harmony §4.3, Varuna §4.4) it keeps the lowest
+predicted iteration time, unless a simpler one (`Simplicity`) is predicted within PLAN_MARGIN of it:
+then the simpler, so that profiling noise does not change the plan from one compile to the next.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch.fx as fx
 
@@ -44,7 +46,7 @@ from stagewise.passes.lower import lower
 from stagewise.passes.partition import balanced_starts
 from stagewise.passes.pipedream_partition import straight_partition
 from stagewise.passes.replicate import replicate, replicate_stages
-from stagewise.passes.schedule import REPLICATED_STAGE_SCHEDULES, instance_tasks
+from stagewise.passes.schedule import REPLICATED_STAGE_SCHEDULES, SCHEDULES, instance_tasks
 from stagewise.passes.shared import find_shared
 from stagewise.passes.simulate import SimCost, SimResult, simulate
 from stagewise.passes.stages import build_stages
@@ -261,16 +263,84 @@ def _stage_replicated(schedules: list[str], counts: list[int], replicas: str | t
             for option in (Candidate(name, m), Candidate(name, m, dp_replication=True))]
 
 
+PLAN_MARGIN = 0.10  # a faster plan displaces a simpler one only when more than 10% faster (see `keep_simplest`)
+
+
+class Simplicity(NamedTuple):
+    """Where a plan stands in the fixed preference order (lower is simpler): fewer pipeline stages,
+    then the schedule's place in SCHEDULES (gpipe, 1f1b, interleaved, varuna, harmony-pp,
+    harmony-dp), fewer microbatches, fewer copies; the placement last, so that no two different
+    plans tie."""
+
+    stages: int
+    schedule: int
+    microbatches: int
+    copies: int
+    placement: tuple[tuple[int, ...], ...]
+
+
+def simplicity(plan: Assembled) -> Simplicity:
+    copies = max(plan.stage_replicas) if plan.replica_devices else plan.layout.replicas
+    return Simplicity(len(plan.starts), SCHEDULES.index(plan.schedule), plan.microbatches, copies,
+                      (plan.starts, plan.stage_devices, *plan.replica_devices))
+
+
+def keep_simplest(scored: Sequence[tuple[Simplicity, Prediction]], margin: float = PLAN_MARGIN) -> tuple[int, int]:
+    """Indices of the plan to keep and of the fastest, among the plans that fit (at least one must):
+    the simplest whose predicted time is within `margin` of the fastest's.
+
+    Why a margin: profiled costs are noisy, and plans whose predictions differ by less than the noise
+    would be chosen by chance, so identical scripts would train in different summation orders. The
+    figure, measured on this 2-core machine while others shared it: 8 identical compiles (TinyGPT,
+    4 layers, dim 64, batch 16 in 4 microbatches, 2 CPU devices, cost="profile", a fresh profile
+    cache each) predicted 23-251 ms for the same plan, but each candidate's time over the same
+    compile's fastest varied by at most 2.3% (gpipe 1.000-1.023, 1f1b 1.000-1.012, interleaved
+    1.036-1.059), and gpipe and 1f1b swapped places. 10% stays well above that spread. Ties in
+    time go to the simpler plan, so the choice never depends on the order candidates were tried in."""
+    fitting = [i for i, (_, prediction) in enumerate(scored) if prediction.fits]
+    fastest = min(fitting, key=lambda i: (scored[i][1].iteration_s, scored[i][0]))
+    bound = scored[fastest][1].iteration_s * (1 + margin)
+    within = [i for i in fitting if scored[i][1].iteration_s <= bound]
+    return min(within, key=lambda i: (scored[i][0], scored[i][1].iteration_s)), fastest
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Which candidate the planner kept, and the fastest, for the table of candidates."""
+
+    kept: Candidate
+    kept_s: float
+    fastest: Candidate
+    fastest_s: float
+
+    def notes(self, tried: Sequence[tuple[Candidate, Prediction | str]]) -> dict[int, str]:
+        """What to add to the table's rows: to the kept plan's row, that it was chosen and why; to the
+        fastest's, that it is the fastest (the first row of each: Alg. 1 may score a size twice)."""
+        def row_of(candidate: Candidate, seconds: float) -> int | None:
+            return next((i for i, (option, result) in enumerate(tried) if option == candidate
+                         and isinstance(result, Prediction) and result.iteration_s == seconds), None)
+
+        kept, fastest = row_of(self.kept, self.kept_s), row_of(self.fastest, self.fastest_s)
+        notes = {} if fastest is None else {fastest: "  <- the fastest"}
+        if kept is not None and kept == fastest:
+            notes[kept] = f"  <- chosen: the fastest, and no simpler plan within {PLAN_MARGIN:.0%} of it"
+        elif kept is not None:
+            notes[kept] = (f"  <- chosen: within {PLAN_MARGIN:.0%} of the fastest ({self.kept_s / self.fastest_s - 1:.1%} "
+                           "slower), kept the simpler")
+        return notes
+
+
 def choose(
     options: list[Candidate],
     build: Callable[[Candidate], tuple[Assembled, Sequence[LayerCost], int]],
     devices: Sequence[DeviceSpec],
     topology: Topology,
     runtime: RuntimeCosts = NO_RUNTIME_COSTS,
-) -> tuple[Assembled, Prediction, list[tuple[Candidate, Prediction | str]]]:
-    """The candidate with the lowest predicted iteration time that fits; the table of all tried."""
+) -> tuple[Assembled, Prediction, list[tuple[Candidate, Prediction | str]], Verdict]:
+    """The simplest candidate that fits within PLAN_MARGIN of the fastest that fits (`keep_simplest`);
+    the table of all tried, and why the one kept was kept."""
     tried: list[tuple[Candidate, Prediction | str]] = []
-    best = None
+    built: list[tuple[Candidate, Assembled, Prediction]] = []
     for option in options:
         try:
             plan, costs, size = build(option)
@@ -280,26 +350,31 @@ def choose(
         prediction, _ = predict(plan, costs, devices, size, topology, runtime)
         tried.append((replace(option, stage_replicas=plan.stage_replicas) if option.dp_replication else option,
                       prediction))
-        key = (not prediction.fits, prediction.iteration_s)
-        if best is None or key < best[0]:
-            best = (key, plan, prediction)
-    if best is None:
+        built.append((tried[-1][0], plan, prediction))
+    if not built:
         reasons = list(dict.fromkeys(r for _, r in tried))
         if len(reasons) == 1:
             raise PartitionError(reasons[0])
         raise PartitionError("no plan could be built: " + "; ".join(f"{c.describe().strip()}: {r}" for c, r in tried))
-    _, plan, prediction = best
-    if not prediction.fits:
-        over = [(d, peak, spec.memory) for d, (peak, spec) in enumerate(zip(prediction.peak_bytes, devices, strict=True))
-                if spec.memory is not None and peak > spec.memory]
-        detail = ", ".join(f"device {d} would need {format_bytes(peak)} of its {format_bytes(cap)}" for d, peak, cap in over)
-        raise CapacityError(
-            f"no plan fits the devices' memory even with swapping: the best ({plan.schedule}, {plan.microbatches} "
-            f"microbatches) predicts {detail}. Give the devices more memory, add devices, use a smaller batch or "
-            "more microbatches (smaller activations)."
-        )
-    return plan, prediction, tried
+    if not any(prediction.fits for _, _, prediction in built):
+        _, plan, prediction = min(built, key=lambda b: (b[2].iteration_s, simplicity(b[1])))
+        raise _nothing_fits(plan, prediction, devices)
+    kept, fastest = keep_simplest([(simplicity(plan), prediction) for _, plan, prediction in built])
+    verdict = Verdict(built[kept][0], built[kept][2].iteration_s, built[fastest][0], built[fastest][2].iteration_s)
+    return built[kept][1], built[kept][2], tried, verdict
 
 
-__all__ = ["Assembled", "Candidate", "Prediction", "RuntimeCosts", "assemble", "candidates", "choose", "choose_layout",
-           "partition", "predict", "recorded_costs", "sim_cost"]
+def _nothing_fits(plan: Assembled, prediction: Prediction, devices: Sequence[DeviceSpec]) -> CapacityError:
+    over = [(d, peak, spec.memory) for d, (peak, spec) in enumerate(zip(prediction.peak_bytes, devices, strict=True))
+            if spec.memory is not None and peak > spec.memory]
+    detail = ", ".join(f"device {d} would need {format_bytes(peak)} of its {format_bytes(cap)}" for d, peak, cap in over)
+    return CapacityError(
+        f"no plan fits the devices' memory even with swapping: the best ({plan.schedule}, {plan.microbatches} "
+        f"microbatches) predicts {detail}. Give the devices more memory, add devices, use a smaller batch or "
+        "more microbatches (smaller activations)."
+    )
+
+
+__all__ = ["PLAN_MARGIN", "Assembled", "Candidate", "Prediction", "RuntimeCosts", "Simplicity", "Verdict", "assemble",
+           "candidates", "choose", "choose_layout", "keep_simplest", "partition", "predict", "recorded_costs", "sim_cost",
+           "simplicity"]

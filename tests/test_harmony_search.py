@@ -25,7 +25,7 @@ from stagewise.passes.harmony_packing import (
 )
 from stagewise.passes.harmony_plan import PackUnits, search_packs
 from stagewise.passes.pipedream_dp import NoFeasiblePlan
-from stagewise.passes.planner import candidates
+from stagewise.passes.planner import PLAN_MARGIN, candidates
 from tests.harmony_oracle import FunctionCosts
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.models.mlp import mlp
@@ -71,7 +71,7 @@ def gpt_on_devices(capacity_in_weights: float, schedule: str, microbatches: int 
 def fitting_rows(pipe) -> dict[int, float]:
     """Microbatch count -> predicted ms of every configuration the search scored that fits."""
     rows = [line.split() for line in pipe.plan.considered]
-    return {int(row[1][1:]): float(row[2]) for row in rows if row[-1] == "fits"}
+    return {int(row[1][1:]): float(row[2]) for row in rows if "fits" in row}  # "fits", then the chosen row's note
 
 
 @pytest.mark.parametrize("schedule", ["harmony-pp", "harmony-dp"])
@@ -85,10 +85,14 @@ def test_compiled_packs_are_what_alg2_returns_for_the_same_costs(schedule, weigh
 
 
 def test_alg1_sweeps_every_microbatch_size_and_keeps_the_fastest_that_fits():
+    """Alg. 1 keeps the fastest configuration that fits; where a simpler one (fewer microbatches) is
+    within PLAN_MARGIN of it, that one, so identical compiles keep one plan (issue 10)."""
     pipe, capacity = gpt_on_devices(1.2, "harmony-pp", microbatches=None)
     assert sorted(int(line.split()[1][1:]) for line in pipe.plan.considered) == [1, 2, 4, 8]  # U = 8, 4, 2, 1
     fitting = fitting_rows(pipe)
-    assert fitting[pipe.plan.microbatches] == min(fitting.values())
+    fastest = min(fitting.values())
+    assert fitting[pipe.plan.microbatches] <= fastest * (1 + PLAN_MARGIN)
+    assert all(fitting[m] > fastest * (1 + PLAN_MARGIN) for m in fitting if m < pipe.plan.microbatches)
     assert pack_starts(pipe) == alg2_starts(pipe, capacity, fewest=4)
 
 
