@@ -23,10 +23,13 @@ The last loss of each configuration is printed beside its times: they must agree
 
 Reading the figures: on the 2-core VM this was written on, the pipelines' step times are bimodal,
 and a run can sit in either mode: in the slow one 2 and 4 devices step about 1.5x and 2x slower.
-Pinned to one otherwise idle core (`taskset -c 0 python bench/overhead.py`) runs came out in the
-fast mode, so the slow one is most likely the runtime's threads waking each other across cores;
-other jobs on the machine move a run between the modes. Compare two versions of the code in the
-same mode, run back to back, and check the CPUs printed in the header.
+The column "CPU s per wall s" (the process's CPU time, every thread, over the step time) tells
+them apart: about 1.0 in the fast mode, 1.2 to 1.3 in the slow one, where the devices' threads
+run on both cores at once and pass the GIL between them at every PyTorch op (tiny ops gain
+nothing from running in parallel, and each pass costs a cross-core wake-up). Pinned to one core
+(`taskset -c 0 python bench/overhead.py`) runs are always in the fast mode; other jobs on the
+machine move an unpinned run between the modes. Compare two versions of the code pinned, or in
+the same mode, run back to back, and check the CPUs printed in the header.
 """
 
 from __future__ import annotations
@@ -58,11 +61,18 @@ class Config:
     step: Callable[[], float]
     instructions: int
     seconds: list[float] = field(default_factory=list)
+    cpu_seconds: list[float] = field(default_factory=list)  # the process's CPU time (every thread) per step
     loss: float = float("nan")
 
     @property
     def median_s(self) -> float:
         return statistics.median(self.seconds)
+
+    @property
+    def cpu_per_wall(self) -> float:
+        """CPU seconds per wall second over the timed steps: about 1 where one core ran the step at a
+        time, above 1 where threads ran on several cores at once (and passed the GIL between them)."""
+        return sum(self.cpu_seconds) / sum(self.seconds)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -135,9 +145,10 @@ def measure(configs: list[Config], warmup: int, steps: int) -> None:
             config.step()
     for _ in range(steps):
         for config in configs:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             config.loss = config.step()
             config.seconds.append(time.perf_counter() - start)
+            config.cpu_seconds.append(time.process_time() - cpu)
 
 
 def per_instruction_us(config: Config, baseline: Config) -> str:
@@ -152,12 +163,12 @@ def table(configs: list[Config]) -> Table:
     eager, accumulating = configs[0], configs[1]
     result = Table(title="dispatch overhead: median step time and microseconds per instruction above eager")
     for column in ("configuration", "step time (ms)", "instructions per step", "us per instruction above eager",
-                   f"us per instruction above eager, {MICROBATCHES} microbatches", "last loss"):
+                   f"us per instruction above eager, {MICROBATCHES} microbatches", "CPU s per wall s", "last loss"):
         result.add_column(column, justify="right")
     for config in configs:
         instructions = str(config.instructions) if config.instructions else "-"
         result.add_row(config.name, f"{config.median_s * 1e3:.3f}", instructions, per_instruction_us(config, eager),
-                       per_instruction_us(config, accumulating), f"{config.loss:.6f}")
+                       per_instruction_us(config, accumulating), f"{config.cpu_per_wall:.2f}", f"{config.loss:.6f}")
     return result
 
 

@@ -108,12 +108,14 @@ class DistributedTransport:
                 self.receives.pop(key, None)
         return buffer
 
-    # Varuna's opportunistic policy (executor docstring) takes a receive over from the p2p_in thread.
+    # Varuna's opportunistic policy (runtime/opportunistic.py) takes a receive over from the p2p_in thread.
     # Gloo matches a message to its receive by tag, so a receive may be posted ahead of its turn and
     # by another thread; NCCL pairs a link's operations in issue order, so there the policy is off.
     @property
     def adopts_receives(self) -> bool:
         return self.blocking_wait
+
+    in_memory = False  # a receive waits on the network: the p2p streams keep their threads (runtime/threadless.py)
 
     def arrived(self, key: tuple) -> bool:
         """Whether the message under `key` is here: its receive was posted and has finished. Never blocks,

@@ -11,26 +11,49 @@ from stagewise.ir.instructions import Stream
 
 class StreamThreads:
     """One long-lived thread per (device, stream), started at the first step and reused by every
-    later one: starting a dozen threads per step cost more than a small stage's compute."""
+    later one: starting a dozen threads per step cost more than a small stage's compute. The
+    caller sleeps until the last job finishes and is woken once, not once per job. (It runs none
+    of the jobs itself: its thread-local state, such as grad mode or autocast, would reach that
+    job only.)"""
 
     def __init__(self):
         self.queues: dict[tuple[int, Stream], queue.SimpleQueue] = {}
 
     def run(self, jobs: list[tuple[tuple[int, Stream], Callable[[], None]]]) -> None:
         """Run each job on its stream's thread, all at once; return when every job has returned."""
-        finished = threading.Semaphore(0)
+        if not jobs:
+            return
+        finished = _Countdown(len(jobs))
         for key, job in jobs:
             if key not in self.queues:
                 self.queues[key] = queue.SimpleQueue()
                 threading.Thread(target=_serve, args=(self.queues[key],), name=f"dev{key[0]}-{key[1]}", daemon=True).start()
             self.queues[key].put((job, finished))
-        for _ in jobs:
-            finished.acquire()
+        finished.wait()
 
     def close(self) -> None:
         """Let the threads end (the executor is gone)."""
         for jobs in self.queues.values():
             jobs.put(None)
+
+
+class _Countdown:
+    """Jobs still running; `wait` returns once the last one counted down (one wake-up, not one per job)."""
+
+    def __init__(self, jobs: int):
+        self.left = jobs
+        self.lock = threading.Lock()
+        self.all_done = threading.Lock()
+        self.all_done.acquire()
+
+    def count_down(self) -> None:
+        with self.lock:
+            self.left -= 1
+            if self.left == 0:
+                self.all_done.release()
+
+    def wait(self) -> None:
+        self.all_done.acquire()
 
 
 def _serve(jobs: queue.SimpleQueue) -> None:
@@ -39,5 +62,5 @@ def _serve(jobs: queue.SimpleQueue) -> None:
         try:
             job()
         finally:
-            finished.release()
+            finished.count_down()
         del item, job  # hold no reference to the executor between steps

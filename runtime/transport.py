@@ -30,21 +30,27 @@ class LocalTransport:
         """key = (what, value, microbatch, src stage, dst stage)."""
         pool = self.pools[dst_device]
         buffer = pool.take_buffer(tensor, ("buffer",) + key, instruction)
-        with torch.no_grad():
-            buffer.copy_(tensor.detach(), non_blocking=True)
-        _finish_on_gpu(tensor, buffer)
+        buffer.copy_(tensor.detach(), non_blocking=True)  # detached: autograd records nothing
+        if buffer.is_cuda or tensor.is_cuda:
+            _finish_on_gpu(tensor, buffer)
         self.pools[src_device].count_sent(tensor.numel() * tensor.element_size())
-        with self.sync.locked():  # the compute thread may send too (a forward run early)
+        with self.sync.locked():  # any thread may send (a forward run early, a threadless stream)
             self.mailbox[key] = buffer
             self.sync.changed(("message", key))
 
     def recv(self, key: tuple, instruction: str) -> torch.Tensor:
-        self.sync.wait_until(lambda: key in self.mailbox, instruction, [("message", key)])
         with self.sync.locked():
-            return self.mailbox.pop(key)
+            buffer = self.mailbox.pop(key, None)
+        if buffer is None:
+            self.sync.wait_until(lambda: key in self.mailbox, instruction, (("message", key),))
+            with self.sync.locked():
+                buffer = self.mailbox.pop(key)
+        return buffer
 
-    # Varuna's opportunistic policy looks at messages before their receive's turn (executor docstring).
+    # Varuna's opportunistic policy looks at messages before their receive's turn (runtime/opportunistic.py).
     adopts_receives = True  # any thread may receive a message, and may look first
+    # A receive whose message `arrived` returns at once, so threadless streams may run it (runtime/threadless.py).
+    in_memory = True
 
     def arrived(self, key: tuple) -> bool:
         """Whether the message under `key` is here (a receive would not wait). Never blocks, takes no

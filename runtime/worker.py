@@ -24,6 +24,7 @@ import torch.fx as fx
 from stagewise.ir.errors import PlanError
 from stagewise.ir.plan import Stage
 from stagewise.runtime.checkpoint_access import CheckpointAccess
+from stagewise.runtime.grad_bytes import GradBytes
 from stagewise.runtime.pool import MemoryPool, nbytes
 from stagewise.runtime.stash import HostBuffers, Stash, storage_of, unpack
 
@@ -53,6 +54,7 @@ class StageWorker(CheckpointAccess):
         self.on_host = False  # the optimizer steps host masters (set by the first host update)
         self.versions: dict[str, int] = {}  # device parameters' versions when their master was current
         self.params = dict(module.named_parameters())
+        self.grad_bytes = GradBytes(self.params)
         self.aliases = dict(module.named_parameters(remove_duplicate=False))  # every name, ties included
         if swapped:
             self._start_on_host(module)
@@ -146,7 +148,7 @@ class StageWorker(CheckpointAccess):
         pairs = [(t, g) for t, g in zip(tensors, grads, strict=True) if t.requires_grad]
         if pairs:
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-        self.pool.allocate("grads", ("grads", self.stage.index), nbytes(self.tensors("grads").values()), instruction)
+        self.pool.allocate("grads", ("grads", self.stage.index), self.grad_bytes.count(), instruction)
         inputs = self.inputs.get(microbatch, {})
         self.input_grads[microbatch] = {
             name: inputs[name].grad.clone() if inputs[name].grad is not None else torch.zeros_like(inputs[name])

@@ -1,0 +1,96 @@
+"""The runtime's threads: the `Sync` monitor's wake-ups, deadlock and timeout, and threadless p2p streams."""
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import stagewise as sw
+from stagewise.ir.instructions import Carried, Recv, Stream
+from stagewise.ir.program import Program
+from stagewise.runtime.sync import Aborted, Sync
+from tests.models.mlp import mlp
+
+X, Y = torch.randn(8, 8), torch.randint(0, 5, (8,))
+
+
+def compile_mlp(devices=3, **kwargs):
+    return sw.compile(mlp(), devices, (X,), loss_fn=F.cross_entropy, example_target=Y, microbatches=4, **kwargs)
+
+
+def _play(sync: Sync, state: dict, parity: int, rounds: int) -> None:
+    try:
+        for i in range(rounds):
+            sync.wait_until(lambda i=i: state["turn"] == 2 * i + parity, "turn", ["turn"])
+            with sync.locked():
+                state["turn"] += 1
+                sync.changed("turn")
+    except Aborted:
+        pass
+    finally:
+        sync.thread_done()
+
+
+def test_two_threads_hand_a_counter_back_and_forth():
+    sync, state = Sync(2, timeout_s=30.0), {"turn": 0}
+    other = threading.Thread(target=_play, args=(sync, state, 1, 500))
+    other.start()
+    _play(sync, state, 0, 500)
+    other.join()
+    assert sync.error is None and state["turn"] == 1000
+
+
+def test_threads_waiting_on_each_other_are_a_deadlock():
+    sync = Sync(2, timeout_s=30.0)
+    raised = []
+
+    def wait_for(key: str) -> None:
+        try:
+            sync.wait_until(lambda: False, f"waits for {key}", [key])
+        except Aborted:
+            raised.append(key)
+        finally:
+            sync.thread_done()
+
+    threads = [threading.Thread(target=wait_for, args=(key,)) for key in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(raised) == ["a", "b"]
+    assert isinstance(sync.error, sw.PlanError) and "deadlock" in str(sync.error)
+
+
+def test_a_wait_nobody_answers_times_out_while_another_thread_works():
+    sync, working = Sync(2, timeout_s=0.2), threading.Event()
+    worker = threading.Thread(target=working.wait)  # alive and not waiting in the monitor: no deadlock
+    worker.start()
+    with pytest.raises(Aborted):
+        sync.wait_until(lambda: False, "a message", ["message"])
+    working.set()
+    worker.join()
+    assert isinstance(sync.error, sw.PeerError)
+
+
+def test_cpu_p2p_streams_run_without_threads_in_program_order():
+    pipe = compile_mlp()
+    loss = pipe.step(X, target=Y)
+    executor = pipe.executor
+    assert torch.isfinite(loss)
+    for program in executor.programs:
+        assert executor.threadless[program.device].streams == (Stream.P2P_IN, Stream.P2P_OUT)
+        for stream in (Stream.P2P_IN, Stream.P2P_OUT):
+            ran = sorted((start, index) for device, s, index, start, _ in executor.timeline
+                         if device == program.device and s is stream)
+            assert [index for _, index in ran] == executor.tables[program.device].order[stream]
+    assert set(executor.threads.queues) == {(p.device, Stream.COMPUTE) for p in executor.programs}
+
+
+def test_a_receive_whose_message_never_comes_is_a_deadlock_error():
+    pipe = compile_mlp()
+    program = pipe.executor.programs[2]
+    stray = Recv(stage=2, microbatch=99, carries=Carried.ACTIVATIONS, peer=1, peer_stage=1, values=("nothing",))
+    pipe.executor.programs = pipe.executor.programs[:2] + (Program(2, program.instructions + (stray,)),)
+    with pytest.raises(sw.PlanError, match=f"deadlock.*dev2 #{len(program.instructions)} "):
+        pipe.step(X, target=Y)
