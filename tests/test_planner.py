@@ -108,16 +108,18 @@ def test_predicted_peak_memory_is_the_pools_measured_peak(schedule):
 
 
 def test_replicas_auto_searches_p_by_d_and_keeps_the_fastest():
-    """Varuna §4.4: every D dividing the devices and the microbatches is simulated; the fastest fits."""
+    """Varuna §4.4: every D dividing the devices and the microbatches is simulated; the fastest fits,
+    or a simpler one (fewer stages) within PLAN_MARGIN of it (issue 10: plans stable under noise)."""
     batches = token_batches(2, batch=8)
     pipe = check_equal_training(TinyGPT(layers=4), batches, 4, loss_fn=lm_loss, optimizer=ADAMW,
                                 microbatches=4, schedule="1f1b", replicas="auto", cost="analytic")
     tried = {int(line.split("D=")[1].split()[0]) if "D=" in line else 1: line for line in pipe.plan.considered}
     assert set(tried) == {1, 2, 4}
     times = {d: float(line.split("ms/iteration")[0].split()[-1]) for d, line in tried.items()}
-    assert pipe.plan.predicted_iteration_s * 1e3 == pytest.approx(min(times.values()), abs=0.01)
     replicas = len({s.replica for s in pipe.plan.stages})
-    assert times[replicas] == min(times.values())
+    assert pipe.plan.predicted_iteration_s * 1e3 == pytest.approx(times[replicas], abs=0.01)
+    assert times[replicas] <= min(times.values()) * (1 + PLAN_MARGIN) + 0.01
+    assert all(times[d] > min(times.values()) * (1 + PLAN_MARGIN) for d in times if d > replicas)  # fewer stages
 
 
 def test_replicas_must_be_a_positive_int_or_auto():
