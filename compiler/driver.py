@@ -63,9 +63,7 @@ def compile(  # noqa: A001 - the public name of the API
     the optimizer state kept beside them, and copies the weights back to the device, so no device
     ever holds optimizer state and its memory goes to weights, gradients and activations.
     """
-    if not isinstance(model, torch.nn.Module):
-        raise ExampleInputsError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    _check_split_points(split_points)
+    _check_arguments(model, split_points)
     options = CompileOptions(loss_fn=loss_fn, example_target=example_target,
                              optimizer=DEFAULT_OPTIMIZER if optimizer is None else optimizer,
                              microbatches=microbatches, schedule=schedule, cost=cost,
@@ -79,8 +77,11 @@ def compile(  # noqa: A001 - the public name of the API
     return Pipeline(described, after(ctx.runtime, "runtime"), compiled, unheld_state(model, described.stages))
 
 
-def _check_split_points(split_points: object) -> None:
-    """A list of names (a string would be read as one name per character)."""
+def _check_arguments(model: object, split_points: object) -> None:
+    """What CompileOptions cannot check: a module to compile, and split points as a list of names (a
+    string would be read as one name per character)."""
+    if not isinstance(model, torch.nn.Module):
+        raise ExampleInputsError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if split_points is not None and not isinstance(split_points, list | tuple):
         example = [split_points] if isinstance(split_points, str) else ["blocks.2"]
         raise OptionError(f"split_points={split_points!r} must be a list of layer names, e.g. split_points={example!r}")
