@@ -35,6 +35,7 @@ import torch.fx as fx
 from stagewise.codegen.source import load_stage
 from stagewise.compiler.checkpoint_files import MARKER, FileRecord, read_checked, read_marker
 from stagewise.compiler.checkpoint_swap import previous_path
+from stagewise.compiler.fx_sources import releasing_fx_sources
 from stagewise.compiler.pipeline import Pipeline
 from stagewise.compiler.runtime_setup import start_runtime
 from stagewise.ir.errors import CheckpointError, PlanError
@@ -55,6 +56,7 @@ class _Saved:
     unheld: dict[str, torch.Tensor]  # unused.pt: state no stage holds
 
 
+@releasing_fx_sources
 def load(directory) -> Pipeline:
     """A Pipeline from `pipe.save(directory)`; trains on from where it was saved.
 
@@ -70,6 +72,7 @@ def load(directory) -> Pipeline:
     runtime = start_runtime(saved.plan, saved.modules, optimizer, clip, saved.settings.get("swapped", frozenset()))
     for worker in runtime.workers:
         worker.load_optimizer_state(saved.states[worker.stage.index]["optimizer"])
+    runtime.executor.iteration = saved.settings.get("step", 0)  # random draws go on where they were saved
     return Pipeline(saved.plan, runtime, unheld=saved.unheld)
 
 

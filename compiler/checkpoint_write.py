@@ -114,9 +114,11 @@ def _write(plan: Plan, runtime: Runtime, target: Path, records, unheld: dict[str
 
 
 def _runtime_settings(runtime: Runtime, swapped: set[int]) -> bytes:
-    """runtime.pt: what load needs to rebuild the runtime besides the stages."""
+    """runtime.pt: what load needs to rebuild the runtime besides the stages; `step`, the steps
+    completed, keys the random streams of the steps to come (with the plan's seed)."""
     return _serialised(
-        {"optimizer": runtime.optimizer_factory, "clip_grad_norm": runtime.clip_grad_norm, "swapped": frozenset(swapped)}
+        {"optimizer": runtime.optimizer_factory, "clip_grad_norm": runtime.clip_grad_norm, "swapped": frozenset(swapped),
+         "step": runtime.executor.iteration}
     )
 
 

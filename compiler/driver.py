@@ -7,6 +7,7 @@ import torch
 import torch.fx as fx
 
 from stagewise.compiler.context import CompileContext, after
+from stagewise.compiler.fx_sources import releasing_fx_sources
 from stagewise.compiler.options import DEFAULT_OPTIMIZER, CompileOptions, CompileRequest
 from stagewise.compiler.phases import PHASES, analyse, plan, run_phases
 from stagewise.compiler.pipeline import Compiled, Pipeline
@@ -16,6 +17,7 @@ from stagewise.ir.plan import Plan
 from stagewise.passes.shared import unheld_state
 
 
+@releasing_fx_sources
 def compile(  # noqa: A001 - the public name of the API
     model: torch.nn.Module,
     devices,
@@ -33,6 +35,7 @@ def compile(  # noqa: A001 - the public name of the API
     replicas: int | str | tuple[int, ...] = 1,
     stages: int | str | None = None,
     optimizer_on_host: bool = False,
+    seed: int | None = None,
 ) -> Pipeline:
     """Compile `model` into a pipeline over `devices` that trains exactly like eager training.
 
@@ -47,13 +50,10 @@ def compile(  # noqa: A001 - the public name of the API
     every mode but "off"; "all" is "on" plus swapping every stage's stashed activations
     (Harmony's sX; the least device memory, the most host traffic; a stash whose backward is the
     device's next task stays). `replicas`: data-parallel copies of the pipeline (P x D, P =
-    devices / replicas); "auto" lets the planner simulate every D that divides the devices and the
-    microbatch count and keep the fastest, as Varuna's configuration search does (§4.4).
-    A tuple replicates each stage its own number of ways (PipeDream's replicated stages, §2.4.1):
-    `replicas=(2, 1)` runs stage 0 on two devices, each on half the microbatches, and stage 1 on a
-    third; "per-stage" lets PipeDream's DP choose each stage's replication over the topology's
-    levels and keeps it where the simulator predicts it faster than the straight pipeline (gpipe
-    and 1f1b; the replicas' gradients are summed before each update).
+    devices / replicas); "auto" simulates every D that divides the devices and the microbatch count
+    (Varuna §4.4). A tuple replicates each stage its own number of ways (PipeDream §2.4.1:
+    `replicas=(2, 1)` runs stage 0 on two devices, each on half the microbatches); "per-stage" lets
+    PipeDream's DP choose each stage's replication where the simulator predicts it faster.
     `stages`: the depth P of a gpipe / 1f1b / varuna pipeline (default: every device, N / D); fewer
     leaves devices idle; "auto" lets the planner simulate every depth from 1 and keep the fastest
     (PipeDream's planner may use fewer workers, §2.4.1): in-process CPU devices that share fewer
@@ -62,6 +62,9 @@ def compile(  # noqa: A001 - the public name of the API
     each update copies the stage's gradients to host memory, steps fp32 master weights there with
     the optimizer state kept beside them, and copies the weights back to the device, so no device
     ever holds optimizer state and its memory goes to weights, gradients and activations.
+    `seed`: what random ops (dropout) draw by: each op's masks come from a stream keyed by (seed,
+    step, op, microbatch), the same in a recompute and whatever the plan; None takes
+    `torch.initial_seed()`, so `torch.manual_seed` before compile makes runs reproducible.
     """
     _check_arguments(model, split_points)
     options = CompileOptions(loss_fn=loss_fn, example_target=example_target,
@@ -69,7 +72,7 @@ def compile(  # noqa: A001 - the public name of the API
                              microbatches=microbatches, schedule=schedule, cost=cost,
                              split_points=None if split_points is None else tuple(split_points),
                              clip_grad_norm=clip_grad_norm, swap=swap, replicas=replicas, stages=stages,
-                             optimizer_on_host=optimizer_on_host)
+                             optimizer_on_host=optimizer_on_host, seed=seed)
     ctx = CompileContext(CompileRequest.make(model, devices, example_inputs, options))
     _run_checked(ctx)
     compiled = Compiled(after(ctx.choice, "plan").sim_cost, ctx.seconds)

@@ -50,6 +50,7 @@ class CompileOptions:
     replicas: int | str | tuple[int, ...] = 1
     stages: int | str | None = None
     optimizer_on_host: bool = False
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.replicas, list):  # replicas=[2, 1] reads as (2, 1)
@@ -129,6 +130,10 @@ def _check_scalars(options: CompileOptions) -> None:
         raise OptionError(f"optimizer_on_host={options.optimizer_on_host!r} must be True or False")
     if not isinstance(options.swap, str) or options.swap not in SWAP_CHOICES:
         raise OptionError(f"unknown swap={options.swap!r}; choose one of {', '.join(map(repr, SWAP_CHOICES))}")
+    seed = options.seed
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64):
+        raise OptionError(f"seed={seed!r} must be an int from 0 to 2**64 - 1 (what random ops' streams are keyed "
+                          "by), e.g. seed=0, or None for torch.initial_seed() (what torch.manual_seed set)")
     points = options.split_points
     if points is not None and not all(isinstance(p, str) and p for p in points):
         raise OptionError(f"split_points={list(points)!r} must name layers by their module names (strings), "
@@ -180,6 +185,7 @@ class CompileRequest:
     distributed: DistributedContext | None
     cores_at_full_speed: float  # single-device computes this process's cores run at full speed at once
     input_specs: tuple[InputSpec, ...] = ()  # each example tensor's dtype and sizes, for step's checks
+    seed: int = 0  # the plan's: `seed=`, else torch.initial_seed() (ir/random_streams.py)
 
     @classmethod
     def make(cls, model: torch.nn.Module, devices, example_inputs, options: CompileOptions) -> CompileRequest:
@@ -201,8 +207,9 @@ class CompileRequest:
                                          "tensors on 'cpu' or 'cuda'")
         target = [options.example_target] if isinstance(options.example_target, torch.Tensor) else []
         specs = input_specs([*named.values(), *target])
+        seed = torch.initial_seed() if options.seed is None else options.seed
         return cls(model, example_inputs, options, resolved, tuple(names), kind, batch, first, distributed,
-                   computes_at_full_speed(), specs)
+                   computes_at_full_speed(), specs, seed)
 
     @property
     def specs(self) -> list[DeviceSpec]:

@@ -20,6 +20,7 @@ from stagewise.compiler.planning import choose_plan
 from stagewise.compiler.runtime_setup import start_runtime
 from stagewise.ir.plan import Plan
 from stagewise.passes.planner import recorded_costs
+from stagewise.passes.random_ops import key_random_ops
 from stagewise.passes.shared import alias_groups
 
 
@@ -58,6 +59,7 @@ def plan(ctx: CompileContext) -> None:
         input_kind=request.input_kind,
         target_name=analysis.target_name,
         input_specs=request.input_specs,
+        seed=request.seed,
         graph_inputs=graph.graph_inputs,
         microbatches=chosen.microbatches,
         microbatch_size=graph.microbatch_size,
@@ -81,10 +83,11 @@ def plan(ctx: CompileContext) -> None:
 
 
 def codegen(ctx: CompileContext) -> None:
-    """One Python module per stage, cut from the graph at the plan's microbatch size: `ctx.modules`."""
+    """One Python module per stage, cut from the graph at the plan's microbatch size, its random ops
+    drawing from keyed streams (passes/random_ops.py): `ctx.modules`."""
     chosen = after(ctx.choice, "plan").plan
     graph = after(ctx.analysis, "capture").at(chosen.microbatches)
-    ctx.modules = build_stage_modules(graph.graph, graph.layers, chosen.stages)
+    ctx.modules = build_stage_modules(key_random_ops(graph.graph), graph.layers, chosen.stages)
 
 
 def runtime(ctx: CompileContext) -> None:
@@ -98,8 +101,12 @@ PHASES: tuple[Callable[[CompileContext], None], ...] = (capture, analyse, cost, 
 
 
 def run_phases(ctx: CompileContext, phases: Sequence[Callable[[CompileContext], None]] = PHASES) -> None:
-    """Run `phases` in order, recording the seconds each took in `ctx.seconds`."""
-    for phase in phases:
-        start = time.perf_counter()
-        phase(ctx)
-        ctx.seconds[phase.__name__] = time.perf_counter() - start
+    """Run `phases` in order, recording the seconds each took in `ctx.seconds`. The global random
+    generators are left as they were: calibration and probes draw a number of samples that depends
+    on timing, and would shift the user's stream (the data drawn after compile) from run to run."""
+    cuda = sorted({d.torch_device.index or 0 for d in ctx.request.devices if d.torch_device.type == "cuda"})
+    with torch.random.fork_rng(devices=cuda):
+        for phase in phases:
+            start = time.perf_counter()
+            phase(ctx)
+            ctx.seconds[phase.__name__] = time.perf_counter() - start

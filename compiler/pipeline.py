@@ -99,7 +99,9 @@ class Pipeline:
 
     @property
     def timeout_s(self) -> float:
-        """How long a device waits for a peer before a PeerError (default 300 s)."""
+        """The step's deadline in seconds (default 300): in one process `step` returns within it (and
+        a small margin) whatever a stage does, raising StepTimeoutError naming what stalled. Under
+        torch.distributed a device waits this long for a peer before a PeerError naming the rank."""
         transport = self.transport
         return transport.timeout_s if isinstance(transport, DistributedTransport) else self.executor.timeout_s
 
@@ -136,19 +138,13 @@ class Pipeline:
         check_step_tensors(inputs, self.plan.input_specs, m * self.plan.microbatch_size)
         node_names = dict(zip(self.plan.input_names + (self.plan.target_name,), self.plan.graph_inputs, strict=False))
         pieces = [{node_names[k]: v for k, v in piece.items()} for piece in split_batch(inputs, m)]
-        for worker in self.workers:
-            for mb, piece in enumerate(pieces):
-                if worker.stage.microbatches and mb not in worker.stage.microbatches:
-                    continue
-                for name in worker.stage.inputs:
-                    if name in piece:
-                        worker.provide(mb, name, piece[name])
-        return self.executor.run(m)
+        return self.executor.run(m, feed=lambda: self._feed(pieces))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The trained state under every key of the original model's state_dict, in its order (tied
         names share one tensor; layers no stage holds as they were at compile). Under
-        torch.distributed every rank gathers every stage's state."""
+        torch.distributed every rank gathers every stage's state. (A broken pipeline's state may be read.)"""
+        self.executor.settle(broken_ok=True)
         found = self._local_state()
         if self.context is not None:
             gathered: list[dict[str, torch.Tensor] | None] = [None] * len(self.plan.devices)
@@ -172,6 +168,7 @@ class Pipeline:
         shapes = (dict(zip(self.plan.state_names, self.plan.state_shapes, strict=True)) if self.plan.state_shapes
                   else {n: tuple(t.shape) for n, t in self._local_state().items()})
         result = check_state_dict(self.plan, state_dict, strict, shapes)
+        self.executor.settle(broken_ok=True)
         holders = [self.unheld] + [worker.state_tensors() for worker in self.workers]  # every replica of a tie
         with torch.no_grad():
             for held in holders:
@@ -201,7 +198,10 @@ class Pipeline:
         checkpoint intact). Rank 0's machine holds the files: a single process loads them as they
         are; `sw.load` under torchrun reads them on every rank, so across machines put
         `directory` on a shared filesystem (or copy it to each machine first).
+
+        A pipeline whose failed step could not be undone raises PipelineBrokenError instead.
         """
+        self.executor.settle()
         save(self.plan, self.runtime, directory, self.unheld)
 
     # ---- helpers --------------------------------------------------------------------------
@@ -226,6 +226,16 @@ class Pipeline:
                 raise ExampleInputsError(f"every input to step must be a tensor, as in example_inputs; "
                                          f"{name!r} is a {type(value).__name__}")
         return inputs
+
+    def _feed(self, pieces: list[dict[str, torch.Tensor]]) -> None:
+        """Give each worker its inputs of every microbatch it runs (a failed step clears them)."""
+        for worker in self.workers:
+            for mb, piece in enumerate(pieces):
+                if worker.stage.microbatches and mb not in worker.stage.microbatches:
+                    continue
+                for name in worker.stage.inputs:
+                    if name in piece:
+                        worker.provide(mb, name, piece[name])
 
     def _local_state(self) -> dict[str, torch.Tensor]:
         """This process's state tensors by name: its stages' and the unheld entries."""

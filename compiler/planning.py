@@ -115,7 +115,7 @@ class PlanBuilder:
                         options.swap, request.capacities, options.clip_grad_norm is not None, self.costs.state_ratio,
                         optimizer_on_host=options.optimizer_on_host,
                         stash_bytes=[c.stash_bytes for c in layer_costs], built=self.built,
-                        replica_devices=replica_devices)
+                        replica_devices=replica_devices, grad_bytes=[c.grad_bytes for c in layer_costs])
         return Built(plan, layer_costs, size)
 
     def pack_search(self, graph: Analysed, exact: bool) -> PackSearch:
@@ -204,7 +204,9 @@ def _needs_swap(request: CompileRequest, analysis: Analysis, costs: Costs) -> bo
         return True
     if swap == "off" or all(c is None for c in request.capacities):
         return False
-    state = costs.state_ratio * analysis.first.param_bytes
+    layers = costs.layers.at(analysis.first.microbatch_size)
+    # gradients and optimizer state only for trainable parameters (a frozen one has neither)
+    state = analysis.first.param_bytes + (costs.state_ratio - 1) * sum(c.grad_bytes for c in layers)
     return state > sum(c for c in request.capacities if c) * 0.75
 
 

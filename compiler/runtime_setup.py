@@ -66,7 +66,7 @@ def start_runtime(plan: Plan, modules: Sequence[fx.GraphModule | None], optimize
         if stage.device in local
     ]
     executor = StreamExecutor(tuple(p for p in plan.programs if p.device in local), workers, transport,
-                              clip_grad_norm, {s.index: s.device for s in plan.stages})
+                              clip_grad_norm, {s.index: s.device for s in plan.stages}, seed=plan.seed)
     return Runtime(context, pools, transport, workers, executor, optimizer, clip_grad_norm)
 
 

@@ -60,5 +60,18 @@ class PeerError(StagewiseError):
     """Another device (thread or process) failed or stopped answering."""
 
 
+class StepFailedError(StagewiseError):
+    """A peer (another rank) failed this step: every rank rolled the step back and may train on."""
+
+
+class StepTimeoutError(StagewiseError):
+    """An instruction of this process outlasted the step's deadline (`timeout_s`)."""
+
+
+class PipelineBrokenError(StagewiseError):
+    """A failed step could not be undone (or a stuck stage is still running user code): the
+    pipeline refuses to train on until it is reloaded from a checkpoint or recompiled."""
+
+
 class OversubscribedWarning(UserWarning):
     """In-process CPU devices would run more intra-op threads than the machine has cores."""

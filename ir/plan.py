@@ -61,7 +61,8 @@ class SharedTensor:
 
     `names` are every FQN the tensor has in the original model (a tied embedding has two);
     `stages` the stages holding a replica; `owner` the stage whose copy counts once in
-    global reductions such as the gradient norm.
+    global reductions such as the gradient norm. A frozen parameter (`trainable` False) has no
+    gradient: summing zeros into it would let weight decay move it.
     """
 
     fqn: str
@@ -69,6 +70,12 @@ class SharedTensor:
     stages: tuple[int, ...]
     kind: str  # "tied-parameter" | "parameter" | "buffer"
     nbytes: int = 0  # one copy's bytes: what summing its gradient across the holders moves
+    trainable: bool = True  # False for a buffer and a frozen parameter (requires_grad=False)
+
+    @property
+    def summed(self) -> bool:
+        """Whether the holders' gradients are all-reduced before each update."""
+        return self.kind != "buffer" and self.trainable
 
     @property
     def owner(self) -> int:
@@ -166,6 +173,7 @@ class Plan:
     considered: tuple[str, ...] = ()  # the candidate plans the planner simulated, one line each
     costs: PlanCosts | None = None  # what the predictions charged: a loaded plan predicts the same
     input_specs: tuple[InputSpec, ...] = ()  # per input_names (then the target); () skips step's checks
+    seed: int = 0  # random ops draw from streams keyed by (seed, step, op, microbatch): ir/random_streams.py
 
     def to_json(self) -> str:
         """JSON of every field; the programs in their printed form (typed instructions read back)."""

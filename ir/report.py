@@ -56,11 +56,13 @@ def plan_parts(plan) -> list[Table | str]:
     if plan.considered:
         parts.append("plans considered:\n  " + "\n  ".join(plan.considered))
     if plan.shared:
-        shared = Table(title="shared tensors (replicated; gradients summed before each update)")
+        shared = Table(title="shared tensors (replicated; gradients summed before each update, unless frozen)")
         for column in ("tensor", "also named", "stages", "kind"):
             shared.add_column(column)
         for tensor in plan.shared:
-            shared.add_row(tensor.fqn, ", ".join(tensor.names[1:]) or "-", ",".join(map(str, tensor.stages)), tensor.kind)
+            frozen = tensor.kind != "buffer" and not tensor.trainable
+            kind = f"{tensor.kind}, frozen" if frozen else tensor.kind
+            shared.add_row(tensor.fqn, ", ".join(tensor.names[1:]) or "-", ",".join(map(str, tensor.stages)), kind)
         parts.append(shared)
     return parts
 

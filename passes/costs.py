@@ -44,7 +44,7 @@ def stage_charges(stages: Sequence[Stage], transfers: Sequence[Transfer], swappe
     return SimCost(
         forward_s=tuple(forward), backward_s=tuple(backward), update_s=tuple(update), stash_bytes=tuple(stash),
         state_bytes=tuple(state), value_bytes=transfer_bytes(transfers, microbatch_size),
-        tensor_bytes={t.fqn: float(t.nbytes) for t in shared if t.kind != "buffer"},
+        tensor_bytes={t.fqn: float(t.nbytes) for t in shared if t.summed},
         bandwidth=topology.slowest_link, links=topology.links(),
         # a swap is charged the slowest send (a copy between devices; on a CPU, within its memory)
         host_bandwidth=topology.slowest_link,

@@ -22,7 +22,7 @@ def value_info(gm: fx.GraphModule, microbatch_size: int) -> dict[str, CrossingVa
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         is_tensor = isinstance(val, torch.Tensor)
-        floating = is_tensor and (val.is_floating_point() or val.is_complex())
+        floating = _holds_floating(val)
         if node.op == "get_attr":
             attr = attribute(gm, node.target)
             grad[node] = isinstance(attr, torch.nn.Parameter) and attr.requires_grad
@@ -37,6 +37,15 @@ def value_info(gm: fx.GraphModule, microbatch_size: int) -> dict[str, CrossingVa
         nbytes = val.numel() * val.element_size() if is_tensor else 0
         info[node.name] = CrossingValue(node.name, nbytes / microbatch_size, is_tensor, grad[node])
     return info
+
+
+def _holds_floating(value: object) -> bool:
+    """A floating (or complex) tensor, or a tuple / list holding one: gradients flow through
+    `split`, `chunk` or `unbind` into the items taken from it (a LoRA adapter whose output is split
+    into q, k, v is the first trainable op of its block)."""
+    if isinstance(value, (tuple, list)):
+        return any(_holds_floating(item) for item in value)
+    return isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
 
 
 def find_cuts(gm: fx.GraphModule, layers: tuple[Layer, ...], microbatch_size: int) -> tuple[Cut, ...]:

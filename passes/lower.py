@@ -308,7 +308,7 @@ def _groups(shared: tuple[SharedTensor, ...]) -> dict[tuple[int, ...], list[str]
     """All-reduce groups (tuples of stages) and the tensors each sums."""
     groups: dict[tuple[int, ...], list[str]] = defaultdict(list)
     for tensor in shared:
-        if tensor.kind != "buffer":
+        if tensor.summed:
             groups[tensor.stages].append(tensor.fqn)
     return groups
 

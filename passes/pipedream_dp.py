@@ -208,6 +208,10 @@ class _Solver:
         self.stash = _Sums([0.0] * n if costs.stash_bytes is None else costs.stash_bytes)
         self.resident = _Sums(costs.param_bytes if costs.resident_bytes is None else costs.resident_bytes)
         self.cuts = [s for s in range(n - 1) if costs.can_cut_after(s)]
+        # Memo tables of `exact` and `best`, held by the solver: functools.cache on a method keeps
+        # every solver (and the costs it holds) alive in one class-wide cache for the whole process.
+        self._exact: dict[tuple[int, int], dict[tuple[int, int], tuple[float, tuple[StageSpan, ...]]]] = {}
+        self._best: dict[tuple[int, int, int], tuple[float, tuple[StageSpan, ...]]] = {}
 
     def stage_compute(self, k: int, first: int, last: int) -> tuple[float, tuple[StageSpan, ...]]:
         """A^{k-1}(first->last, m_{k-1}): compute time of one replica of a level-k stage."""
@@ -231,7 +235,6 @@ class _Solver:
     def max_replicas(self, m: int) -> int:
         return 1 if self.straight else m
 
-    @cache  # noqa: B019 - one solver per call to plan_pipeline, dropped afterwards
     def exact(self, k: int, last: int) -> dict[tuple[int, int], tuple[float, tuple[StageSpan, ...]]]:
         """E^k(i->last, m) for every start i and *exact* worker count m at level k.
 
@@ -240,12 +243,15 @@ class _Solver:
         so that the first stage knows how many workers follow it, which fixes its stash).
         m = r with s = last is the single replicated stage the printed recurrence omits.
         """
+        if (k, last) in self._exact:
+            return self._exact[k, last]
         workers = self.levels[k - 1].workers
         table: dict[tuple[int, int], tuple[float, tuple[StageSpan, ...]]] = {}
         starts = [0] + [s + 1 for s in self.cuts]
         for first in reversed([i for i in starts if i <= last]):
             for m in range(1, workers + 1):
                 table[first, m] = self._best_split(k, first, last, m, table)
+        self._exact[k, last] = table
         return table
 
     def _best_split(self, k: int, first: int, last: int, m: int,
@@ -320,15 +326,17 @@ class _Solver:
         firsts = (0, *(end + 1 for end in result[1][:-1]))
         return tuple(StageSpan(a, b, 1) for a, b in zip(firsts, result[1], strict=True))
 
-    @cache  # noqa: B019
     def best(self, k: int, first: int, last: int) -> tuple[float, tuple[StageSpan, ...]]:
         """A^k(first->last, m_k): the best pipeline using *at most* m_k workers (ties: fewer)."""
+        if (k, first, last) in self._best:
+            return self._best[k, first, last]
         table = self.exact(k, last)
         best: tuple[float, tuple[StageSpan, ...]] = (INF, ())
         for m in range(1, self.levels[k - 1].workers + 1):
             candidate = table[first, m]
             if candidate[0] < best[0]:
                 best = candidate
+        self._best[k, first, last] = best
         return best
 
 

@@ -40,7 +40,7 @@ def dp_layer_costs(cuts: Sequence[Cut], costs: Sequence[LayerCost], microbatch_s
     return LayerCosts(
         compute=[c.fwd_s + c.bwd_s for c in costs],
         activation_bytes=[cut.bytes_per_sample * microbatch_size for cut in cuts] + [0.0],
-        param_bytes=[c.param_bytes for c in costs],
+        param_bytes=[c.grad_bytes for c in costs],  # what replicas all-reduce: trainable parameters' gradients
         stash_bytes=[c.stash_bytes for c in costs],
         resident_bytes=[c.state_bytes for c in costs],
         cut_allowed=[c.legal for c in cuts],

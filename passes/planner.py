@@ -88,11 +88,12 @@ def assemble(
     gm: fx.GraphModule, layers, cuts, traced_microbatch: int, schedule: str, microbatches: int, starts: Sequence[int],
     stage_devices: Sequence[int], layout: Layout, swap: str, capacities: list[int | None], clip: bool,
     state_per_param_byte: float, optimizer_on_host: bool = False, stash_bytes: Sequence[float] = (),
-    built: dict | None = None, replica_devices: Sequence[Sequence[int]] = (),
+    built: dict | None = None, replica_devices: Sequence[Sequence[int]] = (), grad_bytes: Sequence[float] | None = None,
 ) -> Assembled:
     """Stages, replicas, shared tensors, swaps and programs of one plan (`stash_bytes`: what each
     layer stashes per microbatch at the plan's size, for deciding where stashed activations are
-    swapped). `traced_microbatch`: the microbatch size `gm`'s values have, which their bytes per
+    swapped; `grad_bytes`: each layer's trainable parameter bytes, None where every parameter
+    trains). `traced_microbatch`: the microbatch size `gm`'s values have, which their bytes per
     sample are counted at (a candidate of another size may be built on the same graph: the bytes
     per sample do not depend on the size). `built`: one compile's stages by graph, starts and
     devices, since its candidates share partitions (gpipe, 1f1b and varuna at a microbatch size).
@@ -110,7 +111,7 @@ def assemble(
     shared = find_shared(gm, stages)
     # clipping with swapping: lower counts the norm stage by stage (passes/lower.py)
     tasks = instance_tasks(schedule, stages, microbatches, len(capacities), jit_update=not clip)
-    swaps = plan_swaps(swap, stages, layers, capacities, state_per_param_byte, tasks, stash_bytes)
+    swaps = plan_swaps(swap, stages, layers, capacities, state_per_param_byte, tasks, stash_bytes, grad_bytes)
     programs = lower(stages, transfers, shared, tasks, clip, swaps, optimizer_on_host)
     return Assembled(schedule, microbatches, tuple(starts), tuple(stage_devices), layout, stages, transfers, shared,
                      swaps, programs, tuple(tuple(on) for on in replica_devices))

@@ -113,8 +113,9 @@ def shapes_at(gm: fx.GraphModule, layers: Sequence[Layer], u: int, traced: int) 
         state = _state_tensors(gm)
         fake_state = [mode.from_tensor(t) for t in state]
         inputs = [_batched_fake(n.meta.get("val"), u, traced) for n in gm.graph.nodes if n.op == "placeholder"]
-        recorder = _Recorder(gm, layer_of, {storage_id(t) for t in (*state, *fake_state)})
-        with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
+        saved = _SavedBytes(set(layer_of.values()), {storage_id(t) for t in (*state, *fake_state)})
+        recorder = _Recorder(gm, layer_of, saved)
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, _never_unpacked):
             recorder.run(*inputs)
     values = recorder.values
     n = len(layers)
@@ -123,7 +124,7 @@ def shapes_at(gm: fx.GraphModule, layers: Sequence[Layer], u: int, traced: int) 
         values=values,
         input_bytes=[sum(tree_bytes(values[v]) for v in layer.inputs) for layer in layers],
         act_bytes=[sum(tree_bytes(values[v]) for v in layer.outputs) for layer in layers],
-        stash_bytes=[sum(recorder.saved[i].values()) for i in range(n)],
+        stash_bytes=[sum(saved.by_layer[i].values()) for i in range(n)],
         largest_bytes=[max((tree_bytes(values[v]) for v in layer.nodes), default=0) for layer in layers],
     )
 
@@ -142,27 +143,47 @@ def _no_fake_mode():
     return torch._subclasses.fake_tensor.unset_fake_temporarily()
 
 
-class _Recorder(fx.Interpreter):
-    """Keeps every node's value and, per layer, the storages autograd saves (state excluded)."""
+class _SavedBytes:
+    """Per layer, the storages autograd saves (state excluded), counted by a pack hook that keeps
+    no tensor. A hook returning the tensor would let an op's output hold, through its grad_fn's
+    saved variable, itself: a cycle through C++ that gc cannot see, which kept every compile's
+    graph, parameters and fake values alive. The hook refers to this object only (not to the
+    interpreter or its values) for the same reason."""
 
-    def __init__(self, gm: fx.GraphModule, layer_of: dict[str, int], state_ids: set[int]):
+    def __init__(self, layers: set[int], state_ids: set[int]):
+        self.state_ids = state_ids
+        self.by_layer: dict[int, dict[int, int]] = {i: {} for i in layers}
+        self.current: int | None = None  # the layer of the node running now
+        # the storages counted, kept alive until the count is done: a freed storage's identity may be
+        # reused by the next, which would then count once for two (and differ from run to run)
+        self.kept: list[torch.UntypedStorage] = []
+
+    def pack(self, t: torch.Tensor) -> None:
+        sid = storage_id(t)
+        if self.current is not None and sid not in self.state_ids:
+            storage = t.untyped_storage()
+            self.kept.append(storage)
+            self.by_layer[self.current][sid] = storage.nbytes()
+
+
+def _never_unpacked(_: None) -> torch.Tensor:
+    """The fake graph is run for shapes and never differentiated."""
+    raise ProfileError("internal: a backward reached the shape-propagation graph, which keeps no saved tensor")
+
+
+class _Recorder(fx.Interpreter):
+    """Keeps every node's value and tells `saved` which layer is running."""
+
+    def __init__(self, gm: fx.GraphModule, layer_of: dict[str, int], saved: _SavedBytes):
         super().__init__(gm, garbage_collect_values=False)
-        self.layer_of, self.state_ids = layer_of, state_ids
+        self.layer_of, self.saved = layer_of, saved
         self.values: dict[str, Any] = {}
-        self.saved: dict[int, dict[int, int]] = {i: {} for i in set(layer_of.values())}
-        self.current: int | None = None
 
     def run_node(self, n: fx.Node):
-        self.current = self.layer_of.get(n.name)
+        self.saved.current = self.layer_of.get(n.name)
         result = super().run_node(n)
         self.values[n.name] = result
         return result
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        sid = storage_id(t)
-        if self.current is not None and sid not in self.state_ids:
-            self.saved[self.current][sid] = t.untyped_storage().nbytes()
-        return t
 
 
 def _batched_fake(value, u: int, traced: int):

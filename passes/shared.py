@@ -42,7 +42,8 @@ def find_shared(gm: fx.GraphModule, stages: tuple[Stage, ...]) -> tuple[SharedTe
             kind = "tied-parameter" if len(names) > 1 else "parameter"
         tensor = tensors[names[0]]
         shared.append(SharedTensor(names[0], names, tuple(sorted(stage_ids)), kind,
-                                   tensor.nelement() * tensor.element_size()))
+                                   tensor.nelement() * tensor.element_size(),
+                                   trainable=kind != "buffer" and tensor.requires_grad))
     return tuple(shared)
 
 

@@ -184,16 +184,21 @@ class Residency:
 
 
 def plan_swaps(mode: str, stages, layers, capacities: list[int | None], state_per_param_byte: float,
-               tasks: Sequence[Sequence[Task]] = (), stash_bytes: Sequence[float] = ()) -> SwapPlan:
+               tasks: Sequence[Sequence[Task]] = (), stash_bytes: Sequence[float] = (),
+               grad_bytes: Sequence[float] | None = None) -> SwapPlan:
     """The swap plan for `swap=`: "off", "on" (Harmony-style everywhere), "all" ("on", and every stage's
     stashed activations), "per-device" (baseline), or "auto": Harmony-style swapping only on devices
     whose stages' training state exceeds their capacity. In every mode but "off" and "all", a device's
     stashes are swapped where they do not fit beside the state it keeps (`tasks[d]`: device d's
-    schedule, which says how many stashes are in flight; `stash_bytes`: one microbatch's per layer)."""
+    schedule, which says how many stashes are in flight; `stash_bytes`: one microbatch's per layer).
+    `grad_bytes`: per layer, the bytes of its trainable parameters, the only ones with gradients and
+    optimizer state (None: every parameter trains)."""
     if mode not in CHOICES:
         raise PlanError(f"unknown swap={mode!r}; choose 'auto', 'on', 'all', 'off' or 'per-device'")
     weights = {s.index: sum(layers[i].param_bytes for i in s.layers) for s in stages}
-    state = {k: v * state_per_param_byte for k, v in weights.items()}
+    grads = weights if grad_bytes is None else {s.index: round(sum(grad_bytes[i] for i in s.layers)) for s in stages}
+    # the weights, and per trainable byte its gradient and optimizer state
+    state = {k: weights[k] + grads[k] * (state_per_param_byte - 1) for k in weights}
     stash = {s.index: round(sum(stash_bytes[i] for i in s.layers if i < len(stash_bytes))) for s in stages}
     requested = mode
     if mode == "auto":
@@ -230,8 +235,8 @@ def plan_swaps(mode: str, stages, layers, capacities: list[int | None], state_pe
         mode=mode,
         stages=chosen,
         weight_bytes=weights,
-        grad_bytes=weights,
-        optimizer_bytes={k: round(v * optimizer_state_per_param_byte(state_per_param_byte)) for k, v in weights.items()},
+        grad_bytes=grads,
+        optimizer_bytes={k: round(v * optimizer_state_per_param_byte(state_per_param_byte)) for k, v in grads.items()},
         depth=depth,
         stash=swapped_stash,
         stash_bytes=stash,

@@ -8,6 +8,15 @@ group created up front. Every wait polls, so a peer that died or stopped answeri
 that failed first makes the others stop quietly (`Aborted`) instead of waiting on the network.
 `barrier`, `gather_to_first` and `from_first` serve what every rank does together outside the
 programs (saving a checkpoint).
+
+A failed step is undone on every rank (runtime/drain.py): the failing rank posts a failure
+notice in the process group's store, which the other ranks' waits poll, so they stop at once
+(runtime/failure_notice.py); every step ends with one all-reduce over every rank of the loss
+sum and a failure flag per rank (`conclude`), so all agree on success or on which rank failed;
+after a failure every rank `drain`s: the ranks exchange what each issued and posted during the
+step (runtime/step_records.py) and complete the other side of what was left half matched, then
+a new epoch of message tags begins. A rank that died makes this a `PeerError` (the pipeline is
+then broken).
 """
 
 from __future__ import annotations
@@ -23,9 +32,18 @@ import torch.distributed as dist
 
 from stagewise.ir.errors import CapacityError, PeerError, PlanError
 from stagewise.ir.plan import Plan, Transfer
-from stagewise.runtime.links import check_link_order, directed_links, reduction_groups, transfer_key
+from stagewise.runtime.drain import EndOfStep
+from stagewise.runtime.failure_notice import FailureNotice, PeerFailed
+from stagewise.runtime.links import (
+    MessageTags,
+    check_link_order,
+    directed_links,
+    reduction_groups,
+    transfer_key,
+)
 from stagewise.runtime.pending import POLL_S, Pending
 from stagewise.runtime.pool import MemoryPool
+from stagewise.runtime.step_records import StepRecords
 from stagewise.runtime.sync import Aborted, Sync
 from stagewise.runtime.transport import LocalTransport
 
@@ -35,11 +53,12 @@ T = TypeVar("T")
 # measures its own layer costs, so predicted times differ between ranks in the last digits.
 EXECUTED_FIELDS = ("devices", "input_names", "input_kind", "target_name", "graph_inputs", "microbatches",
                    "microbatch_size", "schedule", "shared", "stages", "transfers", "programs", "state_names",
-                   "aliases")
+                   "aliases", "seed")
 
 
-class DistributedTransport:
-    """The `LocalTransport` interface over torch.distributed, for the rank that holds device `rank`."""
+class DistributedTransport(EndOfStep):
+    """The `LocalTransport` interface over torch.distributed, for the rank that holds device `rank`;
+    the end of a step (conclude, drain, notify_failure) is in runtime/drain.py."""
 
     def __init__(self, plan: Plan, rank: int, pools: list[MemoryPool], timeout_s: float):
         _check_world(plan, rank)
@@ -50,12 +69,13 @@ class DistributedTransport:
         self.local = LocalTransport(pools)  # two stages of one device exchange in memory
         self._sync: Sync | None = None
         self.device_of = {s.index: s.device for s in plan.stages}
-        self.transfers = {(t.value, t.src, t.dst): (i, t) for i, t in enumerate(plan.transfers)}
+        self.transfers = {(t.value, t.src, t.dst): t for t in plan.transfers}
         self.blocking_wait = dist.get_backend() == "gloo"
         if not self.blocking_wait:
             check_link_order(plan)
-        self.sends: list[Pending] = []
-        self.sends_lock = threading.Lock()
+        self.records = StepRecords()  # this step's sends, receives and collectives (runtime/step_records.py)
+        self.epoch = 0  # failed steps so far: part of every tag and failure notice
+        self.tags = MessageTags(plan)
         self.receives: dict[tuple, tuple[Pending, torch.Tensor]] = {}  # posted, not yet taken: key -> (work, buffer)
         self.receives_lock = threading.Lock()
         self.issue_lock = threading.Lock()  # one thread at a time starts an op (receives come from two threads)
@@ -63,6 +83,7 @@ class DistributedTransport:
         self.world = dist.new_group(list(range(len(plan.devices))))
         self.groups = {group: dist.new_group(sorted(group)) for group in reduction_groups(plan)}
         self.links = {pair: dist.new_group(sorted(pair)) for pair in directed_links(plan)}
+        self.notice = FailureNotice(self.world.group_name)  # the same name on every rank
         self._check_same_plan()
 
     # ---- the executor's interface -----------------------------------------------------------
@@ -81,16 +102,18 @@ class DistributedTransport:
         if dst_device == src_device:
             self.local.send(key, src_device, dst_device, tensor, instruction)
             return
-        self._reap_sends()
+        self.records.reap()
         transfer = self._transfer(key)
         _check_shape(tensor, transfer, key, instruction)
         payload = tensor.detach().contiguous()
         link = self.links[(src_device, dst_device)]
-        work = self._issue(lambda: dist.isend(payload, dst_device, group=link, tag=self._tag(key)), instruction,
+        tag = self.tags.of(key)
+        wire = self.tags.on_wire(tag, self.epoch)
+        work = self._issue(lambda: dist.isend(payload, dst_device, group=link, tag=wire), instruction,
                            f"rank {dst_device}")
         self.pools[src_device].count_sent(payload.numel() * payload.element_size())
-        with self.sends_lock:  # the compute thread may send too (a forward run early)
-            self.sends.append(Pending(work, self.blocking_wait, instruction, f"rank {dst_device}"))
+        # the compute thread may send too (a forward run early): the records take a lock
+        self.records.send(dst_device, tag, Pending(work, self.blocking_wait, instruction, f"rank {dst_device}"))
 
     def recv(self, key: tuple, instruction: str) -> torch.Tensor:
         """The tensor sent under `key`, in a transfer buffer of this device's pool (received into the
@@ -98,14 +121,9 @@ class DistributedTransport:
         if self.device_of[key[3]] == self.rank:
             return self.local.recv(key, instruction)
         pending, buffer = self._post(key, instruction)
-        try:
-            self._await(pending)
-        except BaseException:
-            self.pools[self.rank].release(("buffer",) + key)  # not given back for reuse: a late message may still land in it
-            raise
-        finally:
-            with self.receives_lock:
-                self.receives.pop(key, None)
+        self._await(pending)  # when the step fails, the receive stays posted: `drain` completes it
+        with self.receives_lock:
+            self.receives.pop(key)
         return buffer
 
     # Varuna's opportunistic policy (runtime/opportunistic.py) takes a receive over from the p2p_in thread.
@@ -149,12 +167,15 @@ class DistributedTransport:
             pool = self.pools[self.rank]
             buffer = pool.take_buffer(like, ("buffer",) + key, instruction)
             link = self.links[(src_device, self.rank)]
+            tag = self.tags.of(key)
+            wire = self.tags.on_wire(tag, self.epoch)
             try:
-                work = self._issue(lambda: dist.irecv(buffer, src_device, group=link, tag=self._tag(key)), instruction,
+                work = self._issue(lambda: dist.irecv(buffer, src_device, group=link, tag=wire), instruction,
                                    f"rank {src_device}")
             except BaseException:
                 pool.release(("buffer",) + key)
                 raise
+            self.records.receive(src_device, tag)
             pending = Pending(work, self.blocking_wait, instruction, f"rank {src_device}",
                                on_done=lambda: self._arrived_now(key))
             self.receives[key] = (pending, buffer)
@@ -179,53 +200,41 @@ class DistributedTransport:
             work = self._issue(lambda flat=flat: dist.all_reduce(flat, group=self.groups[group], async_op=True),
                                instruction, peers)
             buckets[dtype] = (flat, Pending(work, self.blocking_wait, instruction, peers))
+            self.records.collective(group, flat.numel(), str(dtype).removeprefix("torch."), buckets[dtype][1])
         for _, pending in buckets.values():
             self._await(pending)
         return _unflatten(tensors, {dtype: flat for dtype, (flat, _) in buckets.items()})
 
-    def total_loss(self, partial: torch.Tensor | None) -> torch.Tensor:
-        """End the iteration: wait for this rank's sends, then sum the ranks' partial loss sums.
-
-        Ranks without a last stage add zero; the sum travels as float64, so one rank's float32
-        loss arrives bit for bit, and data-parallel last stages add up exactly enough.
-        """
-        self.flush("sum of the loss")
-        payload = torch.zeros((), dtype=torch.float64, device=self.pools[self.rank].device)
-        if partial is not None:
-            payload += partial.detach().double()
-        work = self._issue(lambda: dist.all_reduce(payload, group=self.world, async_op=True), "sum of the loss", "every rank")
-        self._await(Pending(work, self.blocking_wait, "sum of the loss", "every rank"))
-        return payload.to(partial.dtype if partial is not None else torch.float32).cpu()
-
-    def flush(self, instruction: str) -> None:
-        """Wait until every send this rank issued was delivered (a peer that never receives fails here)."""
-        with self.sends_lock:
-            pending, self.sends = self.sends, []
-        for send in pending:
-            self._await(send, f"{instruction}: delivery of `{send.what}`")
-
     # ---- waiting -----------------------------------------------------------------------------
-    def _await(self, pending: Pending, what: str | None = None) -> None:
-        """Poll until done; `PeerError` after `timeout_s`, `Aborted` when another thread here failed."""
+    def _await(self, pending: Pending, what: str | None = None, abortable: bool = True,
+               timeout_s: float | None = None) -> None:
+        """Poll until done; `PeerError` after `timeout_s` (the transport's unless given); if `abortable`
+        (a wait within the step), `Aborted` when another thread here failed or another rank posted a
+        failure notice."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         start = time.monotonic()
         while not pending.done(POLL_S):
-            if self._sync is not None and self._sync.error is not None:
-                raise Aborted
+            if abortable:
+                self._stop_if_failed()
             waited = time.monotonic() - start
-            if waited > self.timeout_s:
+            if waited > timeout_s:
                 raise PeerError(
                     f"{what or pending.what}: waited {waited:.1f} s for {pending.peers}, which died or stopped "
-                    f"answering (timeout {self.timeout_s:g} s). Check that rank's log; if it is only slow, "
+                    f"answering (timeout {timeout_s:g} s). Check that rank's log; if it is only slow, "
                     "raise the timeout."
                 )
 
-    def _reap_sends(self) -> None:
-        """Drop delivered sends so the list stays short; a failed one raises here."""
-        with self.sends_lock:
-            pending = list(self.sends)
-        finished = [s for s in pending if s.done(0.0)]
-        with self.sends_lock:
-            self.sends = [s for s in self.sends if s not in finished]
+    def _stop_if_failed(self) -> None:
+        """`Aborted` once this step failed here or on another rank (whose notice fails this rank's
+        step with `PeerFailed`, so that every thread of the rank stops, not only this one)."""
+        sync = self._sync
+        if sync is not None and sync.error is not None:
+            raise Aborted
+        notice = self.notice.seen(self.epoch)
+        if notice is not None:
+            if sync is not None:
+                sync.fail(PeerFailed(notice))
+            raise Aborted
 
     def _issue(self, start, instruction: str, peers: str) -> dist.Work:
         """Start a torch.distributed op; a peer already known dead makes gloo raise right here."""
@@ -260,13 +269,7 @@ class DistributedTransport:
 
     # ---- naming ------------------------------------------------------------------------------
     def _transfer(self, key: tuple) -> Transfer:
-        return self.transfers[transfer_key(key)][1]
-
-    def _tag(self, key: tuple) -> int:
-        """A tag both ranks derive alike from the key: (transfer, act|grad, microbatch)."""
-        what, _, microbatch = key[:3]
-        index = self.transfers[transfer_key(key)][0]
-        return (index * 2 + (what == "grad")) * self.plan.microbatches + microbatch
+        return self.transfers[transfer_key(key)]
 
     def _check_same_plan(self) -> None:
         """Every rank compiled on its own: different plans would exchange garbage or hang, so compare

@@ -9,7 +9,8 @@ On a CPU device whose messages stay in this process the two p2p streams have no 
 thread that makes their next instruction ready runs it (runtime/threadless.py), which saves
 the thread hand-offs a message otherwise costs. The executor adds no barrier the programs do
 not state; `Sync` turns a deadlock, a failed thread or a silent peer into an error instead of
-a hang.
+a hang. A step is atomic and has a deadline (`timeout_s`): the caller waits for the threads until
+then, and a step that fails is rolled back on every stage (runtime/recovery.py, rollback.py).
 
 Varuna's opportunistic policy (runtime/opportunistic.py) lets the compute stream of a program
 that recomputes run a later forward early, taking over its receives and sends. The handlers,
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -46,20 +48,23 @@ from stagewise.ir.instructions import (
 )
 from stagewise.ir.interpreter import Interpreter
 from stagewise.ir.program import Program
+from stagewise.runtime.forward_replay import ForwardReplay
 from stagewise.runtime.handlers import Handlers
 from stagewise.runtime.opportunistic import OpportunisticCompute
+from stagewise.runtime.recovery import GRACE_S, StepRecovery
+from stagewise.runtime.rollback import StepGuard
 from stagewise.runtime.streams import DeviceStreams
 from stagewise.runtime.sync import Aborted, Sync
 from stagewise.runtime.tables import ProgramTables
 from stagewise.runtime.threadless import THREADLESS, ThreadlessStreams
-from stagewise.runtime.threads import StreamThreads
-from stagewise.runtime.transport import LocalTransport
+from stagewise.runtime.threads import Countdown, StreamThreads
+from stagewise.runtime.transport import LocalTransport, StepOutcome
 from stagewise.runtime.worker import StageWorker
 
 DEFAULT_TIMEOUT_S = 300.0
 
 
-class StreamExecutor(OpportunisticCompute, Handlers, Interpreter):
+class StreamExecutor(StepRecovery, OpportunisticCompute, Handlers, Interpreter):
     """Runs the programs on stream threads; one handler per instruction kind executes it."""
 
     handlers = {
@@ -78,11 +83,14 @@ class StreamExecutor(OpportunisticCompute, Handlers, Interpreter):
         device_of: dict[int, int],
         timeout_s: float = DEFAULT_TIMEOUT_S,
         opportunistic: bool | None = None,
+        seed: int = 0,
     ):
         """`programs` and `workers`: this process's (all of them in one process, one device's under
         torch.distributed); `device_of`: every stage's device, for all-reduce groups. `opportunistic`:
         Varuna's run-time deviation (runtime/opportunistic.py) for programs that recompute (None, the
-        default), for every program (True) or none (False); it may be changed between steps."""
+        default), for every program (True) or none (False); it may be changed between steps. `seed`:
+        the plan's, which random ops' streams are keyed by (runtime/forward_replay.py)."""
+        self.replay = ForwardReplay(seed)
         self.opportunistic = opportunistic
         self._plans: dict[int, DeviationPoints] = {}
         self.stash_bytes: dict[int, int] = {}  # stage -> bytes its last forward stashed
@@ -92,7 +100,10 @@ class StreamExecutor(OpportunisticCompute, Handlers, Interpreter):
         self.transport = transport
         self.clip_grad_norm = clip_grad_norm
         self.timeout_s = timeout_s
-        self.iteration = 0
+        self.iteration = 0  # completed steps (a failed one does not count)
+        self.guard = StepGuard(self.workers, transport.pools)
+        self.jobs: Countdown | None = None
+        self.unfinished: Countdown | None = None
         self.threads = StreamThreads()
         weakref.finalize(self, self.threads.close)
         torch_devices = {w.stage.device: w.device for w in workers}
@@ -110,8 +121,44 @@ class StreamExecutor(OpportunisticCompute, Handlers, Interpreter):
         self.tables = {p.device: ProgramTables(p) for p in self._programs}
         self._plans.clear()
 
-    def run(self, microbatches: int) -> torch.Tensor:
-        """One iteration; inputs must already be provided to the workers. Returns the mean loss."""
+    def run(self, microbatches: int, feed: Callable[[], None] | None = None) -> torch.Tensor:
+        """One iteration, atomic: it completes on every stage, or it is rolled back and its error
+        raised (runtime/recovery.py). `feed` gives the workers their inputs. Returns the mean loss."""
+        self.settle()
+        self.guard.begin()
+        failed = self._attempt(microbatches, feed)
+        partial = self._partial_loss() if failed is None else None
+        if failed is not None:
+            self.transport.notify_failure(failed)
+        try:
+            outcome: StepOutcome | None = self.transport.conclude(partial, failed)
+        except BaseException as error:  # noqa: BLE001 - the ranks could not agree: broken
+            failed, outcome = failed or error, None
+        if outcome is not None and outcome.failure is None:
+            self.guard.commit()
+            self.iteration += 1
+            return outcome.loss / microbatches
+        raise self._failed(failed, outcome)
+
+    def _attempt(self, microbatches: int, feed: Callable[[], None] | None) -> BaseException | None:
+        """Feed the workers and run the step's threads until they return or the deadline passes; the
+        error that failed the step, if one did."""
+        self.unfinished = self.jobs = None
+        try:
+            if feed is not None:
+                feed()
+            self._launch(microbatches)
+            if self.sync.error is None:
+                self._check_threadless_ran()
+        except BaseException as error:  # noqa: BLE001 - the step failed: handed to run()
+            if self.jobs is not None and not self.jobs.done():  # interrupted while waiting: stop the threads
+                self.sync.fail(error)
+                self._await_threads(GRACE_S)
+            return error
+        return self.sync.error
+
+    def _launch(self, microbatches: int) -> None:
+        """Start a thread job per stream; wait for them until the step's deadline."""
         self.microbatches = microbatches
         plans = {p.device: self._opportunities(p) for p in self.programs}
         self.threadless = {p.device: ThreadlessStreams(p, self.tables[p.device], self._threadless(p, plans[p.device]))
@@ -121,26 +168,36 @@ class StreamExecutor(OpportunisticCompute, Handlers, Interpreter):
         self.sync = Sync(len(streams), self.timeout_s)
         self.transport.sync = self.sync
         self.done = {p.device: [False] * len(p.instructions) for p in self.programs}
+        self.started = {p.device: [False] * len(p.instructions) for p in self.programs}
         self.owner: dict[int, dict[int, Stream]] = {p.device: {} for p in self.programs}  # adoptable index -> stream
         self.deviations: list[tuple[int, int, int]] = []  # (device, forward run early, the head it overtook)
         self.timeline: list[tuple[int, Stream, int, float, float]] = []  # measured (device, stream, index, start, end)
         self.started_at = time.perf_counter()
+        deadline = time.monotonic() + self.timeout_s
         for device_streams in self.streams.values():
             device_streams.begin_step()
-        self.threads.run([((p.device, s), lambda p=p, s=s: self._stream(p, s, plans[p.device])) for p, s in streams])
-        for device_streams in self.streams.values():
-            device_streams.end_step()
-        if self.sync.error is not None:
-            raise self.sync.error
-        self._check_threadless_ran()
-        self.iteration += 1
+        self.jobs = self.threads.start(
+            [((p.device, s), lambda p=p, s=s: self._stream(p, s, plans[p.device])) for p, s in streams])
+        if not self.jobs.wait(deadline - time.monotonic()):
+            self.sync.fail(self._timeout_error())
+            self._await_threads(GRACE_S)
+        if self.unfinished is None:
+            for device_streams in self.streams.values():
+                device_streams.end_step()
+
+    def _await_threads(self, grace_s: float) -> None:
+        """The step failed: give its threads `grace_s` to stop; those that do not are stuck."""
+        if not self.jobs.wait(grace_s):
+            self.unfinished = self.jobs
+
+    def _partial_loss(self) -> torch.Tensor | None:
+        """This process's sum of the microbatches' losses (one last stage per data-parallel replica)."""
         losses = {}
         for worker in self.workers.values():
-            if worker.is_last:  # one per data-parallel replica, each with its microbatches
+            if worker.is_last:
                 losses.update({mb: loss.detach() for mb, loss in worker.losses.items()})
                 worker.losses.clear()
-        partial = sum(losses[mb] for mb in sorted(losses)) if losses else None
-        return self.transport.total_loss(partial) / microbatches
+        return sum(losses[mb] for mb in sorted(losses)) if losses else None
 
     def _threadless(self, program: Program, plan: DeviationPoints | None) -> tuple[Stream, ...]:
         """The p2p streams of `program` that run without a thread this step (runtime/threadless.py): on a
@@ -174,13 +231,16 @@ class StreamExecutor(OpportunisticCompute, Handlers, Interpreter):
 
     def _run(self, program: Program, index: int, stream: Stream) -> None:
         """Wait for instruction `index`'s events, execute it on `stream`'s thread, then run what it
-        made ready on threadless streams."""
+        made ready on threadless streams. Once the step failed nothing more runs (an instruction
+        without waits would otherwise start, and hold the step, after the failure)."""
         done, tables = self.done[program.device], self.tables[program.device]
         ins = program.instructions[index]
         waits = ins.waits
         if waits:
             self.sync.wait_until(lambda: all([done[j] for j in waits]), tables.labels[index], tables.waits_on[index])
             self.streams[program.device].wait(stream, waits)
+        if self.sync.error is not None:
+            raise Aborted
         self._execute(program, index, stream)
         self._help(program.device, ins)
 
@@ -189,7 +249,14 @@ class StreamExecutor(OpportunisticCompute, Handlers, Interpreter):
         device = program.device
         ins = program.instructions[index]
         start = time.perf_counter()
-        self.dispatch(device, index, ins)
+        self.started[device][index] = True
+        try:
+            self.dispatch(device, index, ins)
+        except Aborted:
+            raise
+        except BaseException as error:
+            self._blame(error, device, index, ins)
+            raise
         end = time.perf_counter()
         self.streams[device].record(stream, index)
         self.timeline.append((device, ins.stream, index, start - self.started_at, end - self.started_at))

@@ -35,13 +35,18 @@ class Handlers:
     """One method per instruction kind, named in `StreamExecutor.handlers`."""
 
     def _forward(self, device: int, index: int, ins: Forward | Recompute) -> None:
-        self.workers[ins.stage].forward(ins.microbatch, self.tables[device].labels[index], stash=stashes(ins))
+        worker = self.workers[ins.stage]
+        with self.replay.running(ins.stage, worker.module, ins.microbatch, self.iteration, isinstance(ins, Recompute)):
+            worker.forward(ins.microbatch, self.tables[device].labels[index], stash=stashes(ins))
 
     def _backward(self, device: int, index: int, ins: Backward) -> None:
         self.workers[ins.stage].backward(ins.microbatch, 1.0 / self.microbatches, self.tables[device].labels[index])
 
     def _update(self, device: int, index: int, ins: Update | HostUpdate) -> None:
-        """The optimizer step on the device or (HostUpdate) on host masters; `clip` scales first."""
+        """The optimizer step on the device or (HostUpdate) on host masters; `clip` scales first.
+        The step's guard first takes the stage's undo record (runtime/rollback.py)."""
+        if self.workers[ins.stage].optimizer is not None:
+            self.guard.before_update(ins.stage)
         self.workers[ins.stage].update(self.tables[device].labels[index], on_host=isinstance(ins, HostUpdate), clip=ins.clip)
 
     def _send(self, device: int, index: int, ins: Send) -> None:

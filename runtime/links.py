@@ -4,6 +4,7 @@ message."""
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from stagewise.ir.errors import PlanError
@@ -75,3 +76,28 @@ def transfer_key(key: tuple) -> tuple[str, int, int]:
     """(value, producer stage, consumer stage) of a message: a gradient flows against its transfer."""
     what, value, _, src_stage, dst_stage = key
     return (value, src_stage, dst_stage) if what == "act" else (value, dst_stage, src_stage)
+
+
+class MessageTags:
+    """The tag of each message of a plan, alike on every rank: (transfer, act|grad, microbatch), and
+    on the wire the transport's epoch (its failed steps so far) in front, so that a message of a
+    failed step can never match a later step's receive."""
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.index = {(t.value, t.src, t.dst): i for i, t in enumerate(plan.transfers)}
+        self.space = max(1, 2 * len(plan.transfers) * plan.microbatches)  # the tags of one epoch
+
+    def of(self, key: tuple) -> int:
+        """The tag of message `key` = (what, value, microbatch, src stage, dst stage) within an epoch."""
+        what, _, microbatch = key[:3]
+        return (self.index[transfer_key(key)] * 2 + (what == "grad")) * self.plan.microbatches + microbatch
+
+    def on_wire(self, tag: int, epoch: int) -> int:
+        """`tag` in `epoch` (gloo's tags are 31-bit: epochs repeat after that many failed steps)."""
+        return (epoch % max(1, (2**31 - 1) // self.space)) * self.space + tag
+
+    def like(self, tag: int) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype of the message under `tag` (a gradient is shaped like its activation)."""
+        transfer = self.plan.transfers[tag // (2 * self.plan.microbatches)]
+        return tuple(transfer.shape), getattr(torch, transfer.dtype.removeprefix("torch."))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 
@@ -18,6 +19,21 @@ from stagewise.ir.devices import format_bytes
 from stagewise.ir.errors import CapacityError
 
 KINDS = ("weights", "buffers", "grads", "optimizer", "stash", "buffer")
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """A pool's accounting at one moment (between steps), to put back after a failed step."""
+
+    held: dict[tuple, tuple[str, int]]
+    by_kind: dict[str, int]
+    current: int
+    peak: int
+    swap_in_bytes: int
+    swap_out_bytes: int
+    swapped: dict[str, int]
+    p2p_bytes: int
+    reused_buffers: int
 
 
 class MemoryPool:
@@ -106,6 +122,22 @@ class MemoryPool:
         """`nbytes` sent from this device to another; the compute and p2p_out streams both send."""
         with self.lock:
             self.p2p_bytes += nbytes
+
+    def ledger(self) -> Ledger:
+        """The accounting now: what is held, and every counter `stats` reports."""
+        with self.lock:
+            return Ledger(dict(self.held), dict(self.by_kind), self.current, self.peak, self.swap_in_bytes,
+                          self.swap_out_bytes, dict(self.swapped), self.p2p_bytes, self.reused_buffers)
+
+    def restore(self, ledger: Ledger) -> None:
+        """Account as at `ledger` (a failed step is undone: what it held and moved never happened)."""
+        with self.lock:
+            self.held = dict(ledger.held)
+            self.by_kind = defaultdict(int, ledger.by_kind)
+            self.swapped = defaultdict(int, ledger.swapped)
+            self.current, self.peak, self.p2p_bytes = ledger.current, ledger.peak, ledger.p2p_bytes
+            self.swap_in_bytes, self.swap_out_bytes = ledger.swap_in_bytes, ledger.swap_out_bytes
+            self.reused_buffers = ledger.reused_buffers
 
     def stats(self) -> dict[str, int]:
         with self.lock:

@@ -74,6 +74,17 @@ class Stash:
         self.outputs = [o for o in outputs if isinstance(o, torch.Tensor) and storage_of(o) not in self.kept]
         self._nbytes = nbytes([h.tensor for h in self.saved] + self.outputs)
 
+    def release(self) -> None:
+        """Let go of the saved tensors and outputs once the backward has run or the step is abandoned.
+        Each op that saved a tensor holds `pack`, so this stash, in a saved variable that gc cannot
+        see; the stash holds its outputs, which hold those ops, and its handles, which hold tensors
+        that may hold their ops too (tanh saves its own output): cycles through C++ that gc cannot
+        collect, which would keep the activations and, through their graph, the stage's parameters
+        alive for good wherever no backward ran (a failed step) or reached (an unused branch)."""
+        for handle in self.saved:
+            handle.tensor = None
+        self.outputs = []
+
     @property
     def on_host(self) -> bool:
         return self.host is not None

@@ -1,4 +1,5 @@
-"""Long-lived stream threads: one per (device, stream), reused by every step."""
+"""Long-lived stream threads: one per (device, stream), reused by every step; the caller waits
+for a step's jobs with a deadline, so a job stuck in user code cannot hold it past `timeout_s`."""
 
 from __future__ import annotations
 
@@ -19,17 +20,17 @@ class StreamThreads:
     def __init__(self):
         self.queues: dict[tuple[int, Stream], queue.SimpleQueue] = {}
 
-    def run(self, jobs: list[tuple[tuple[int, Stream], Callable[[], None]]]) -> None:
-        """Run each job on its stream's thread, all at once; return when every job has returned."""
-        if not jobs:
-            return
-        finished = _Countdown(len(jobs))
+    def start(self, jobs: list[tuple[tuple[int, Stream], Callable[[], None]]]) -> Countdown:
+        """Run each job on its stream's thread, all at once; the countdown tells when every job has
+        returned. A thread whose job is still running (stuck in user code) takes its next job only
+        after: the caller must not start another step before the countdown is done."""
+        finished = Countdown(len(jobs))
         for key, job in jobs:
             if key not in self.queues:
                 self.queues[key] = queue.SimpleQueue()
                 threading.Thread(target=_serve, args=(self.queues[key],), name=f"dev{key[0]}-{key[1]}", daemon=True).start()
             self.queues[key].put((job, finished))
-        finished.wait()
+        return finished
 
     def close(self) -> None:
         """Let the threads end (the executor is gone)."""
@@ -37,7 +38,7 @@ class StreamThreads:
             jobs.put(None)
 
 
-class _Countdown:
+class Countdown:
     """Jobs still running; `wait` returns once the last one counted down (one wake-up, not one per job)."""
 
     def __init__(self, jobs: int):
@@ -45,6 +46,8 @@ class _Countdown:
         self.lock = threading.Lock()
         self.all_done = threading.Lock()
         self.all_done.acquire()
+        if jobs == 0:
+            self.all_done.release()
 
     def count_down(self) -> None:
         with self.lock:
@@ -52,8 +55,15 @@ class _Countdown:
             if self.left == 0:
                 self.all_done.release()
 
-    def wait(self) -> None:
-        self.all_done.acquire()
+    def wait(self, timeout_s: float) -> bool:
+        """Whether every job returned, waiting at most `timeout_s` for it (a done countdown stays done)."""
+        if not self.all_done.acquire(True, max(timeout_s, 0.0)):
+            return False
+        self.all_done.release()
+        return True
+
+    def done(self) -> bool:
+        return self.wait(0.0)
 
 
 def _serve(jobs: queue.SimpleQueue) -> None:

@@ -12,10 +12,29 @@ schedules) exchange through the same mechanism.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from stagewise.runtime.pool import MemoryPool
 from stagewise.runtime.sync import Sync
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """How a step ended on every rank, as `conclude` agreed it: the total loss when every rank
+    succeeded, else `failure`, a description of which rank failed and how (under torch.distributed
+    a rank whose own threads succeeded learns here that a peer failed)."""
+
+    loss: torch.Tensor | None
+    failure: str | None
+
+
+def describe_failure(error: BaseException) -> str:
+    """One line naming an exception, its message and the note saying where it was raised."""
+    notes = getattr(error, "__notes__", ())
+    where = f" ({notes[-1]})" if notes else ""
+    return f"{type(error).__name__}: {error}{where}"
 
 
 class LocalTransport:
@@ -23,6 +42,7 @@ class LocalTransport:
         self.pools = pools
         self.sync: Sync | None = None
         self.mailbox: dict[tuple, torch.Tensor] = {}
+        self.receiver: dict[tuple, MemoryPool] = {}  # a message's key -> the pool its buffer came from
         self.reductions: dict[tuple, dict[int, list[torch.Tensor]]] = {}
         self.taken: dict[tuple, set[int]] = {}
 
@@ -36,15 +56,23 @@ class LocalTransport:
         self.pools[src_device].count_sent(tensor.numel() * tensor.element_size())
         with self.sync.locked():  # any thread may send (a forward run early, a threadless stream)
             self.mailbox[key] = buffer
+            self.receiver[key] = pool
             self.sync.changed(("message", key))
 
     def recv(self, key: tuple, instruction: str) -> torch.Tensor:
         with self.sync.locked():
-            buffer = self.mailbox.pop(key, None)
+            buffer = self._take(key)
         if buffer is None:
             self.sync.wait_until(lambda: key in self.mailbox, instruction, (("message", key),))
             with self.sync.locked():
-                buffer = self.mailbox.pop(key)
+                buffer = self._take(key)
+        return buffer
+
+    def _take(self, key: tuple) -> torch.Tensor | None:
+        """The message under `key` out of the mailbox, if it is there (caller holds the lock)."""
+        buffer = self.mailbox.pop(key, None)
+        if buffer is not None:
+            del self.receiver[key]
         return buffer
 
     # Varuna's opportunistic policy looks at messages before their receive's turn (runtime/opportunistic.py).
@@ -62,9 +90,26 @@ class LocalTransport:
         receive ahead of its turn, to learn whether the message came)."""
         return key in self.mailbox
 
-    def total_loss(self, partial: torch.Tensor | None) -> torch.Tensor:
-        """In one process every last stage is local: the partial sum is the total."""
-        return partial
+    # ---- the end of a step (the interface DistributedTransport implements across ranks) ---------
+    def notify_failure(self, error: BaseException) -> None:
+        """A thread of this process failed: in one process `Sync` already stops the others."""
+
+    def conclude(self, partial: torch.Tensor | None, failed: BaseException | None) -> StepOutcome:
+        """In one process every last stage is local: the partial sum is the total, and this
+        process's failure is the only one."""
+        if failed is not None:
+            return StepOutcome(loss=None, failure=describe_failure(failed))
+        return StepOutcome(loss=partial, failure=None)
+
+    def drain(self) -> None:
+        """After a failed step: nothing stays in flight. Undelivered messages give their transfer
+        buffers back to the receivers' pools; half-done all-reduces are forgotten."""
+        for key, buffer in self.mailbox.items():
+            self.receiver[key].give_back_buffer(buffer, ("buffer",) + key)
+        self.mailbox.clear()
+        self.receiver.clear()
+        self.reductions.clear()
+        self.taken.clear()
 
     def all_reduce(self, tag: tuple, group: tuple[int, ...], rank: int, tensors: list[torch.Tensor], instruction: str) -> list[torch.Tensor]:
         """Sum `tensors` over the group members (in group order, so every member gets the same bits)."""

@@ -64,8 +64,8 @@ class StageWorker(CheckpointAccess):
         self.grad_inputs = grad_inputs  # received values whose gradient goes back to their sender
         self.is_last = is_last
         self.shared_names = shared_names  # canonical FQN of a shared tensor -> this stage's name for it
-        # Sorted by name so a saved optimizer state (indexed by position) fits the reloaded stage.
-        params = [p for _, p in sorted(self.module.named_parameters())]
+        # Sorted by name so a saved optimizer state (by position) fits the reloaded stage; frozen ones left out
+        params = [p for _, p in sorted(self.module.named_parameters()) if p.requires_grad]
         self.optimizer = optimizer_factory(params) if params else None
         self._note_resident()
         pool.allocate("buffers", ("buffers", stage.index), nbytes(self.module.buffers()), f"load stage {stage.index}")
@@ -100,7 +100,7 @@ class StageWorker(CheckpointAccess):
         that happens for the microbatches the program swaps, and once to measure the stash size.
         The stash counted in the pool is that and the outputs, less the stage's state and the
         microbatch's inputs (received transfer buffers, counted as such, or the caller's tensors)."""
-        inputs = self.inputs[microbatch]
+        inputs = self.inputs.get(microbatch, {})  # a stage may take no input (rotary embeddings)
         args = [inputs[name] for name in self.stage.inputs]
         size = self.stash_size.get(stash)
         if size is not None and microbatch not in self.swapped_stashes:
@@ -110,11 +110,10 @@ class StageWorker(CheckpointAccess):
                 outputs = self.module(*args)
         else:
             kept = self.resident | {storage_of(t) for t in inputs.values() if isinstance(t, torch.Tensor)}
-            saved = Stash(self.device, kept)
+            saved = self.stashes[microbatch] = Stash(self.device, kept)  # held before a failing forward fills it
             with torch.set_grad_enabled(stash), torch.autograd.graph.saved_tensors_hooks(saved.pack, unpack):
                 outputs = self.module(*args)
             saved.add_outputs(outputs)
-            self.stashes[microbatch] = saved
             size = self.stash_size[stash] = saved.nbytes()
         self.outputs[microbatch] = outputs
         self.pool.allocate("stash", ("stash", self.stage.index, microbatch), size, instruction)
@@ -148,6 +147,8 @@ class StageWorker(CheckpointAccess):
         pairs = [(t, g) for t, g in zip(tensors, grads, strict=True) if t.requires_grad]
         if pairs:
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        if stash is not None:
+            stash.release()  # what no backward reached stays saved otherwise (runtime/stash.py)
         self.pool.allocate("grads", ("grads", self.stage.index), self.grad_bytes.count(), instruction)
         inputs = self.inputs.get(microbatch, {})
         self.input_grads[microbatch] = {

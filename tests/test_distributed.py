@@ -264,12 +264,13 @@ def test_dead_or_silent_peer_is_a_peer_error_not_a_hang(tmp_path, how):
         assert rank0["seconds"] >= timeout and "waited" in rank0["message"]
 
 
-def test_local_failure_stops_this_rank_at_once_and_its_peer_with_a_peer_error(tmp_path):
-    """Rank 0's receive thread aborts instead of waiting out the timeout; rank 1 learns of it too."""
+def test_local_failure_stops_this_rank_at_once_and_its_peer_with_a_step_failed_error(tmp_path):
+    """Rank 0's receive thread aborts instead of waiting out the timeout; rank 1 learns of it too
+    (the step failed on rank 0: StepFailedError, tests/test_distributed_faults.py)."""
     rank0, rank1 = _spawn(_failure, tmp_path, "fails-locally")
     assert rank0["error"] == "RuntimeError" and "on purpose" in rank0["message"], rank0
     assert rank0["seconds"] < 3.0 < FAILURE_TIMEOUT_S["fails-locally"]
-    assert rank1["error"] == "PeerError" and "rank 0" in rank1["message"], rank1
+    assert rank1["error"] == "StepFailedError" and "rank 0" in rank1["message"], rank1
     assert rank1["seconds"] < FAILURE_TIMEOUT_S["fails-locally"] + 3.0
 
 

@@ -1,0 +1,71 @@
+"""What makes a recompute replay its forward: the same random draws, and no second update of the
+buffers the forward writes (BatchNorm's running statistics and num_batches_tracked).
+
+Each forward and recompute runs inside `drawing(seed, step, microbatch)` (ir/random_streams.py),
+so the stage's random ops draw the same masks both times. The stage's first forward learns which of
+its buffers it writes: from their `_version` (an exported graph `copy_`s into them) and their
+values (an fx BatchNorm module's kernel updates the running statistics in place without bumping
+their version); a recompute snapshots those
+buffers first and puts them back after, so the statistics are those of eager training over the
+same microbatches, whatever the schedule recomputes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from stagewise.ir.random_streams import drawing
+
+
+class ForwardReplay:
+    """Per executor: the plan's seed, and per stage the buffers its forward was seen to write."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self.written: dict[int, set[str]] = {}  # stage -> names of the buffers its forward writes
+
+    @contextlib.contextmanager
+    def running(self, stage: int, module: torch.nn.Module, microbatch: int, step: int,
+                recompute: bool) -> Iterator[None]:
+        """Around one forward (or, `recompute`, its replay) of `stage`'s `module` on `microbatch`."""
+        with drawing(self.seed, step, microbatch):
+            if recompute:
+                with self._buffers_kept(stage, module):
+                    yield
+            else:
+                with self._learning_writes(stage, module):
+                    yield
+
+    @contextlib.contextmanager
+    def _learning_writes(self, stage: int, module: torch.nn.Module) -> Iterator[None]:
+        """At the stage's first forward (later ones cost nothing): versions tell an exported graph's
+        `copy_`, values BatchNorm's kernel, which updates the running statistics in place without
+        bumping their version."""
+        if stage in self.written:
+            yield
+            return
+        buffers = dict(module.named_buffers())
+        versions = {name: b._version for name, b in buffers.items()}
+        values = {name: b.detach().clone() for name, b in buffers.items()}
+        yield
+        self.written[stage] = {name for name, b in buffers.items()
+                               if b._version != versions[name] or not torch.equal(b, values[name])}
+
+    @contextlib.contextmanager
+    def _buffers_kept(self, stage: int, module: torch.nn.Module) -> Iterator[None]:
+        names = self.written.get(stage)
+        if not names:
+            yield
+            return
+        buffers = dict(module.named_buffers())
+        kept = {name: buffers[name].detach().clone() for name in names}
+        try:
+            yield
+        finally:
+            for name, value in kept.items():
+                # through .data: the recompute's autograd graph saved BatchNorm's running statistics
+                # (unused by a training-mode backward), and a version bump would fail its backward
+                buffers[name].data.copy_(value)
