@@ -55,7 +55,7 @@ def _rewrite(gm: fx.GraphModule, graph: fx.Graph, node: fx.Node, op: int) -> boo
     if target in _DROPOUT_FUNCTIONS:
         return _rewrite_dropout(node, op)
     if _is_attention(target):
-        if _literal(node, 3, "dropout_p", 0.0) == 0.0:
+        if _literal(node, 4, "dropout_p", 0.0) == 0.0:  # (query, key, value, attn_mask, dropout_p, ...)
             return False
     elif not _draws(target):
         return False
