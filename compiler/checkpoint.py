@@ -38,6 +38,7 @@ from stagewise.compiler.checkpoint_swap import previous_path
 from stagewise.compiler.fx_sources import releasing_fx_sources
 from stagewise.compiler.pipeline import Pipeline
 from stagewise.compiler.runtime_setup import start_runtime
+from stagewise.compiler.training_state import TrainingState
 from stagewise.ir.errors import CheckpointError, PlanError
 from stagewise.ir.plan import Plan
 from stagewise.runtime.launch import DistributedContext, distributed_context
@@ -73,7 +74,9 @@ def load(directory) -> Pipeline:
     for worker in runtime.workers:
         worker.load_optimizer_state(saved.states[worker.stage.index]["optimizer"])
     runtime.executor.iteration = saved.settings.get("step", 0)  # random draws go on where they were saved
-    return Pipeline(saved.plan, runtime, unheld=saved.unheld)
+    pipe = Pipeline(saved.plan, runtime, unheld=saved.unheld)
+    pipe.resumed = TrainingState.from_settings(saved.settings)
+    return pipe
 
 
 def _read_on_every_rank(root: Path, context: DistributedContext) -> _Saved:

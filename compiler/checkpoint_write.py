@@ -26,17 +26,19 @@ from stagewise.runtime.distributed import DistributedTransport
 from stagewise.runtime.worker import StageWorker
 
 
-def save(plan: Plan, runtime: Runtime, directory, unheld: dict[str, torch.Tensor]) -> None:
-    """Write the pipeline of `plan` and the state no stage holds (`unheld`, every rank's alike) to
+def save(plan: Plan, runtime: Runtime, directory, unheld: dict[str, torch.Tensor], training: dict) -> None:
+    """Write the pipeline of `plan`, the state no stage holds (`unheld`, every rank's alike) and the
+    training loop's state (`training`: the scheduler's state, user metadata; rank 0's) to
     `directory`, atomically; under torch.distributed every rank must call it."""
     if runtime.context is None:
         records = (_snapshot(plan, worker) for worker in runtime.workers)  # one stage at a time
-        _write(plan, runtime, Path(directory), records, unheld)
+        _write(plan, runtime, Path(directory), records, unheld, training)
         return
-    _save_distributed(plan, runtime, Path(directory), unheld)
+    _save_distributed(plan, runtime, Path(directory), unheld, training)
 
 
-def _save_distributed(plan: Plan, runtime: Runtime, target: Path, unheld: dict[str, torch.Tensor]) -> None:
+def _save_distributed(plan: Plan, runtime: Runtime, target: Path, unheld: dict[str, torch.Tensor],
+                      training: dict) -> None:
     """Gather every rank's stages to rank 0, which writes them; everyone returns after the rename."""
     transport = runtime.transport
     if not isinstance(transport, DistributedTransport):
@@ -60,7 +62,7 @@ def _save_distributed(plan: Plan, runtime: Runtime, target: Path, unheld: dict[s
             outcome = f"the checkpoint was not written: {'; '.join(failed)}"
         else:
             try:
-                _write(plan, runtime, target, (record for part in parts for record in part), unheld)
+                _write(plan, runtime, target, (record for part in parts for record in part), unheld, training)
             except Exception as error:  # noqa: BLE001 - told to the other ranks, then re-raised
                 local_error = local_error or error
                 outcome = f"rank 0 could not write {target} ({type(error).__name__}: {error})"
@@ -86,7 +88,8 @@ def _snapshot(plan: Plan, worker: StageWorker) -> dict:
     }
 
 
-def _write(plan: Plan, runtime: Runtime, target: Path, records, unheld: dict[str, torch.Tensor]) -> None:
+def _write(plan: Plan, runtime: Runtime, target: Path, records, unheld: dict[str, torch.Tensor],
+           training: dict) -> None:
     """Write the plan and the stage records into a staging directory beside `target`, then swap it
     in (compiler/checkpoint_swap.py)."""
 
@@ -105,7 +108,7 @@ def _write(plan: Plan, runtime: Runtime, target: Path, records, unheld: dict[str
         missing = sorted(s.index for s in plan.stages if f"stage_{s.index}.pt" not in files)
         if missing:
             raise PlanError(f"no rank held stages {missing}; the checkpoint would be incomplete")
-        files["runtime.pt"] = put(staging / "runtime.pt", _runtime_settings(runtime, swapped))
+        files["runtime.pt"] = put(staging / "runtime.pt", _runtime_settings(runtime, swapped, training))
         if unheld:
             files["unused.pt"] = put(staging / "unused.pt", _serialised(unheld))
         return files
@@ -113,12 +116,13 @@ def _write(plan: Plan, runtime: Runtime, target: Path, records, unheld: dict[str
     publish(target, fill)
 
 
-def _runtime_settings(runtime: Runtime, swapped: set[int]) -> bytes:
+def _runtime_settings(runtime: Runtime, swapped: set[int], training: dict) -> bytes:
     """runtime.pt: what load needs to rebuild the runtime besides the stages; `step`, the steps
-    completed, keys the random streams of the steps to come (with the plan's seed)."""
+    completed, keys the random streams of the steps to come (with the plan's seed); `training`,
+    what `pipe.save` was given for the training loop."""
     return _serialised(
         {"optimizer": runtime.optimizer_factory, "clip_grad_norm": runtime.clip_grad_norm, "swapped": frozenset(swapped),
-         "step": runtime.executor.iteration}
+         "step": runtime.executor.iteration, **training}
     )
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from stagewise.compiler.batches import batch_size, check_microbatches, input_specs
+from stagewise.compiler.optimizer_groups import ParamGroups, check_param_groups
 from stagewise.ir.devices import Device, resolve_devices
 from stagewise.ir.errors import (
     BatchSizeError,
@@ -191,6 +192,8 @@ class CompileRequest:
     def make(cls, model: torch.nn.Module, devices, example_inputs, options: CompileOptions) -> CompileRequest:
         """Check the model and inputs, resolve the devices, pick the first microbatch count."""
         _check_model(model)
+        if isinstance(options.optimizer, ParamGroups):
+            check_param_groups(options.optimizer, model)
         resolved = resolve_devices(devices)
         distributed = distributed_context()
         _warn_if_oversubscribed(_sharing_cpu_devices(resolved, distributed))

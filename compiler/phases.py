@@ -60,6 +60,7 @@ def plan(ctx: CompileContext) -> None:
         target_name=analysis.target_name,
         input_specs=request.input_specs,
         seed=request.seed,
+        training=request.model.training,
         graph_inputs=graph.graph_inputs,
         microbatches=chosen.microbatches,
         microbatch_size=graph.microbatch_size,

@@ -10,9 +10,12 @@ import torch.fx as fx
 
 from stagewise.compiler.batches import check_step_tensors, split_batch
 from stagewise.compiler.checkpoint_write import save
+from stagewise.compiler.evaluation import Evaluation
+from stagewise.compiler.optimizer_view import PipelineOptimizer
 from stagewise.compiler.runtime_setup import Runtime
 from stagewise.compiler.state_dict import IncompatibleKeys, aliases_of, check_state_dict
-from stagewise.ir.errors import BatchSizeError, ExampleInputsError
+from stagewise.compiler.training_state import TrainingState, resume_scheduler, training_state
+from stagewise.ir.errors import BatchSizeError, ExampleInputsError, ModeError
 from stagewise.ir.instructions import Stream
 from stagewise.ir.plan import Plan, SharedTensor
 from stagewise.ir.program import Program
@@ -49,6 +52,9 @@ class Pipeline:
         self.sim_cost = compiled.sim_cost if compiled is not None else None
         self.compile_times: dict[str, float] = dict(compiled.phase_seconds) if compiled is not None else {}
         self.timeout_s = DEFAULT_TIMEOUT_S
+        self._optimizer: PipelineOptimizer | None = None  # made when first asked for
+        self.resumed = TrainingState()  # a loaded pipeline's: the saved scheduler state and `extra`
+        self.evaluation = Evaluation(plan, runtime.workers, runtime.pools, runtime.transport)
 
     # ---- the runtime's parts ---------------------------------------------------------------
     @property
@@ -84,6 +90,32 @@ class Pipeline:
     def shared(self) -> tuple[SharedTensor, ...]:
         return self.plan.shared
 
+    @property
+    def optimizer(self) -> PipelineOptimizer:
+        """The stages' optimizers as one torch.optim.Optimizer over the model (compiler/optimizer_view.py):
+        a torch.optim.lr_scheduler on it reaches every stage; state_dict() is keyed by the model's names."""
+        if self._optimizer is None:
+            self._optimizer = PipelineOptimizer(self.plan, self.workers, self.executor.settle,
+                                                distributed=self.context is not None)
+        return self._optimizer
+
+    @property
+    def extra(self) -> dict:
+        """The metadata `pipe.save(directory, extra=...)` stored, after `sw.load` ({} otherwise)."""
+        return self.resumed.extra
+
+    def load_scheduler(self, scheduler) -> None:
+        """After `sw.load`: load the scheduler state `pipe.save(directory, scheduler=...)` stored into
+        `scheduler` (just made over pipe.optimizer) and put back the learning rates it had, so
+        training resumes bitwise (compiler/training_state.py)."""
+        resume_scheduler(self.optimizer, scheduler, self.resumed, self.executor.iteration)
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm of the last step, before clipping (as clip_grad_norm_ returns
+        it); None without clip_grad_norm."""
+        return self.executor.last_grad_norm
+
     def time_breakdown(self) -> list[dict[str, float]]:
         """Where the last step's time went, per device: seconds each stream was busy, and the step."""
         timeline = self.executor.timeline
@@ -118,8 +150,40 @@ class Pipeline:
         """Per device, from its memory pool: peak and current bytes (by kind), swap and p2p bytes."""
         return [pool.stats() for pool in self.pools]
 
+    @property
+    def training(self) -> bool:
+        """The mode `step` trains in, as nn.Module's (at first the model's mode at compile)."""
+        return self.evaluation.training
+
+    def train(self, mode: bool = True) -> Pipeline:
+        """Set the mode `step` runs the stages in (dropout, BatchNorm), as nn.Module.train does."""
+        self.evaluation.set_mode(mode)
+        return self
+
+    def eval(self) -> Pipeline:
+        """`train(False)`: step then trains with dropout off and BatchNorm's running statistics."""
+        return self.train(False)
+
     def step(self, *args, target=None, **kwargs) -> torch.Tensor:
         """One synchronous training iteration on a minibatch; returns its mean loss."""
+        if not torch.is_grad_enabled():
+            raise ModeError("step trains (gradients and an update) but was called under torch.no_grad() or "
+                            "inference_mode: call pipe.evaluate(...) for the loss without training")
+        if self._optimizer is not None:
+            self._optimizer.push_hyperparameters()
+        loss = self.executor.run(self.plan.microbatches, feed=self._feeder(args, target, kwargs))
+        if self._optimizer is not None:
+            self._optimizer.note_step()
+        return loss
+
+    def evaluate(self, *args, target=None, **kwargs) -> torch.Tensor:
+        """The mean loss over the microbatches (as `step` returns it) of a forward-only pass in eval mode:
+        no gradient, nothing updated, no step counted; the mode `step` trains in is kept."""
+        feed = self._feeder(args, target, kwargs)
+        return self.evaluation.evaluate(self.plan.microbatches, feed, self.executor)
+
+    def _feeder(self, args, target, kwargs):
+        """What feeds the workers a minibatch's microbatches, its inputs checked as `step` takes them."""
         inputs = self._inputs(args, kwargs)
         m = self.plan.microbatches
         first = next(iter(inputs.values()))
@@ -138,7 +202,7 @@ class Pipeline:
         check_step_tensors(inputs, self.plan.input_specs, m * self.plan.microbatch_size)
         node_names = dict(zip(self.plan.input_names + (self.plan.target_name,), self.plan.graph_inputs, strict=False))
         pieces = [{node_names[k]: v for k, v in piece.items()} for piece in split_batch(inputs, m)]
-        return self.executor.run(m, feed=lambda: self._feed(pieces))
+        return lambda: self._feed(pieces)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The trained state under every key of the original model's state_dict, in its order (tied
@@ -185,10 +249,11 @@ class Pipeline:
         bound), links of `bandwidth` bytes/s (passes/costs.py `plan_charges`)."""
         return simulate(self.plan.programs, plan_charges(self.plan, peak_flops, bandwidth))
 
-    def save(self, directory) -> None:
+    def save(self, directory, scheduler=None, extra: dict | None = None) -> None:
         """Write the pipeline to `directory` for `sw.load`: plan.json, programs.txt, stage_<i>.py (the
         generated source), each stage's weights and optimizer state, the optimizer factory, and the
-        state no stage holds (unused.pt).
+        state no stage holds (unused.pt); `scheduler`'s state and `extra` (metadata, `pipe.extra` after
+        `sw.load`) if given: re-attach the scheduler after load with `pipe.load_scheduler`.
 
         The checkpoint is complete or absent: it is written beside `directory` and renamed into
         place, replacing an earlier one only once finished. Under torch.distributed every rank
@@ -202,7 +267,10 @@ class Pipeline:
         A pipeline whose failed step could not be undone raises PipelineBrokenError instead.
         """
         self.executor.settle()
-        save(self.plan, self.runtime, directory, self.unheld)
+        training = training_state(scheduler, extra)
+        if self._optimizer is not None:
+            self._optimizer.push_hyperparameters()  # the learning rates the scheduler set since the last step
+        save(self.plan, self.runtime, directory, self.unheld, training.settings())
 
     # ---- helpers --------------------------------------------------------------------------
     def _inputs(self, args, kwargs) -> dict:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from stagewise.compiler.optimizer_groups import ParamGroups, StageOptimizerFactory
+from stagewise.compiler.state_dict import model_name
 from stagewise.ir.instructions import StashOut
 from stagewise.ir.plan import Plan
 from stagewise.runtime.distributed import DistributedTransport
@@ -54,7 +56,7 @@ def start_runtime(plan: Plan, modules: Sequence[fx.GraphModule | None], optimize
             stage,
             module,
             pools[stage.device],
-            optimizer,
+            _stage_optimizer(plan, module, optimizer),
             owned=_owned_names(plan, stage.index, module),
             grad_inputs={v for (dst, v) in received_with_grad if dst == stage.index},
             is_last=stage.position == last,
@@ -68,6 +70,15 @@ def start_runtime(plan: Plan, modules: Sequence[fx.GraphModule | None], optimize
     executor = StreamExecutor(tuple(p for p in plan.programs if p.device in local), workers, transport,
                               clip_grad_norm, {s.index: s.device for s in plan.stages}, seed=plan.seed)
     return Runtime(context, pools, transport, workers, executor, optimizer, clip_grad_norm)
+
+
+def _stage_optimizer(plan: Plan, module: torch.nn.Module, optimizer: Callable) -> Callable:
+    """What the stage's worker makes its optimizer with: named groups (`ParamGroups`) see the
+    stage's parameters under the model's names (a tied one under its first name, as
+    `model.named_parameters()` gives it)."""
+    if not isinstance(optimizer, ParamGroups):
+        return optimizer
+    return StageOptimizerFactory(optimizer, {id(p): model_name(plan, n) for n, p in module.named_parameters()})
 
 
 def _torch_device(plan: Plan, index: int, context: DistributedContext | None) -> torch.device:

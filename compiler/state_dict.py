@@ -37,6 +37,14 @@ def aliases_of(plan: Plan, name: str) -> tuple[str, ...]:
     return (name,)
 
 
+def model_name(plan: Plan, name: str) -> str:
+    """The name `model.named_parameters()` gives the tensor a stage calls `name`: the first of
+    its names in the model's state_dict order."""
+    aliases = aliases_of(plan, name)
+    position = {n: i for i, n in enumerate(plan.state_names)}
+    return min(aliases, key=lambda n: position.get(n, len(position)))
+
+
 def check_state_dict(plan: Plan, state_dict: Mapping[str, object], strict: bool,
                      shapes: Mapping[str, tuple[int, ...]]) -> IncompatibleKeys:
     """The keys `state_dict` lacks and those the model lacks; raises StateDictError, naming the

@@ -73,5 +73,10 @@ class PipelineBrokenError(StagewiseError):
     pipeline refuses to train on until it is reloaded from a checkpoint or recompiled."""
 
 
+class ModeError(StagewiseError):
+    """A train/eval mode or a forward-only pass the pipeline cannot run (the graph fixed the mode at
+    compile, a stage swaps its weights), or a training step asked for where none may run (no_grad)."""
+
+
 class OversubscribedWarning(UserWarning):
     """In-process CPU devices would run more intra-op threads than the machine has cores."""

@@ -174,6 +174,7 @@ class Plan:
     costs: PlanCosts | None = None  # what the predictions charged: a loaded plan predicts the same
     input_specs: tuple[InputSpec, ...] = ()  # per input_names (then the target); () skips step's checks
     seed: int = 0  # random ops draw from streams keyed by (seed, step, op, microbatch): ir/random_streams.py
+    training: bool = True  # the model's mode at compile: the pipeline's starting mode (pipe.train / pipe.eval)
 
     def to_json(self) -> str:
         """JSON of every field; the programs in their printed form (typed instructions read back)."""

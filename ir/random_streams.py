@@ -34,11 +34,13 @@ from torch.overrides import handle_torch_function, has_torch_function, has_torch
 @dataclass(frozen=True)
 class DrawKey:
     """What a forward's draws are keyed by besides the op: the plan's seed, the number of completed
-    steps and the global microbatch index."""
+    steps and the global microbatch index; `training`: the stage's mode (in eval mode dropout keeps
+    its input, whatever mode the graph was traced in)."""
 
     seed: int
     step: int
     microbatch: int
+    training: bool = True
 
     def stream_seed(self, op: int) -> int:
         """The 64-bit seed of op `op`'s stream (a hash: neighbouring keys give unrelated streams)."""
@@ -59,10 +61,11 @@ _global_generators = threading.Lock()  # one keyed draw at a time may seed the g
 
 
 @contextlib.contextmanager
-def drawing(seed: int, step: int, microbatch: int) -> Iterator[DrawKey]:
-    """Random ops this thread runs inside draw from the streams of (seed, step, op, microbatch)."""
+def drawing(seed: int, step: int, microbatch: int, training: bool = True) -> Iterator[DrawKey]:
+    """Random ops this thread runs inside draw from the streams of (seed, step, op, microbatch);
+    dropout draws only while `training`."""
     previous = _thread.key
-    _thread.key = DrawKey(seed, step, microbatch)
+    _thread.key = DrawKey(seed, step, microbatch, training)
     try:
         yield _thread.key
     finally:
@@ -84,7 +87,7 @@ def keyed_dropout(op: int, input: torch.Tensor, p: float = 0.5, train: bool = Tr
     key = _thread.key
     if key is None:
         return F.dropout(input, p, train, inplace)
-    if p == 0.0 or not train or input.numel() == 0:
+    if p == 0.0 or not train or not key.training or input.numel() == 0:
         return input
     if p == 1.0:
         return input.mul_(0) if inplace else input * torch.zeros((), dtype=input.dtype, device=input.device)
@@ -148,8 +151,20 @@ def keyed(op: int, function: TorchRandom | torch._ops.OpOverload | torch.nn.Modu
     key = _thread.key
     if key is None:
         return call(*args, **kwargs)
+    if not key.training and call in _ATTENTION:  # eval mode: attention's dropout traced in train mode is off
+        args, kwargs = _without_dropout(args, kwargs)
     with _global_generators_seeded(key.stream_seed(op), _cuda_devices(relevant)):
         return call(*args, **kwargs)
+
+
+_ATTENTION = (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default)
+
+
+def _without_dropout(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Attention's arguments (query, key, value, attn_mask, dropout_p, ...) with dropout_p 0."""
+    if len(args) > 4:
+        return (*args[:4], 0.0, *args[5:]), kwargs
+    return args, {**kwargs, "dropout_p": 0.0}
 
 
 def _arguments(args: tuple, kwargs: dict) -> tuple:

@@ -101,6 +101,8 @@ class StreamExecutor(StepRecovery, OpportunisticCompute, Handlers, Interpreter):
         self.clip_grad_norm = clip_grad_norm
         self.timeout_s = timeout_s
         self.iteration = 0  # completed steps (a failed one does not count)
+        self.step_grad_norm: float | None = None  # the running step's global gradient norm, once all-reduced
+        self.last_grad_norm: float | None = None  # the last completed step's (None without clipping)
         self.guard = StepGuard(self.workers, transport.pools)
         self.jobs: Countdown | None = None
         self.unfinished: Countdown | None = None
@@ -126,6 +128,7 @@ class StreamExecutor(StepRecovery, OpportunisticCompute, Handlers, Interpreter):
         raised (runtime/recovery.py). `feed` gives the workers their inputs. Returns the mean loss."""
         self.settle()
         self.guard.begin()
+        self.step_grad_norm = None
         failed = self._attempt(microbatches, feed)
         partial = self._partial_loss() if failed is None else None
         if failed is not None:
@@ -137,6 +140,8 @@ class StreamExecutor(StepRecovery, OpportunisticCompute, Handlers, Interpreter):
         if outcome is not None and outcome.failure is None:
             self.guard.commit()
             self.iteration += 1
+            if self.step_grad_norm is not None:  # a forward-only pass keeps the last update's
+                self.last_grad_norm = self.step_grad_norm
             return outcome.loss / microbatches
         raise self._failed(failed, outcome)
 

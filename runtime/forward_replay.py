@@ -31,7 +31,7 @@ class ForwardReplay:
     def running(self, stage: int, module: torch.nn.Module, microbatch: int, step: int,
                 recompute: bool) -> Iterator[None]:
         """Around one forward (or, `recompute`, its replay) of `stage`'s `module` on `microbatch`."""
-        with drawing(self.seed, step, microbatch):
+        with drawing(self.seed, step, microbatch, module.training):
             if recompute:
                 with self._buffers_kept(stage, module):
                     yield
@@ -43,8 +43,9 @@ class ForwardReplay:
     def _learning_writes(self, stage: int, module: torch.nn.Module) -> Iterator[None]:
         """At the stage's first forward (later ones cost nothing): versions tell an exported graph's
         `copy_`, values BatchNorm's kernel, which updates the running statistics in place without
-        bumping their version."""
-        if stage in self.written:
+        bumping their version. A forward in eval mode writes none (BatchNorm reads its running
+        statistics), so it teaches nothing about the training forwards."""
+        if stage in self.written or not module.training:
             yield
             return
         buffers = dict(module.named_buffers())

@@ -107,7 +107,8 @@ class Handlers:
         tag = (self.iteration, type(ins).__name__, (), ins.group)
         (total,) = self.transport.all_reduce(tag, self._devices(ins.group), device, [square_sum],
                                              self.tables[device].labels[index])
-        coefficient = min(self.clip_grad_norm / (math.sqrt(float(total)) + 1e-6), 1.0)
+        self.step_grad_norm = math.sqrt(float(total))  # every device's all-reduce gives the same total
+        coefficient = min(self.clip_grad_norm / (self.step_grad_norm + 1e-6), 1.0)
         for w in local:
             if w.norm_part is None:
                 w.scale_grads(coefficient)

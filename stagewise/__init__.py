@@ -7,6 +7,7 @@
 
 from stagewise.compiler.checkpoint import load
 from stagewise.compiler.driver import compile  # noqa: A004 - the public name of the API
+from stagewise.compiler.optimizer_groups import ParamGroups
 from stagewise.compiler.pipeline import Pipeline
 from stagewise.ir.devices import Device
 from stagewise.ir.errors import (
@@ -40,6 +41,7 @@ __all__ = [
     "LossError",
     "OptionError",
     "OversubscribedWarning",
+    "ParamGroups",
     "PartitionError",
     "PeerError",
     "Pipeline",

@@ -1,0 +1,148 @@
+"""pipe.evaluate and the train/eval mode: a forward-only pass in eval mode equals eager
+`model.eval()` under `torch.no_grad()` and changes nothing; train() after eval() trains again."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import stagewise as sw
+from stagewise.ir.errors import ModeError
+from stagewise.ir.instructions import Backward, Forward, Recompute, Update
+from tests.hf import lm_batches
+from tests.models.cnn import ResNet
+from tests.models.dropout import DropoutGPT
+from tests.models.gpt import lm_loss
+from tests.reference import ADAMW, ATOL, RTOL, assert_state_equal
+
+PLANS = [("gpipe", 1), ("gpipe", 2), ("1f1b", 2), ("varuna", 2), ("interleaved", 2), ("harmony-pp", 2), ("1f1b", 4)]
+
+
+def _tokens(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 64, (8, 16), generator=generator), torch.randint(0, 64, (8, 16), generator=generator)
+
+
+def _eager_eval_loss(model, microbatches: int, loss_fn, inputs, target) -> torch.Tensor:
+    model = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        losses = [loss_fn(model(x), t) for x, t in zip(inputs.chunk(microbatches), target.chunk(microbatches), strict=True)]
+    return torch.stack(losses).mean()
+
+
+def _snapshot(pipe) -> tuple[dict[str, torch.Tensor], list, int]:
+    state = {k: v.clone() for k, v in pipe.state_dict().items()}
+    optimizers = [copy.deepcopy(w.optimizer.state_dict()) if w.optimizer else None for w in pipe.workers]
+    return state, optimizers, pipe.executor.iteration
+
+
+@pytest.mark.parametrize(("schedule", "devices"), PLANS)
+def test_evaluate_equals_eager_eval_and_changes_nothing(schedule, devices):
+    torch.manual_seed(0)
+    model = DropoutGPT(p=0.3)
+    inputs, target = _tokens()
+    pipe = sw.compile(model, devices, (inputs,), loss_fn=lm_loss, example_target=target, microbatches=4,
+                      schedule=schedule, cost="analytic", optimizer=ADAMW)
+    pipe.step(inputs, target=target)  # optimizer state and a step count to keep
+    model.load_state_dict(pipe.state_dict())
+    before = _snapshot(pipe)
+    loss = pipe.evaluate(inputs, target=target)
+    torch.testing.assert_close(loss, _eager_eval_loss(model, 4, lm_loss, inputs, target), rtol=RTOL, atol=ATOL)
+    state, optimizers, steps = _snapshot(pipe)
+    assert_state_equal(state, before[0])
+    assert steps == before[2] == 1
+    for got, want in zip(optimizers, before[1], strict=True):
+        assert repr(got) == repr(want)
+    assert pipe.training  # evaluate keeps the mode step trains in
+    assert torch.equal(pipe.evaluate(inputs, target=target), loss)  # no random draw: the same again
+
+
+def test_forward_only_programs_hold_forwards_only():
+    inputs, target = _tokens()
+    pipe = sw.compile(DropoutGPT(), 2, (inputs,), loss_fn=lm_loss, example_target=target, microbatches=4,
+                      schedule="varuna", cost="analytic")
+    pipe.evaluate(inputs, target=target)
+    programs = pipe.evaluation._executor.programs
+    kinds = {type(i) for p in programs for i in p.instructions}
+    assert not kinds & {Backward, Recompute, Update}
+    forwards = [i for p in programs for i in p.instructions if isinstance(i, Forward)]
+    assert len(forwards) == 4 * len(pipe.plan.stages) and not any(f.stash for f in forwards)
+
+
+@pytest.mark.parametrize(("schedule", "devices"), [("gpipe", 2), ("varuna", 2), ("1f1b", 4)])
+def test_batchnorm_evaluates_with_running_statistics(schedule, devices):
+    torch.manual_seed(0)
+    model = ResNet(blocks=2)
+    images, labels = torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,))
+    pipe = sw.compile(model, devices, (images,), loss_fn=F.cross_entropy, example_target=labels, microbatches=4,
+                      schedule=schedule, cost="analytic", optimizer=ADAMW)
+    for _ in range(2):
+        pipe.step(images, target=labels)
+    model.load_state_dict(pipe.state_dict())
+    before = _snapshot(pipe)
+    loss = pipe.evaluate(images, target=labels)
+    torch.testing.assert_close(loss, _eager_eval_loss(model, 4, F.cross_entropy, images, labels), rtol=RTOL, atol=ATOL)
+    assert_state_equal(_snapshot(pipe)[0], before[0])
+
+
+def test_eval_mode_steps_without_dropout_and_train_turns_it_back_on():
+    """Dropout's masks are keyed, so train mode is compared with the 1-device pipeline; eval mode
+    with eager training of the same model in eval mode."""
+    inputs, target = _tokens()
+    losses = {}
+    for devices in (1, 2):
+        torch.manual_seed(0)
+        pipe = sw.compile(DropoutGPT(p=0.3), devices, (inputs,), loss_fn=lm_loss, example_target=target,
+                          microbatches=4, schedule="1f1b", cost="analytic", optimizer=ADAMW)
+        assert pipe.eval() is pipe and not pipe.training
+        off = pipe.step(inputs, target=target)
+        on = pipe.train().step(inputs, target=target)
+        losses[devices] = (off, on, pipe.state_dict())
+    torch.manual_seed(0)
+    eager = DropoutGPT(p=0.3).eval()
+    torch.testing.assert_close(losses[2][0], _eager_eval_loss(eager, 4, lm_loss, inputs, target), rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(losses[2][1], losses[1][1], rtol=RTOL, atol=ATOL)
+    assert_state_equal(losses[2][2], losses[1][2])
+    assert not torch.equal(losses[2][1], _eager_eval_loss(eager, 4, lm_loss, inputs, target))
+
+
+def test_model_compiled_in_eval_mode_starts_in_eval_mode():
+    torch.manual_seed(0)
+    inputs, target = _tokens()
+    model = DropoutGPT(p=0.3).eval()
+    pipe = sw.compile(model, 2, (inputs,), loss_fn=lm_loss, example_target=target, microbatches=4, cost="analytic")
+    assert not pipe.training
+    torch.testing.assert_close(pipe.evaluate(inputs, target=target), _eager_eval_loss(model, 4, lm_loss, inputs, target),
+                               rtol=RTOL, atol=ATOL)
+    with pytest.raises(ModeError, match="model.train\\(\\) before sw.compile"):
+        pipe.train()  # its dropout was traced off: refused rather than training without dropout
+    assert not pipe.training
+
+
+def test_step_under_no_grad_is_refused():
+    inputs, target = _tokens()
+    pipe = sw.compile(DropoutGPT(), 2, (inputs,), loss_fn=lm_loss, example_target=target, microbatches=4, cost="analytic")
+    with torch.no_grad(), pytest.raises(ModeError, match="pipe.evaluate"):
+        pipe.step(inputs, target=target)
+    assert pipe.executor.iteration == 0
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_huggingface_gpt2_evaluates_like_eager(devices):
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=128, n_positions=32, bos_token_id=0,
+                        eos_token_id=0, resid_pdrop=0.2, embd_pdrop=0.2, attn_pdrop=0.2)
+    model = GPT2LMHeadModel(config)
+    (batch, _), = lm_batches(steps=1)
+    pipe = sw.compile(model, devices, batch, microbatches=4, cost="analytic")
+    loss = pipe.evaluate(**batch)
+    eager = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        parts = [eager(input_ids=ids, labels=labels).loss
+                 for ids, labels in zip(batch["input_ids"].chunk(4), batch["labels"].chunk(4), strict=True)]
+    torch.testing.assert_close(loss, torch.stack(parts).mean(), rtol=RTOL, atol=ATOL)
+    assert pipe.training and pipe.executor.iteration == 0
