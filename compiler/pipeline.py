@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -171,7 +171,7 @@ class Pipeline:
                             "inference_mode: call pipe.evaluate(...) for the loss without training")
         if self._optimizer is not None:
             self._optimizer.push_hyperparameters()
-        loss = self.executor.run(self.plan.microbatches, feed=self._feeder(args, target, kwargs))
+        loss = self.executor.run(self.plan.microbatches, feed=self._checked_feed(args, target, kwargs))
         if self._optimizer is not None:
             self._optimizer.note_step()
         return loss
@@ -179,8 +179,15 @@ class Pipeline:
     def evaluate(self, *args, target=None, **kwargs) -> torch.Tensor:
         """The mean loss over the microbatches (as `step` returns it) of a forward-only pass in eval mode:
         no gradient, nothing updated, no step counted; the mode `step` trains in is kept."""
-        feed = self._feeder(args, target, kwargs)
-        return self.evaluation.evaluate(self.plan.microbatches, feed, self.executor)
+        return self.evaluation.evaluate(self.plan.microbatches, self._checked_feed(args, target, kwargs), self.executor)
+
+    def _checked_feed(self, args, target, kwargs) -> Callable[[], None]:
+        """The feed of a step or an evaluation. In one process its inputs are checked now; under
+        torch.distributed when the step begins, so that inputs one rank refuses fail the step on
+        every rank at once (the others raise StepFailedError) instead of leaving them waiting."""
+        if self.context is None:
+            return self._feeder(args, target, kwargs)
+        return lambda: self._feeder(args, target, kwargs)()
 
     def _feeder(self, args, target, kwargs):
         """What feeds the workers a minibatch's microbatches, its inputs checked as `step` takes them."""

@@ -156,7 +156,9 @@ FAULTS = (("forward", 0, "first", "first"), ("forward", 1, "last", "last"), ("ba
           ("backward", 0, "last", "middle"), ("update", 1, "last", None), ("update", 0, "first", None))
 RECOMPUTE_FAULTS = (("recompute", 0, "first", "first"), ("recompute", 0, "first", "last"))
 CLIPPED = ("gpipe", "varuna", "harmony-pp")  # these clip: the gradient-norm all-reduce is in flight too
-CASES = {schedule: FAULTS + (RECOMPUTE_FAULTS if schedule == "varuna" else ()) for schedule in SCHEDULES}
+# inputs one rank refuses (a target of another dtype): the step fails on both ranks at once
+INPUT_FAULTS = (("input", 1, "first", None),)
+CASES = {schedule: FAULTS + INPUT_FAULTS + (RECOMPUTE_FAULTS if schedule == "varuna" else ()) for schedule in SCHEDULES}
 CASES_LIMIT_S = 240.0  # every case on one pair of ranks (about 40 s on an idle 2-core machine)
 
 
@@ -203,9 +205,14 @@ def _failed_step(pipe, rank: int, fault: tuple, bad: tuple) -> dict:
     what of this rank's state differs after it from before."""
     kind, failing_rank, stage, position = fault
     before = _local_state(pipe)
-    restore = _inject(pipe, kind, stage, position) if rank == failing_rank else None
+    inputs, target = bad
+    restore = None
+    if rank == failing_rank and kind == "input":
+        target = target.float()
+    elif rank == failing_rank:
+        restore = _inject(pipe, kind, stage, position)
     try:
-        pipe.step(*bad[0], target=bad[1])
+        pipe.step(*inputs, target=target)
         raised = None
     except Exception as error:  # noqa: BLE001 - the parent checks what it was
         raised = (type(error).__name__, str(error))
@@ -275,7 +282,9 @@ def test_a_step_failed_on_one_rank_is_undone_on_both(faulted, schedule, fault):
         step = result[fault]
         assert step["raised"] is not None, f"rank {rank}: the step did not fail"
         name, message = step["raised"]
-        if rank == failing_rank:
+        if rank == failing_rank and fault[0] == "input":
+            assert name == "ExampleInputsError" and "dtype" in message, step["raised"]
+        elif rank == failing_rank:
             assert name == InjectedFault.__name__ and "on purpose" in message, step["raised"]
         else:
             assert name == "StepFailedError" and f"rank {failing_rank} failed" in message, step["raised"]
