@@ -184,7 +184,7 @@ class StageWorker(CheckpointAccess):
         """Sum of squared gradient entries over the parameters this stage counts in the norm, where
         the gradients are: on the device, or in host memory (swapped out, or sent to a host optimizer)."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for name, param in self.module.named_parameters():
+        for name, param in sorted(self.module.named_parameters()):  # one order, also after sw.load
             grad = param.grad if param.grad is not None else self.host.get(("grads", name))
             if name in self.owned and grad is not None:
                 total += grad.detach().double().pow(2).sum().to(self.device)
