@@ -15,6 +15,9 @@ flag is a literal (torch.export's BatchNorm). Switching to a mode such an op con
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
@@ -32,6 +35,7 @@ from stagewise.runtime.worker import StageWorker
 
 _DROPOUT_FUNCTIONS = (F.dropout, torch.ops.aten.dropout.default)
 _MODE_FLAGS = ("training", "train")
+T = TypeVar("T")
 RECOMPILE = "compile the model in the mode to train in (model.train() before sw.compile); pipe.eval() then evaluates it"
 
 
@@ -56,6 +60,12 @@ class Evaluation:
 
     def evaluate(self, microbatches: int, feed, training_executor: StreamExecutor) -> torch.Tensor:
         """The mean loss of one forward-only pass in eval mode; nothing is updated or counted."""
+        return self.forward_pass(microbatches, feed, training_executor, lambda: None)[0]
+
+    def forward_pass(self, microbatches: int, feed, training_executor: StreamExecutor,
+                     collect: Callable[[], T]) -> tuple[torch.Tensor, T]:
+        """One forward-only pass in eval mode: its mean loss, and what `collect` read from the workers
+        after it (their outputs, before they are cleared)."""
         training_executor.settle()
         swapped = [w.stage.index for w in self.workers if w.swapped]
         if swapped:
@@ -73,11 +83,12 @@ class Evaluation:
             for module, mode in modes:
                 module.training = mode
             self.training = training
+        collected = collect()
         for worker in self.workers:
             clear_step(worker)
         for pool, ledger in zip(self.pools, ledgers, strict=True):
             pool.restore(ledger)
-        return loss
+        return loss, collected
 
     def _forward_executor(self, training_executor: StreamExecutor) -> StreamExecutor:
         if self._executor is None:

@@ -12,6 +12,7 @@ from stagewise.compiler.batches import check_step_tensors, split_batch
 from stagewise.compiler.checkpoint_write import save
 from stagewise.compiler.evaluation import Evaluation
 from stagewise.compiler.optimizer_view import PipelineOptimizer
+from stagewise.compiler.prediction import predict
 from stagewise.compiler.runtime_setup import Runtime
 from stagewise.compiler.state_dict import IncompatibleKeys, aliases_of, check_state_dict
 from stagewise.compiler.training_state import TrainingState, resume_scheduler, training_state
@@ -180,6 +181,19 @@ class Pipeline:
         """The mean loss over the microbatches (as `step` returns it) of a forward-only pass in eval mode:
         no gradient, nothing updated, no step counted; the mode `step` trains in is kept."""
         return self.evaluation.evaluate(self.plan.microbatches, self._checked_feed(args, target, kwargs), self.executor)
+
+    def predict(self, *args, **kwargs) -> torch.Tensor:
+        """The model's outputs (logits) of a forward-only pass in eval mode, the same inputs as `step`
+        without target=: every microbatch's, concatenated along dim 0, on the CPU. Nothing is updated
+        or counted. Known for a model compiled with loss_fn (compiler/prediction.py), else PredictError."""
+        inputs = self._inputs(args, kwargs)
+        check_step_tensors(inputs, self.plan.input_specs[:len(inputs)], self.plan.microbatches * self.plan.microbatch_size)
+        pieces = [{n: v for n, v in zip(self.plan.graph_inputs, piece.values(), strict=False)}
+                  for piece in split_batch(inputs, self.plan.microbatches)]
+        if self.plan.target_name is not None:
+            for piece in pieces:
+                piece[self.plan.graph_inputs[len(inputs)]] = None  # the loss, left out, needed it
+        return predict(self.evaluation, self.plan.microbatches, lambda: self._feed(pieces), self.executor)
 
     def _checked_feed(self, args, target, kwargs) -> Callable[[], None]:
         """The feed of a step or an evaluation. In one process its inputs are checked now; under

@@ -80,3 +80,7 @@ class ModeError(StagewiseError):
 
 class OversubscribedWarning(UserWarning):
     """In-process CPU devices would run more intra-op threads than the machine has cores."""
+
+
+class PredictError(StagewiseError):
+    """`pipe.predict` where the model's output is not a known value of the traced graph."""

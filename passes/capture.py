@@ -52,6 +52,7 @@ from stagewise.passes.capture_tracers import Exported, normalise, trace_export, 
 from stagewise.passes.symbolic_sizes import SYMBOLIC, Evaluator, NotCovered, bind, fold
 
 # (Traced.tracer, the name failures are reported under, the tracer), tried in this order
+MODEL_OUTPUT = "stagewise_model_output"  # node meta: the model's output, the loss function's first argument
 _TRACERS = (("fx", "torch.fx symbolic trace", trace_fx), ("export", "torch.export (non-strict)", trace_export))
 
 
@@ -92,6 +93,8 @@ class Objective(torch.nn.Module):
         model = self._stagewise_model
         out = model.forward(**inputs) if self._stagewise_keyword else model.forward(*inputs)
         if self._stagewise_loss_fn is not None:
+            if isinstance(out, fx.Proxy):  # what `pipe.predict` returns (compiler/prediction.py)
+                out.node.meta[MODEL_OUTPUT] = True
             return self._stagewise_loss_fn(out, target)
         if isinstance(out, torch.Tensor | fx.Proxy):
             return out

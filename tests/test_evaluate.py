@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import stagewise as sw
-from stagewise.ir.errors import ModeError
+from stagewise.ir.errors import ModeError, PredictError
 from stagewise.ir.instructions import Backward, Forward, Recompute, Update
 from tests.hf import lm_batches
 from tests.models.cnn import ResNet
@@ -146,3 +146,62 @@ def test_huggingface_gpt2_evaluates_like_eager(devices):
                  for ids, labels in zip(batch["input_ids"].chunk(4), batch["labels"].chunk(4), strict=True)]
     torch.testing.assert_close(loss, torch.stack(parts).mean(), rtol=RTOL, atol=ATOL)
     assert pipe.training and pipe.executor.iteration == 0
+
+
+def _eager_predict(model, inputs) -> torch.Tensor:
+    with torch.no_grad():
+        return copy.deepcopy(model).eval()(inputs)
+
+
+@pytest.mark.parametrize(("schedule", "devices"), [("gpipe", 1), ("gpipe", 2), ("1f1b", 2), ("varuna", 2),
+                                                   ("gpipe", 4), ("1f1b", 4), ("varuna", 4)])
+def test_predict_equals_eager_eval_outputs_and_changes_nothing(schedule, devices):
+    torch.manual_seed(0)
+    model = DropoutGPT(p=0.3)
+    inputs, target = _tokens()
+    pipe = sw.compile(model, devices, (inputs,), loss_fn=lm_loss, example_target=target, microbatches=4,
+                      schedule=schedule, cost="analytic", optimizer=ADAMW)
+    pipe.step(inputs, target=target)
+    model.load_state_dict(pipe.state_dict())
+    before = _snapshot(pipe)
+    logits = pipe.predict(inputs)
+    assert logits.device.type == "cpu" and logits.shape == (8, 16, 64)
+    torch.testing.assert_close(logits, _eager_predict(model, inputs), rtol=RTOL, atol=ATOL)
+    state, optimizers, steps = _snapshot(pipe)
+    assert_state_equal(state, before[0])
+    assert steps == before[2] == 1
+    for got, want in zip(optimizers, before[1], strict=True):
+        assert repr(got) == repr(want)
+    assert pipe.training
+
+
+def test_predict_batchnorm_uses_running_statistics():
+    torch.manual_seed(0)
+    model = ResNet(blocks=2)
+    images, labels = torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,))
+    pipe = sw.compile(model, 2, (images,), loss_fn=F.cross_entropy, example_target=labels, microbatches=4,
+                      schedule="1f1b", cost="analytic", optimizer=ADAMW)
+    pipe.step(images, target=labels)
+    model.load_state_dict(pipe.state_dict())
+    before = _snapshot(pipe)
+    torch.testing.assert_close(pipe.predict(images), _eager_predict(model, images), rtol=RTOL, atol=ATOL)
+    assert_state_equal(_snapshot(pipe)[0], before[0])
+
+
+def test_predict_without_a_known_output_is_refused():
+    inputs, _ = _tokens()
+    model = DropoutGPT()
+    pipe = sw.compile(_OwnLoss(model), 2, (inputs, inputs), microbatches=4, cost="analytic")
+    with pytest.raises(PredictError, match="loss_fn"):
+        pipe.predict(inputs, inputs)
+
+
+class _OwnLoss(torch.nn.Module):
+    """A model that returns its own loss: its output is not a value predict can know."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return lm_loss(self.model(x), y)
