@@ -127,20 +127,35 @@ def test_bytes_swapped_agree(runs, schedule: str, swap: str) -> None:
     assert [m["swap_out_bytes"] for m in measured] == [predicted.swap_out_bytes[d] for d in range(len(measured))]
 
 
-# In one full-suite run (not alone, 0 of 8 runs) the runtime held five more 4 KiB transfer buffers on
-# device 0 under varuna than any simulated timing: a timing the four variants do not cover (the note).
-PEAK_CASES = [pytest.param(*case, marks=pytest.mark.xfail(strict=False, reason="timing not covered: see note"))
-              if case == ("varuna", "off") else case for case in CASES]
+ATTEMPTS = 3  # steps (each on a fresh compile) a peak gets to fall within the simulated range
 
 
-@pytest.mark.parametrize(("schedule", "swap"), PEAK_CASES)
-def test_peak_memory_agrees(runs, schedule: str, swap: str) -> None:
-    """Within 5% of the range of peaks simulated over the timings the runtime may run with (instant or
-    lagging copies; measured or nominal compute): where nothing overlaps, that range is one value."""
-    _, measured, (_, variants) = runs(schedule, swap)
+def _peaks_outside(measured, variants) -> list[tuple[int, int, list[float]]]:
+    """(device, measured peak, simulated peaks) for each device whose peak lies outside 5% of the range."""
+    outside = []
     for device, stats in enumerate(measured):
         peaks = [v.peak_bytes[device] for v in variants]
-        assert 0.95 * min(peaks) <= stats["peak_bytes"] <= 1.05 * max(peaks), (device, stats["peak_bytes"], peaks)
+        if not 0.95 * min(peaks) <= stats["peak_bytes"] <= 1.05 * max(peaks):
+            outside.append((device, stats["peak_bytes"], peaks))
+    return outside
+
+
+@pytest.mark.parametrize(("schedule", "swap"), CASES)
+def test_peak_memory_agrees(runs, schedule: str, swap: str) -> None:
+    """Within 5% of the range of peaks simulated over the timings the runtime may run with (instant or
+    lagging copies; measured or nominal compute): where nothing overlaps, that range is one value.
+
+    The runtime's peak depends on how the OS schedules its copy and message threads: on a loaded
+    machine one step in many holds a stash or a few transfer buffers longer than any simulated timing
+    (full-suite runs: varuna without swaps, five 4 KiB buffers; harmony-pp with every stash swapped,
+    one 16 KiB stash). So a peak outside the range gets another step, up to ATTEMPTS: an accounting
+    error (the ledger and the simulator disagree) is outside in every one and fails."""
+    _, measured, (_, variants) = runs(schedule, swap)
+    attempts = [_peaks_outside(measured, variants)]
+    while attempts[-1] and len(attempts) < ATTEMPTS:
+        _, measured, (_, variants) = run_both(schedule, swap)
+        attempts.append(_peaks_outside(measured, variants))
+    assert not attempts[-1], attempts
 
 
 def test_every_compute_runs_on_both() -> None:
