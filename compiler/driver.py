@@ -8,12 +8,14 @@ import torch.fx as fx
 
 from stagewise.compiler.context import CompileContext, after
 from stagewise.compiler.fx_sources import releasing_fx_sources
+from stagewise.compiler.loss_reduction import check_loss_reduction
 from stagewise.compiler.options import DEFAULT_OPTIMIZER, CompileOptions, CompileRequest
 from stagewise.compiler.phases import PHASES, analyse, plan, run_phases
 from stagewise.compiler.pipeline import Compiled, Pipeline
 from stagewise.ir.devices import format_bytes
 from stagewise.ir.errors import CapacityError, ExampleInputsError, LossError, OptionError
 from stagewise.ir.plan import Plan
+from stagewise.passes.capture import input_names
 from stagewise.passes.shared import unheld_state
 
 
@@ -23,8 +25,8 @@ def compile(  # noqa: A001 - the public name of the API
     devices,
     example_inputs,
     *,
-    loss_fn=None,
-    example_target=None,
+    loss_fn=None, example_target=None,
+    loss_reduction=None,
     optimizer=None,
     microbatches: int | None = None,
     schedule: str = "auto",
@@ -57,7 +59,7 @@ def compile(  # noqa: A001 - the public name of the API
     `stages`: the depth P of a gpipe / 1f1b / varuna pipeline (default: every device, N / D); fewer
     leaves devices idle; "auto" lets the planner simulate every depth from 1 and keep the fastest
     (PipeDream's planner may use fewer workers, §2.4.1): in-process CPU devices that share fewer
-    cores than there are devices run fewer, larger stages faster.
+    cores than there are devices run fewer, larger stages faster. `loss_reduction`: sw.TokenMean (README).
     `optimizer_on_host`: run the optimizer step on the host (Harmony's CPU update, ZeRO-Offload):
     each update copies the stage's gradients to host memory, steps fp32 master weights there with
     the optimizer state kept beside them, and copies the weights back to the device, so no device
@@ -66,7 +68,7 @@ def compile(  # noqa: A001 - the public name of the API
     step, op, microbatch), the same in a recompute and whatever the plan; None takes
     `torch.initial_seed()`, so `torch.manual_seed` before compile makes runs reproducible.
     """
-    _check_arguments(model, split_points)
+    _check_arguments(model, split_points, example_inputs, loss_fn, loss_reduction)
     options = CompileOptions(loss_fn=loss_fn, example_target=example_target,
                              optimizer=DEFAULT_OPTIMIZER if optimizer is None else optimizer,
                              microbatches=microbatches, schedule=schedule, cost=cost,
@@ -75,19 +77,22 @@ def compile(  # noqa: A001 - the public name of the API
                              optimizer_on_host=optimizer_on_host, seed=seed)
     ctx = CompileContext(CompileRequest.make(model, devices, example_inputs, options))
     _run_checked(ctx)
-    compiled = Compiled(after(ctx.choice, "plan").sim_cost, ctx.seconds)
+    compiled = Compiled(after(ctx.choice, "plan").sim_cost, ctx.seconds, loss_reduction)
     described = after(ctx.plan, "plan")
     return Pipeline(described, after(ctx.runtime, "runtime"), compiled, unheld_state(model, described.stages))
 
 
-def _check_arguments(model: object, split_points: object) -> None:
-    """What CompileOptions cannot check: a module to compile, and split points as a list of names (a
-    string would be read as one name per character)."""
+def _check_arguments(model: object, split_points: object, example_inputs, loss_fn: object, reduction: object) -> None:
+    """What CompileOptions cannot check: a module to compile, split points as a list of names (a
+    string would be read as one name per character), a loss reduction whose labels can be read
+    (before the phases run, not after a long compile)."""
     if not isinstance(model, torch.nn.Module):
         raise ExampleInputsError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if split_points is not None and not isinstance(split_points, list | tuple):
         example = [split_points] if isinstance(split_points, str) else ["blocks.2"]
         raise OptionError(f"split_points={split_points!r} must be a list of layer names, e.g. split_points={example!r}")
+    if reduction is not None:
+        check_loss_reduction(reduction, loss_fn is not None, input_names(model, example_inputs)[0])
 
 
 def _run_checked(ctx: CompileContext) -> None:

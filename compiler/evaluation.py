@@ -96,6 +96,7 @@ class Evaluation:
             programs = tuple(p for p in forward_only_programs(self.plan) if p.device in local)
             self._executor = StreamExecutor(programs, self.workers, self.transport, None,
                                             training_executor.device_of, opportunistic=False, seed=self.plan.seed)
+            self._executor.loss_weights = training_executor.loss_weights  # the feed sets the step's weights
         return self._executor
 
 

@@ -11,6 +11,7 @@ import torch.fx as fx
 from stagewise.compiler.batches import check_step_tensors, split_batch
 from stagewise.compiler.checkpoint_write import save
 from stagewise.compiler.evaluation import Evaluation
+from stagewise.compiler.loss_reduction import LossReduction, check_loss_reduction, loss_weights
 from stagewise.compiler.optimizer_view import PipelineOptimizer
 from stagewise.compiler.prediction import predict
 from stagewise.compiler.runtime_setup import Runtime
@@ -33,11 +34,12 @@ from stagewise.runtime.worker import StageWorker
 @dataclass(frozen=True)
 class Compiled:
     """What compiling found beside the plan (a loaded pipeline has none): the planner's per-stage
-    costs of the chosen plan (`pipe.sim_cost`, for benches and tests that vary them) and the seconds
-    each compile phase took (`pipe.compile_times`)."""
+    costs of the chosen plan (`pipe.sim_cost`, for benches and tests that vary them), the seconds
+    each compile phase took (`pipe.compile_times`), and the loss reduction compile was given."""
 
     sim_cost: SimCost
     phase_seconds: dict[str, float] = field(default_factory=dict)
+    loss_reduction: LossReduction | None = None
 
 
 class Pipeline:
@@ -56,6 +58,8 @@ class Pipeline:
         self._optimizer: PipelineOptimizer | None = None  # made when first asked for
         self.resumed = TrainingState()  # a loaded pipeline's: the saved scheduler state and `extra`
         self.evaluation = Evaluation(plan, runtime.workers, runtime.pools, runtime.transport)
+        self._loss_reduction: LossReduction | None = None
+        self.loss_reduction = compiled.loss_reduction if compiled is not None else None  # checked
 
     # ---- the runtime's parts ---------------------------------------------------------------
     @property
@@ -110,6 +114,18 @@ class Pipeline:
         `scheduler` (just made over pipe.optimizer) and put back the learning rates it had, so
         training resumes bitwise (compiler/training_state.py)."""
         resume_scheduler(self.optimizer, scheduler, self.resumed, self.executor.iteration)
+
+    @property
+    def loss_reduction(self) -> LossReduction | None:
+        """How the loss reduces over the batch (compiler/loss_reduction.py): each microbatch's loss weighs
+        its share of the batch's counted items; None weighs each 1 / microbatches (the mean of means).
+        Set by compile's loss_reduction=; after `sw.load` assign it again."""
+        return self._loss_reduction
+
+    @loss_reduction.setter
+    def loss_reduction(self, reduction: LossReduction | None) -> None:
+        check_loss_reduction(reduction, self.plan.target_name is not None, list(self.plan.input_names))
+        self._loss_reduction = reduction
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -222,8 +238,10 @@ class Pipeline:
                                      "returns its loss): drop target=, or recompile with loss_fn and example_target")
         check_step_tensors(inputs, self.plan.input_specs, m * self.plan.microbatch_size)
         node_names = dict(zip(self.plan.input_names + (self.plan.target_name,), self.plan.graph_inputs, strict=False))
-        pieces = [{node_names[k]: v for k, v in piece.items()} for piece in split_batch(inputs, m)]
-        return lambda: self._feed(pieces)
+        split = split_batch(inputs, m)
+        weights = None if self.loss_reduction is None else loss_weights(self.loss_reduction, split, self.plan.target_name)
+        pieces = [{node_names[k]: v for k, v in piece.items()} for piece in split]
+        return lambda: self._feed(pieces, weights)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The trained state under every key of the original model's state_dict, in its order (tied
@@ -316,8 +334,10 @@ class Pipeline:
                                          f"{name!r} is a {type(value).__name__}")
         return inputs
 
-    def _feed(self, pieces: list[dict[str, torch.Tensor]]) -> None:
-        """Give each worker its inputs of every microbatch it runs (a failed step clears them)."""
+    def _feed(self, pieces: list[dict[str, torch.Tensor]], weights: tuple[float, ...] | None = None) -> None:
+        """Give each worker its inputs of every microbatch it runs (a failed step clears them), and the
+        executors each microbatch's loss weight (None: 1 / microbatches)."""
+        self.executor.loss_weights.weights = weights
         for worker in self.workers:
             for mb, piece in enumerate(pieces):
                 if worker.stage.microbatches and mb not in worker.stage.microbatches:

@@ -50,6 +50,7 @@ from stagewise.ir.interpreter import Interpreter
 from stagewise.ir.program import Program
 from stagewise.runtime.forward_replay import ForwardReplay
 from stagewise.runtime.handlers import Handlers
+from stagewise.runtime.loss_weights import LossWeights
 from stagewise.runtime.opportunistic import OpportunisticCompute
 from stagewise.runtime.recovery import GRACE_S, StepRecovery
 from stagewise.runtime.rollback import StepGuard
@@ -104,6 +105,7 @@ class StreamExecutor(StepRecovery, OpportunisticCompute, Handlers, Interpreter):
         self.step_grad_norm: float | None = None  # the running step's global gradient norm, once all-reduced
         self.last_grad_norm: float | None = None  # the last completed step's (None without clipping)
         self.guard = StepGuard(self.workers, transport.pools)
+        self.loss_weights = LossWeights()  # set by the feed when the loss's reduction is declared
         self.jobs: Countdown | None = None
         self.unfinished: Countdown | None = None
         self.threads = StreamThreads()
@@ -196,13 +198,13 @@ class StreamExecutor(StepRecovery, OpportunisticCompute, Handlers, Interpreter):
             self.unfinished = self.jobs
 
     def _partial_loss(self) -> torch.Tensor | None:
-        """This process's sum of the microbatches' losses (one last stage per data-parallel replica)."""
+        """This process's sum of the microbatches' (weighted) losses (one last stage per data-parallel replica)."""
         losses = {}
         for worker in self.workers.values():
             if worker.is_last:
                 losses.update({mb: loss.detach() for mb, loss in worker.losses.items()})
                 worker.losses.clear()
-        return sum(losses[mb] for mb in sorted(losses)) if losses else None
+        return self.loss_weights.total(losses, self.microbatches)
 
     def _threadless(self, program: Program, plan: DeviationPoints | None) -> tuple[Stream, ...]:
         """The p2p streams of `program` that run without a thread this step (runtime/threadless.py): on a

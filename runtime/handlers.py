@@ -40,7 +40,8 @@ class Handlers:
             worker.forward(ins.microbatch, self.tables[device].labels[index], stash=stashes(ins))
 
     def _backward(self, device: int, index: int, ins: Backward) -> None:
-        self.workers[ins.stage].backward(ins.microbatch, 1.0 / self.microbatches, self.tables[device].labels[index])
+        seed = self.loss_weights.seed(ins.microbatch, self.microbatches)
+        self.workers[ins.stage].backward(ins.microbatch, seed, self.tables[device].labels[index])
 
     def _update(self, device: int, index: int, ins: Update | HostUpdate) -> None:
         """The optimizer step on the device or (HostUpdate) on host masters; `clip` scales first.

@@ -140,7 +140,7 @@ class StageWorker(CheckpointAccess):
         for name, grad in self.output_grads.pop(microbatch, {}).items():
             tensors.append(outputs[self.stage.outputs.index(name)])
             grads.append(grad)
-        if self.is_last:
+        if self.is_last and loss_scale:  # a loss of weight 0 (no counted item) is left out: its mean is 0 / 0
             loss = outputs[0]
             tensors.append(loss)
             grads.append(torch.full_like(loss, loss_scale))

@@ -7,6 +7,7 @@
 
 from stagewise.compiler.checkpoint import load
 from stagewise.compiler.driver import compile  # noqa: A004 - the public name of the API
+from stagewise.compiler.loss_reduction import SampleMean, TokenMean
 from stagewise.compiler.optimizer_groups import ParamGroups
 from stagewise.compiler.pipeline import Pipeline
 from stagewise.ir.devices import Device
@@ -48,10 +49,12 @@ __all__ = [
     "PipelineBrokenError",
     "Plan",
     "PlanError",
+    "SampleMean",
     "StagewiseError",
     "StateDictError",
     "StepFailedError",
     "StepTimeoutError",
+    "TokenMean",
     "TraceError",
     "compile",
     "load",

@@ -70,6 +70,11 @@ COMPILE_CASES = {
                          "does not depend on any trainable parameter"),
     "loss-fn-detached-output": (dict(loss_fn=lambda out, y: F.cross_entropy(out.detach(), y)), sw.LossError,
                                 "drop .detach()"),
+    "loss-reduction-string": (dict(loss_reduction="mean"), sw.LossError, "is not a reduction stagewise knows"),
+    "loss-reduction-labels-with-loss-fn": (dict(loss_reduction=sw.TokenMean(labels="x")), sw.LossError,
+                                           "counts come from the target; drop labels="),
+    "token-mean-float-ignore": (dict(loss_reduction=sw.TokenMean(ignore_index=-100.0)), sw.LossError,
+                                "must be an int"),
     # counts, names and flags
     "microbatches-zero": (dict(microbatches=0), sw.BatchSizeError, "microbatches must be a positive int, got 0"),
     "microbatches-float": (dict(microbatches=2.0), sw.BatchSizeError, "got 2.0"),

@@ -1,0 +1,78 @@
+"""How the loss reduces over the batch, so a step equals eager training on the whole batch.
+
+The model or `loss_fn` gives each microbatch its own mean. Averaging those means is exact only
+when every microbatch counts the same number of items; with padding (targets of `ignore_index`)
+the eager loss is the mean over every counted item of the batch. Declared with
+`compile(..., loss_reduction=TokenMean(...))`, each microbatch's mean is weighted by its share of
+the batch's counted items, read from the targets before the step runs: the backward's seed and
+the reported loss use that weight instead of 1 / microbatches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from stagewise.ir.errors import LossError
+
+
+@dataclass(frozen=True)
+class TokenMean:
+    """The loss is a mean over the target entries that are not `ignore_index` (cross_entropy's
+    default). `labels` names the model input holding them when the model returns its own loss
+    (Hugging Face `labels=`); `shift` drops each row's first label, as a causal LM's loss does."""
+
+    ignore_index: int = -100
+    labels: str | None = None
+    shift: bool = False
+
+    def count(self, labels: torch.Tensor) -> int:
+        """The entries of one microbatch's labels the loss counts."""
+        kept = labels[:, 1:] if self.shift else labels
+        return int((kept != self.ignore_index).sum())
+
+
+@dataclass(frozen=True)
+class SampleMean:
+    """The loss is a mean over the samples (dim 0) of the target, or of `labels` (a model input)."""
+
+    labels: str | None = None
+
+    def count(self, labels: torch.Tensor) -> int:
+        """One microbatch's samples."""
+        return int(labels.shape[0]) if labels.dim() else 1
+
+
+LossReduction = TokenMean | SampleMean
+
+
+def check_loss_reduction(reduction: object, has_loss_fn: bool, inputs: list[str]) -> None:
+    """A known reduction, with its counts readable: from the target with loss_fn, else from the
+    model input named by `labels`."""
+    if reduction is None:
+        return
+    if not isinstance(reduction, TokenMean | SampleMean):
+        raise LossError(f"loss_reduction={reduction!r} is not a reduction stagewise knows; give "
+                        "sw.TokenMean(ignore_index=-100) or sw.SampleMean() (or None: the mean of microbatch means)")
+    if isinstance(reduction, TokenMean) and (isinstance(reduction.ignore_index, bool)
+                                             or not isinstance(reduction.ignore_index, int)):
+        raise LossError(f"TokenMean(ignore_index={reduction.ignore_index!r}) must be an int, e.g. -100")
+    if isinstance(reduction, TokenMean) and not isinstance(reduction.shift, bool):
+        raise LossError(f"TokenMean(shift={reduction.shift!r}) must be True or False")
+    if has_loss_fn and reduction.labels is not None:
+        raise LossError(f"loss_reduction names labels={reduction.labels!r} but loss_fn is given: the counts come "
+                        "from the target; drop labels=")
+    if not has_loss_fn and reduction.labels not in inputs:
+        raise LossError(f"loss_reduction={reduction!r} needs labels= naming the model input that holds the labels "
+                        f"(one of {inputs}) when the model returns its own loss, e.g. "
+                        "sw.TokenMean(labels='labels', shift=True) for a causal LM")
+
+
+def loss_weights(reduction: LossReduction, pieces: list[dict[str, torch.Tensor]],
+                 target_name: str | None) -> tuple[float, ...]:
+    """Each microbatch's share of the batch's counted items (0 for a microbatch that counts none)."""
+    name = reduction.labels if reduction.labels is not None else target_name
+    counts = [reduction.count(piece[name]) for piece in pieces]
+    total = sum(counts)
+    return tuple(count / total if total else 0.0 for count in counts)
