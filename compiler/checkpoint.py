@@ -76,6 +76,7 @@ def load(directory) -> Pipeline:
     runtime.executor.iteration = saved.settings.get("step", 0)  # random draws go on where they were saved
     pipe = Pipeline(saved.plan, runtime, unheld=saved.unheld)
     pipe.resumed = TrainingState.from_settings(saved.settings)
+    pipe.loss_reduction = saved.settings.get("loss_reduction")  # checked against the loaded plan
     return pipe
 
 

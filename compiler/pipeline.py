@@ -119,7 +119,7 @@ class Pipeline:
     def loss_reduction(self) -> LossReduction | None:
         """How the loss reduces over the batch (compiler/loss_reduction.py): each microbatch's loss weighs
         its share of the batch's counted items; None weighs each 1 / microbatches (the mean of means).
-        Set by compile's loss_reduction=; after `sw.load` assign it again."""
+        Set by compile's loss_reduction=; checkpoints keep it."""
         return self._loss_reduction
 
     @loss_reduction.setter
@@ -309,7 +309,7 @@ class Pipeline:
         training = training_state(scheduler, extra)
         if self._optimizer is not None:
             self._optimizer.push_hyperparameters()  # the learning rates the scheduler set since the last step
-        save(self.plan, self.runtime, directory, self.unheld, training.settings())
+        save(self.plan, self.runtime, directory, self.unheld, {**training.settings(), "loss_reduction": self.loss_reduction})
 
     # ---- helpers --------------------------------------------------------------------------
     def _inputs(self, args, kwargs) -> dict:

@@ -127,3 +127,19 @@ def test_model_returning_its_loss_needs_labels_named():
     with pytest.raises(sw.LossError, match="needs labels= naming the model input"):
         sw.compile(_CausalLM(), 2, _causal_batches(1)[0][0], microbatches=2, cost="analytic",
                    loss_reduction=sw.TokenMean())
+
+
+def test_a_loaded_pipeline_keeps_the_reduction_and_trains_on_alike(tmp_path):
+    """The reduction is part of the checkpoint: a loaded pipeline's steps equal the saved one's."""
+    batches = padded_batches(steps=3)
+    inputs, target = batches[0]
+    reduction = sw.TokenMean(ignore_index=-100)
+    pipe = sw.compile(TinyGPT(), 2, inputs, optimizer=SGD, loss_fn=lm_loss, example_target=target,
+                      microbatches=MICROBATCHES, schedule="1f1b", cost="analytic", loss_reduction=reduction)
+    pipeline_train(pipe, batches[:1])
+    pipe.save(tmp_path / "ckpt")
+    loaded = sw.load(tmp_path / "ckpt")
+    assert loaded.loss_reduction == reduction
+    want, got = pipeline_train(pipe, batches[1:]), pipeline_train(loaded, batches[1:])
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert_state_equal(loaded.state_dict(), pipe.state_dict())
