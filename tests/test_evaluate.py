@@ -40,16 +40,22 @@ def _snapshot(pipe) -> tuple[dict[str, torch.Tensor], list, int]:
     return state, optimizers, pipe.executor.iteration
 
 
-@pytest.mark.parametrize(("schedule", "devices"), PLANS)
-def test_evaluate_equals_eager_eval_and_changes_nothing(schedule, devices):
+def _stepped_once(schedule: str, devices: int):
+    """The dropout GPT compiled and stepped once (optimizer state and a step count to keep), the eager
+    model holding the pipeline's weights, and the pipeline's state before what the test runs."""
     torch.manual_seed(0)
     model = DropoutGPT(p=0.3)
     inputs, target = _tokens()
     pipe = sw.compile(model, devices, (inputs,), loss_fn=lm_loss, example_target=target, microbatches=4,
                       schedule=schedule, cost="analytic", optimizer=ADAMW)
-    pipe.step(inputs, target=target)  # optimizer state and a step count to keep
+    pipe.step(inputs, target=target)
     model.load_state_dict(pipe.state_dict())
-    before = _snapshot(pipe)
+    return model, pipe, inputs, target, _snapshot(pipe)
+
+
+@pytest.mark.parametrize(("schedule", "devices"), PLANS)
+def test_evaluate_equals_eager_eval_and_changes_nothing(schedule, devices):
+    model, pipe, inputs, target, before = _stepped_once(schedule, devices)
     loss = pipe.evaluate(inputs, target=target)
     torch.testing.assert_close(loss, _eager_eval_loss(model, 4, lm_loss, inputs, target), rtol=RTOL, atol=ATOL)
     state, optimizers, steps = _snapshot(pipe)
@@ -156,14 +162,7 @@ def _eager_predict(model, inputs) -> torch.Tensor:
 @pytest.mark.parametrize(("schedule", "devices"), [("gpipe", 1), ("gpipe", 2), ("1f1b", 2), ("varuna", 2),
                                                    ("gpipe", 4), ("1f1b", 4), ("varuna", 4)])
 def test_predict_equals_eager_eval_outputs_and_changes_nothing(schedule, devices):
-    torch.manual_seed(0)
-    model = DropoutGPT(p=0.3)
-    inputs, target = _tokens()
-    pipe = sw.compile(model, devices, (inputs,), loss_fn=lm_loss, example_target=target, microbatches=4,
-                      schedule=schedule, cost="analytic", optimizer=ADAMW)
-    pipe.step(inputs, target=target)
-    model.load_state_dict(pipe.state_dict())
-    before = _snapshot(pipe)
+    model, pipe, inputs, target, before = _stepped_once(schedule, devices)
     logits = pipe.predict(inputs)
     assert logits.device.type == "cpu" and logits.shape == (8, 16, 64)
     torch.testing.assert_close(logits, _eager_predict(model, inputs), rtol=RTOL, atol=ATOL)
