@@ -36,8 +36,11 @@ def chunks(inputs, target, microbatches: int):
     return list(zip(parts, targets, strict=True))
 
 
-def eager_train(model, batches, *, loss_fn=None, optimizer=SGD, microbatches=1, clip_grad_norm=None):
-    """Losses per step of eager training with gradient accumulation over `microbatches` slices."""
+def eager_train(model, batches, *, loss_fn=None, optimizer=SGD, microbatches=1, clip_grad_norm=None,
+                after_step=None, norms=None):
+    """Losses per step of eager training with gradient accumulation over `microbatches` slices;
+    `after_step()` runs after each update (an LR scheduler's step), and `norms` collects the
+    gradient norms clipping measured."""
     opt = optimizer(model.parameters())
     losses = []
     for inputs, target in batches:
@@ -48,8 +51,12 @@ def eager_train(model, batches, *, loss_fn=None, optimizer=SGD, microbatches=1, 
             loss.backward()
             total += loss.detach()
         if clip_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+            if norms is not None:
+                norms.append(float(norm))
         opt.step()
+        if after_step is not None:
+            after_step()
         losses.append(total)
     return losses
 

@@ -10,7 +10,7 @@ import torch
 
 import stagewise as sw
 from tests.models.gpt import TinyGPT, lm_loss
-from tests.reference import ATOL, RTOL, assert_state_equal, chunks, model_loss, token_batches
+from tests.reference import ATOL, RTOL, assert_state_equal, eager_train, token_batches
 
 LR = 1e-2
 
@@ -68,19 +68,9 @@ def eager_run(model, batches, optimizer, lr_lambda, microbatches, clip=None):
     """Losses, gradient norms and learning rates per step of eager training with the schedule."""
     opt = eager_optimizer(model, optimizer)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
-    losses, norms = [], []
-    for inputs, target in batches:
-        opt.zero_grad()
-        total = 0.0
-        for mb_inputs, mb_target in chunks(inputs, target, microbatches):
-            loss = model_loss(model, mb_inputs, mb_target, lm_loss) / microbatches
-            loss.backward()
-            total += loss.detach()
-        if clip is not None:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
-        opt.step()
-        sched.step()
-        losses.append(total)
+    norms: list[float] = []
+    losses = eager_train(model, batches, loss_fn=lm_loss, optimizer=lambda _: opt, microbatches=microbatches,
+                         clip_grad_norm=clip, after_step=sched.step, norms=norms)
     return losses, norms, opt
 
 
@@ -137,12 +127,8 @@ def test_groups_by_name_and_the_state_dict_carry_the_models_names():
     opt = torch.optim.AdamW([{**g, "params": [dict(named)[n] for n in g["params"]]} for g in by_names_groups(named)],
                             lr=LR, weight_decay=0.1, eps=1e-4)
     eager_sched = torch.optim.lr_scheduler.LambdaLR(opt, halving)
-    for (ids,), target in batches:
-        opt.zero_grad()
-        for (mb,), mb_target in chunks((ids,), target, 4):
-            (lm_loss(reference(mb), mb_target) / 4).backward()
-        opt.step()
-        eager_sched.step()
+    eager_train(reference, batches, loss_fn=lm_loss, optimizer=lambda _: opt, microbatches=4,
+                after_step=eager_sched.step)
     assert_state_equal(pipe.state_dict(), reference.state_dict())
     state = pipe.optimizer.state_dict()
     want_names = [[n for n, _ in named if "blocks" in n], [n for n, _ in named if "blocks" not in n]]
