@@ -1,25 +1,26 @@
 """The model captured once, and per microbatch count its graph with layers and cut-points.
 
-Node values, transfer shapes and the literal sizes in the stage code are per microbatch size, so
-the planner, which weighs several counts, asks for the graph at each. With `dynamic`,
-torch.export is asked once for a graph with a symbolic batch, which every size is evaluated
-from; a model that cannot keep its batch symbolic is exported again at each size
-(passes/capture.Capture). fx graphs are traced once either way. With one count known in
-advance, `dynamic=False` exports statically: about half the time of a symbolic export.
+Node values, transfer bytes and costs are per microbatch size, so the planner, which weighs several
+counts, asks for the graph at each. torch.export is asked once for a graph whose input sizes are
+symbols (batch, sequence length, image size), which every size is evaluated from and whose stage code
+then takes any shape (passes/local_sizes.py); a model that cannot keep a size symbolic is exported
+again at each size (passes/capture.Capture). fx graphs are shape-agnostic and traced once.
+`dynamic` says whether the planner weighs several counts (the profiler then probes several sizes).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
 
 from stagewise.compiler.batches import first_microbatch, split_batch
-from stagewise.ir.plan import Cut, Layer
+from stagewise.ir.plan import Cut, InputSpec, Layer
 from stagewise.passes.capture import Capture, capture
 from stagewise.passes.cutpoints import find_cuts
 from stagewise.passes.layers import build_layers
+from stagewise.passes.precision_casts import restore_casts
 
 
 @dataclass(frozen=True)
@@ -45,17 +46,18 @@ class Analysis:
     """One capture of the model (+ loss), evaluated at each microbatch count asked for, once."""
 
     def __init__(self, model: torch.nn.Module, inputs, target, loss_fn, batch: int, first_microbatches: int, *,
-                 dynamic: bool):
+                 dynamic: bool, precision: str = "fp32"):
         self.model, self.inputs, self.target, self.batch = model, inputs, target, batch
         self.dynamic = dynamic
+        self.precision = precision  # under autocast the trace's fp32 dtype checks are casts (passes/precision_casts.py)
         self.first_microbatches = first_microbatches
         self.graphs: dict[int, Analysed] = {}
         # Export at a size of at least 2 where the batch allows: export fixes a size of 1 (0/1 specialisation).
         example_m = first_microbatches
-        if dynamic and batch // first_microbatches < 2 and batch > 1:
+        if batch // first_microbatches < 2 and batch > 1:
             example_m = max(m for m in range(1, batch) if batch % m == 0 and batch // m >= 2)
         self.capture: Capture = capture(model, split_batch(inputs, example_m)[0], first_microbatch(target, example_m),
-                                        loss_fn, dynamic=dynamic)
+                                        loss_fn, dynamic=True)
 
     @property
     def tracer(self) -> str:
@@ -79,8 +81,22 @@ class Analysis:
                                      first_microbatch(self.target, microbatches))
             gm = traced.graph_module
             layers = build_layers(gm, self.model)
+            if self.precision != "fp32":
+                restore_casts(gm, layers)
             self.graphs[microbatches] = Analysed(gm, layers, find_cuts(gm, layers, size), size, traced.graph_inputs)
         return self.graphs[microbatches]
+
+    def input_specs(self, specs: tuple[InputSpec, ...]) -> tuple[InputSpec, ...]:
+        """The example's specs with the smallest size each dimension may take at run time."""
+        lowest = self.capture.lowest_sizes()
+        if lowest is None:  # the graph computes its sizes: whatever its ops take (compiler/step_shapes.py)
+            return tuple(replace(spec, lowest=(1,) * len(spec.shape) if spec.batched else spec.shape) for spec in specs)
+        return tuple(replace(spec, lowest=low if spec.batched and len(low) == len(spec.shape) else spec.shape)
+                     for spec, low in zip(specs, lowest + [()] * len(specs), strict=False))
+
+    def smallest_microbatch(self, microbatch_size: int) -> int:
+        """The fewest samples a microbatch of a step may hold (passes/capture.Capture.smallest_microbatch)."""
+        return min(microbatch_size, self.capture.smallest_microbatch(self.inputs, self.target, microbatch_size))
 
     def graph_at_size(self, size: int) -> fx.GraphModule:
         """The graph at microbatch size `size` (the profiler's probes): the example's first samples,
@@ -92,4 +108,5 @@ class Analysis:
 
         inputs = {k: rows(v) for k, v in self.inputs.items()} if isinstance(self.inputs, dict) else tuple(
             rows(v) for v in self.inputs)
-        return self.capture.at(inputs, rows(self.target)).graph_module
+        gm = self.capture.at(inputs, rows(self.target)).graph_module
+        return restore_casts(gm, build_layers(gm, self.model)) if self.precision != "fp32" else gm

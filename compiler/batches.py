@@ -1,4 +1,4 @@
-"""The minibatch the user gives: its size along dim 0, and its split into equal microbatches."""
+"""The minibatch the user gives: its size along dim 0, what `step` accepts, and its split into microbatches."""
 
 from __future__ import annotations
 
@@ -39,25 +39,61 @@ def input_specs(tensors: list[torch.Tensor]) -> tuple[InputSpec, ...]:
     return tuple(InputSpec(str(t.dtype), tuple(t.shape[1:] if t.dim() else t.shape), t.dim() > 0) for t in tensors)
 
 
-def check_step_tensors(named: dict[str, object], specs: tuple[InputSpec, ...], batch: int) -> None:
-    """Every tensor `step` got is a tensor with data, carries `batch` samples along dim 0, and has
-    the example's dtype and other sizes (`specs`, in the order of `named`; a plan saved before they
-    were recorded has none)."""
+def check_step_tensors(named: dict[str, object], specs: tuple[InputSpec, ...], microbatches: int,
+                       largest: int, smallest: int) -> int:
+    """Every tensor `step` got is a tensor with data, all carry one batch along dim 0, and each has
+    the example's dtype and sizes the stage code takes (`specs`, in the order of `named`; a plan saved
+    before they were recorded has none). The batch splits into `microbatches` of `smallest` to
+    `largest` samples (memory was planned for `largest`). Returns the batch size."""
     for name, value in named.items():
         if not isinstance(value, torch.Tensor):
             raise ExampleInputsError(f"step got a {type(value).__name__} for {name!r}; give a tensor, as in "
                                      "example_inputs / example_target")
         if value.is_meta:
             raise ExampleInputsError(f"step got {name!r} on the meta device (no data); give a tensor on 'cpu' or 'cuda'")
+    batch = _common_batch(named, specs)
+    _check_batch_size(batch, microbatches, largest, smallest)
+    for index, (name, value) in enumerate(named.items()):
+        if len(specs) == len(named):
+            _check_like_example(name, value, specs[index])
+    return batch
+
+
+def _common_batch(named: dict[str, torch.Tensor], specs: tuple[InputSpec, ...]) -> int:
+    """The dim-0 size every batched tensor shares."""
+    first: tuple[str, int] | None = None
     for index, (name, value) in enumerate(named.items()):
         spec = specs[index] if len(specs) == len(named) else None
-        batched = spec.batched if spec is not None else value.dim() > 0
-        if batched and (value.dim() == 0 or value.shape[0] != batch):
-            got = "a 0-d tensor" if value.dim() == 0 else f"a batch of {value.shape[0]}"
-            raise BatchSizeError(f"step got {got} for {name!r} but the pipeline was compiled for batches of {batch}; "
-                                 "give every input and the target the same batch along dim 0 (or recompile)")
-        if spec is not None:
-            _check_like_example(name, value, spec)
+        if not (spec.batched if spec is not None else value.dim() > 0):
+            continue
+        if value.dim() == 0:
+            raise BatchSizeError(f"step got a 0-d tensor for {name!r}, which the example had batched along dim 0; "
+                                 "give every input and the target the batch along dim 0")
+        if first is None:
+            first = (name, value.shape[0])
+        elif value.shape[0] != first[1]:
+            raise BatchSizeError(f"step got a batch of {value.shape[0]} for {name!r} but batches of {first[1]} for "
+                                 f"{first[0]!r}; give every input and the target the same batch along dim 0")
+    if first is None:
+        raise BatchSizeError("step got no batched tensor: give the inputs with the batch along dim 0")
+    return first[1]
+
+
+def _check_batch_size(batch: int, microbatches: int, largest: int, smallest: int) -> None:
+    """The batch splits into `microbatches` of `smallest` to `largest` samples (uneven: sizes differ by one)."""
+    if -(-batch // microbatches) > largest:
+        raise BatchSizeError(
+            f"step got a batch of {batch}, but the pipeline was compiled for {microbatches} microbatches of "
+            f"{largest} (a batch of at most {microbatches * largest}): its memory is planned for that; give "
+            "smaller batches, or compile with example inputs of the largest batch")
+    if batch // microbatches < smallest:
+        fixed = smallest == largest
+        reason = ("the traced graph fixed the microbatch size (torch.export could not keep it symbolic)" if fixed
+                  else f"microbatches of fewer than {smallest} samples are not covered by the traced graph")
+        raise BatchSizeError(
+            f"step got a batch of {batch}, which splits into {microbatches} microbatches of {batch // microbatches} "
+            f"or more samples, but {reason}; give a batch of {microbatches * smallest}"
+            f"{'' if fixed else ' or more'} (e.g. DataLoader(drop_last=True)), or compile with fewer microbatches")
 
 
 def _check_like_example(name: str, value: torch.Tensor, spec: InputSpec) -> None:
@@ -65,11 +101,19 @@ def _check_like_example(name: str, value: torch.Tensor, spec: InputSpec) -> None
         raise ExampleInputsError(f"step got {name!r} of dtype {value.dtype} but the example was {spec.dtype}; "
                                  f"convert it with .to({spec.dtype}) (or recompile with such examples)")
     shape = tuple(value.shape[1:] if spec.batched else value.shape)
-    if shape != spec.shape:
-        what = "sizes after the batch dimension" if spec.batched else "shape"
-        raise ExampleInputsError(f"step got {name!r} with {what} {list(shape)} but the example had {list(spec.shape)}; "
-                                 "the stages and their transfers are built for the example's sizes: pad or "
-                                 "crop to them, or recompile with examples of the new size")
+    what = "sizes after the batch dimension" if spec.batched else "shape"
+    lowest = spec.lowest or spec.shape
+    if len(shape) != len(spec.shape) or any(s > most for s, most in zip(shape, spec.shape, strict=True)):
+        raise ExampleInputsError(
+            f"step got {name!r} with {what} {list(shape)} but the example had {list(spec.shape)}: the example's "
+            "sizes are the largest the pipeline planned memory for; pad or crop to at most them, or compile with "
+            "example inputs of the largest shape")
+    if any(s < least for s, least in zip(shape, lowest, strict=True)):
+        fixed = [i for i, (least, most) in enumerate(zip(lowest, spec.shape, strict=True)) if least == most]
+        raise ExampleInputsError(
+            f"step got {name!r} with {what} {list(shape)} but the traced graph takes at least {list(lowest)}"
+            + (f" (it fixed the sizes of dimension(s) {[i + 1 for i in fixed]} at the example's)" if fixed else "")
+            + "; pad to them")
 
 
 def check_microbatches(batch: int, microbatches: int) -> None:
@@ -85,16 +129,17 @@ def check_microbatches(batch: int, microbatches: int) -> None:
 
 
 def split_batch(inputs, microbatches: int) -> list:
-    """The minibatch's inputs as `microbatches` equal slices along dim 0, in the same form."""
+    """The minibatch's inputs as `microbatches` slices along dim 0, in the same form: equal where the
+    batch divides, else the first `batch % microbatches` one sample larger (torch.tensor_split)."""
     if isinstance(inputs, dict):
-        chunks = {k: v.chunk(microbatches) if v.dim() else [v] * microbatches for k, v in inputs.items()}
+        chunks = {k: v.tensor_split(microbatches) if v.dim() else [v] * microbatches for k, v in inputs.items()}
         return [{k: c[i] for k, c in chunks.items()} for i in range(microbatches)]
-    chunks = [v.chunk(microbatches) if v.dim() else [v] * microbatches for v in inputs]
+    chunks = [v.tensor_split(microbatches) if v.dim() else [v] * microbatches for v in inputs]
     return [tuple(c[i] for c in chunks) for i in range(microbatches)]
 
 
 def first_microbatch(target, microbatches: int):
     """The first of `microbatches` slices of the target (a scalar or None is every microbatch's)."""
     if isinstance(target, torch.Tensor) and target.dim() > 0:
-        return target.chunk(microbatches)[0]
+        return target.tensor_split(microbatches)[0]
     return target

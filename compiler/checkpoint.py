@@ -53,7 +53,7 @@ class _Saved:
     plan: Plan
     settings: dict  # runtime.pt: the optimizer factory, clip_grad_norm, the swapped stages
     states: dict[int, dict]  # stage index -> its stage_<i>.pt (attrs, optimizer state), this process's stages
-    modules: list[fx.GraphModule | None]  # per stage; None for another rank's
+    modules: list[fx.GraphModule | None]  # per stage; another rank's on the meta device
     unheld: dict[str, torch.Tensor]  # unused.pt: state no stage holds
 
 
@@ -74,6 +74,8 @@ def load(directory) -> Pipeline:
     for worker in runtime.workers:
         worker.load_optimizer_state(saved.states[worker.stage.index]["optimizer"])
     runtime.executor.iteration = saved.settings.get("step", 0)  # random draws go on where they were saved
+    if runtime.executor.scaler is not None and saved.settings.get("loss_scaler") is not None:
+        runtime.executor.scaler.load_state_dict(saved.settings["loss_scaler"])  # fp16's scale goes on
     pipe = Pipeline(saved.plan, runtime, unheld=saved.unheld)
     pipe.resumed = TrainingState.from_settings(saved.settings)
     pipe.loss_reduction = saved.settings.get("loss_reduction")  # checked against the loaded plan
@@ -102,7 +104,7 @@ def _read_on_every_rank(root: Path, context: DistributedContext) -> _Saved:
 
 def _read(root: Path, rank: int | None) -> _Saved:
     """The checkpoint under `root`, every file checked against its marker; under torch.distributed
-    only the stages of device `rank` (the Pipeline keeps only this rank's stages)."""
+    the weights and optimizer state only of device `rank`'s stages (the others' code on the meta device)."""
     root = _recovered(root)
     files = read_marker(root)
     plan = _parse(root, "plan.json", files, lambda data: Plan.from_json(data.decode()))
@@ -111,14 +113,15 @@ def _read(root: Path, rank: int | None) -> _Saved:
     states: dict[int, dict] = {}
     modules: list[fx.GraphModule | None] = []
     for s in plan.stages:
-        if rank is not None and s.device != rank:
-            modules.append(None)
-            continue
-        states[s.index] = _parse(root, f"stage_{s.index}.pt", files, _unpickle)
+        local = rank is None or s.device == rank
+        # another rank's stage: its code on the meta device, for the shapes of a step (compiler/step_shapes.py)
+        state = _parse(root, f"stage_{s.index}.pt", files, _unpickle if local else _unpickle_on_meta)
+        if local:
+            states[s.index] = state
         source = f"stage_{s.index}.py"
         read_checked(root, source, files)
         try:
-            modules.append(load_stage(str(root / source), f"Stage{s.index}", states[s.index]["attrs"]))
+            modules.append(load_stage(str(root / source), f"Stage{s.index}", state["attrs"]))
         except Exception as error:  # noqa: BLE001 - any failure of a whole file: this stagewise cannot use it
             raise _unusable(root / source, error) from error
     unheld = _parse(root, "unused.pt", files, _unpickle) if "unused.pt" in files else {}
@@ -151,6 +154,10 @@ def _parse(root: Path, name: str, files: dict[str, FileRecord], parse: Callable[
 
 def _unpickle(data: bytes):
     return torch.load(io.BytesIO(data), weights_only=False, map_location="cpu")
+
+
+def _unpickle_on_meta(data: bytes):
+    return torch.load(io.BytesIO(data), weights_only=False, map_location="meta")
 
 
 def _unusable(path: Path, error: Exception) -> CheckpointError:

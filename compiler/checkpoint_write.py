@@ -122,7 +122,8 @@ def _runtime_settings(runtime: Runtime, swapped: set[int], training: dict) -> by
     what `pipe.save` was given for the training loop."""
     return _serialised(
         {"optimizer": runtime.optimizer_factory, "clip_grad_norm": runtime.clip_grad_norm, "swapped": frozenset(swapped),
-         "step": runtime.executor.iteration, **training}
+         "step": runtime.executor.iteration, **training,
+         "loss_scaler": None if runtime.executor.scaler is None else runtime.executor.scaler.state_dict()}
     )
 
 

@@ -29,20 +29,23 @@ from stagewise.passes.profile import LayerProfile, costs_at, profile_layers
 class LayerCostModel:
     """Per-layer costs at a microbatch size, from one profile (or analytic model) of the first graph."""
 
-    def __init__(self, cost_model: str, analysis: Analysis, device: Device, optimizer_ratio: float):
+    def __init__(self, cost_model: str, analysis: Analysis, device: Device, optimizer_ratio: float,
+                 precision: str = "fp32"):
         self.cost_model, self.analysis, self.device, self.optimizer_ratio = cost_model, analysis, device, optimizer_ratio
+        self.precision = precision  # layers are costed under its autocast
 
     @functools.cached_property
     def profiles(self) -> list[LayerProfile]:
         first = self.analysis.first
         if self.cost_model == "analytic":
             return analytic_layers(first.graph, first.layers, first.microbatch_size, self.device,
-                                   optimizer_state_factor=self.optimizer_ratio)
+                                   optimizer_state_factor=self.optimizer_ratio, precision=self.precision)
         return profile_layers(first.graph, first.layers, self.device, traced_microbatch=first.microbatch_size,
                               quiet=not sys.stderr.isatty(), optimizer_state_factor=self.optimizer_ratio,
                               # several sizes matter only to a planner that weighs several counts; a static
                               # export would be exported again for each
-                              graph_at=self.analysis.graph_at_size if self.analysis.dynamic else None)
+                              graph_at=self.analysis.graph_at_size if self.analysis.dynamic else None,
+                              precision=self.precision)
 
     def at(self, microbatch_size: int) -> list[LayerCost]:
         return costs_at(self.profiles, microbatch_size)
@@ -72,7 +75,7 @@ def measure_costs(request: CompileRequest, analysis: Analysis) -> Costs:
     options = request.options
     # no optimizer state on the devices when the optimizer steps on the host
     optimizer_ratio = 0.0 if options.optimizer_on_host else optimizer_state_ratio(options.optimizer)
-    layers = LayerCostModel(options.cost, analysis, devices[0], optimizer_ratio)
+    layers = LayerCostModel(options.cost, analysis, devices[0], optimizer_ratio, options.precision)
     layers.at(analysis.first.microbatch_size)
     return Costs(layers, runtime_costs(request, analysis, layers), topology, optimizer_ratio)
 

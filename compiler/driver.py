@@ -15,6 +15,7 @@ from stagewise.compiler.pipeline import Compiled, Pipeline
 from stagewise.ir.devices import format_bytes
 from stagewise.ir.errors import CapacityError, ExampleInputsError, LossError, OptionError
 from stagewise.ir.plan import Plan
+from stagewise.ir.precision import LossScaling, check_precision
 from stagewise.passes.capture import input_names
 from stagewise.passes.shared import unheld_state
 
@@ -38,35 +39,30 @@ def compile(  # noqa: A001 - the public name of the API
     stages: int | str | None = None,
     optimizer_on_host: bool = False,
     seed: int | None = None,
+    precision: str | LossScaling = "fp32",
 ) -> Pipeline:
     """Compile `model` into a pipeline over `devices` that trains exactly like eager training.
 
-    With `schedule="auto"` and `microbatches=None` the planner simulates candidate plans and
-    keeps the fastest that fits every device's memory. `cost`: "profile" measures each layer
-    on this machine (cached on disk), "analytic" derives times from FLOPs and the devices'
-    peak rates. `swap`: "auto" swaps state (weights, gradients, optimizer state) to host memory
-    only where a device's capacity requires it, "on" forces Harmony-style swapping of state,
-    "per-device" the per-GPU baseline, "off" never swaps anything. Stashed activations (what
-    autograd keeps from a microbatch's forward for its backward) go to host memory between the
-    two where a device cannot hold the stashes its schedule keeps in flight beside its state, in
-    every mode but "off"; "all" is "on" plus swapping every stage's stashed activations
-    (Harmony's sX; the least device memory, the most host traffic; a stash whose backward is the
-    device's next task stays). `replicas`: data-parallel copies of the pipeline (P x D, P =
-    devices / replicas); "auto" simulates every D that divides the devices and the microbatch count
-    (Varuna §4.4). A tuple replicates each stage its own number of ways (PipeDream §2.4.1:
-    `replicas=(2, 1)` runs stage 0 on two devices, each on half the microbatches); "per-stage" lets
-    PipeDream's DP choose each stage's replication where the simulator predicts it faster.
-    `stages`: the depth P of a gpipe / 1f1b / varuna pipeline (default: every device, N / D); fewer
-    leaves devices idle; "auto" lets the planner simulate every depth from 1 and keep the fastest
-    (PipeDream's planner may use fewer workers, §2.4.1): in-process CPU devices that share fewer
-    cores than there are devices run fewer, larger stages faster. `loss_reduction`: sw.TokenMean (README).
-    `optimizer_on_host`: run the optimizer step on the host (Harmony's CPU update, ZeRO-Offload):
-    each update copies the stage's gradients to host memory, steps fp32 master weights there with
-    the optimizer state kept beside them, and copies the weights back to the device, so no device
-    ever holds optimizer state and its memory goes to weights, gradients and activations.
-    `seed`: what random ops (dropout) draw by: each op's masks come from a stream keyed by (seed,
-    step, op, microbatch), the same in a recompute and whatever the plan; None takes
-    `torch.initial_seed()`, so `torch.manual_seed` before compile makes runs reproducible.
+    `example_inputs` (and `example_target`) are a batch of the largest shape steps will give: memory is
+    planned for it; smaller batches (uneven microbatches), shorter sequences and smaller images train
+    on the same pipeline. With `schedule="auto"` and `microbatches=None` the planner simulates
+    candidate plans and keeps the fastest that fits every device's memory. `cost`: "profile"
+    measures each layer on this machine (cached on disk), "analytic" derives times from FLOPs and
+    the devices' peak rates. `swap`: "auto" swaps state (weights, gradients, optimizer state) to host
+    memory only where a device's capacity requires it, "on" forces Harmony-style swapping of state,
+    "per-device" the per-GPU baseline, "off" never swaps anything; stashed activations go to host
+    memory between forward and backward where a device cannot hold them (every mode but "off");
+    "all" is "on" plus every stage's stashes (Harmony's sX). `replicas`: data-parallel copies of the
+    pipeline (P x D); "auto" simulates every D that divides the devices and the microbatch count
+    (Varuna §4.4); a tuple replicates each stage its own number of ways (PipeDream §2.4.1), and
+    "per-stage" lets PipeDream's DP choose. `stages`: the depth P of a gpipe / 1f1b / varuna
+    pipeline (default N / D); "auto" simulates every depth from 1. `loss_reduction`: sw.TokenMean /
+    sw.SampleMean (README). `optimizer_on_host`: the optimizer steps fp32 masters in host memory
+    (Harmony's CPU update, ZeRO-Offload), so no device holds optimizer state. `seed`: random ops
+    draw from streams keyed by (seed, step, op, microbatch); None takes `torch.initial_seed()`.
+    `precision`: "fp32", "bf16" (stage forwards under torch.autocast, fp32 weights, gradients,
+    optimizer state and reductions) or "fp16" (the same with dynamic loss scaling, sw.LossScaling:
+    a step whose gradients overflow on any stage is skipped on every stage). README has the rest.
     """
     _check_arguments(model, split_points, example_inputs, loss_fn, loss_reduction)
     options = CompileOptions(loss_fn=loss_fn, example_target=example_target,
@@ -74,7 +70,8 @@ def compile(  # noqa: A001 - the public name of the API
                              microbatches=microbatches, schedule=schedule, cost=cost,
                              split_points=None if split_points is None else tuple(split_points),
                              clip_grad_norm=clip_grad_norm, swap=swap, replicas=replicas, stages=stages,
-                             optimizer_on_host=optimizer_on_host, seed=seed)
+                             optimizer_on_host=optimizer_on_host, seed=seed, precision=check_precision(precision),
+                             loss_scaling=precision if isinstance(precision, LossScaling) else None)
     ctx = CompileContext(CompileRequest.make(model, devices, example_inputs, options))
     _run_checked(ctx)
     compiled = Compiled(after(ctx.choice, "plan").sim_cost, ctx.seconds, loss_reduction)

@@ -67,7 +67,7 @@ class Evaluation:
         """One forward-only pass in eval mode: its mean loss, and what `collect` read from the workers
         after it (their outputs, before they are cleared)."""
         training_executor.settle()
-        swapped = [w.stage.index for w in self.workers if w.swapped]
+        swapped = self._swapped_stages()
         if swapped:
             raise ModeError(f"evaluate cannot run stages {swapped} yet: their weights live in host memory between "
                             "uses (swapping); compile with swap='off' or more device memory to evaluate")
@@ -90,12 +90,19 @@ class Evaluation:
             pool.restore(ledger)
         return loss, collected
 
+    def _swapped_stages(self) -> list[int]:
+        """Every stage that swaps, of every rank (the plan's), so that under torch.distributed every
+        rank refuses alike instead of the others waiting for the one that refused."""
+        local = {w.stage.index for w in self.workers if w.swapped}
+        return sorted(local.union(self.plan.costs.swapped if self.plan.costs is not None else ()))
+
     def _forward_executor(self, training_executor: StreamExecutor) -> StreamExecutor:
         if self._executor is None:
             local = {p.device for p in training_executor.programs}
             programs = tuple(p for p in forward_only_programs(self.plan) if p.device in local)
             self._executor = StreamExecutor(programs, self.workers, self.transport, None,
-                                            training_executor.device_of, opportunistic=False, seed=self.plan.seed)
+                                            training_executor.device_of, opportunistic=False, seed=self.plan.seed,
+                                            precision=self.plan.precision)
             self._executor.loss_weights = training_executor.loss_weights  # the feed sets the step's weights
         return self._executor
 

@@ -8,8 +8,10 @@ optimizers). Hyper-parameters set on the view's groups (what every `torch.optim.
 does to 'lr') reach every stage's group of the same index before the pipeline's next update
 (`push_hyperparameters`, called by `Pipeline.step`). `state_dict` gathers the stages' states
 keyed by the model's names; `load_state_dict` hands each stage its part. Under torch.distributed
-a rank holds only its stages: the view then steers their hyper-parameters, but its state_dict
-and load_state_dict raise (use `pipe.save` / `sw.load`).
+a rank holds only its stages: its view's groups hold those, and steer their hyper-parameters;
+`state_dict` and `load_state_dict` are collectives every rank calls (as `pipe.state_dict`): the
+ranks gather the parameters' names of every group, and for `state_dict` their states, so every
+rank returns, and takes, the whole model's optimizer state as one process would.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import copy
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
+import torch.distributed as dist
 
 from stagewise.compiler.state_dict import model_name
 from stagewise.ir.errors import OptionError, StateDictError
@@ -38,6 +41,7 @@ class PipelineOptimizer(torch.optim.Optimizer):
         if not self._stages:
             raise OptionError("this pipeline (or this rank) holds no trainable parameter: there is no optimizer")
         self._names = {id(p): model_name(plan, n) for w in self._stages for n, p in w.params.items()}
+        self._position = {n: i for i, n in enumerate(plan.state_names)}  # the model's order
         counts = {len(_optimizer(w).param_groups) for w in self._stages}
         if len(counts) != 1:
             raise OptionError(f"the stages' optimizers have {sorted(counts)} parameter groups: the optimizer factory "
@@ -53,8 +57,7 @@ class PipelineOptimizer(torch.optim.Optimizer):
                         seen.add(name)
                         params.append(param)
                         names.append(name)
-            position = {n: i for i, n in enumerate(plan.state_names)}
-            order = sorted(range(len(names)), key=lambda i: position.get(names[i], len(position)))  # the model's
+            order = sorted(range(len(names)), key=lambda i: self._ordered(names[i]))
             params, names = [params[i] for i in order], [names[i] for i in order]
             hyper = {k: v for k, v in _optimizer(self._stages[0]).param_groups[index].items() if k not in _OWN_KEYS}
             groups.append({"params": params, "param_names": names, **hyper})
@@ -90,8 +93,7 @@ class PipelineOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         """{'state': {model name: {key: value}}, 'param_groups': [{hyper-parameters..., 'param_names'}]},
-        on the CPU."""
-        self._check_one_process("state_dict")
+        on the CPU; under torch.distributed every rank calls it and gets the whole model's."""
         self._settle(broken_ok=True)
         state: dict[str, dict] = {}
         for worker in self._stages:
@@ -99,15 +101,29 @@ class PipelineOptimizer(torch.optim.Optimizer):
             order = [p for group in _optimizer(worker).param_groups for p in group["params"]]
             for index, values in saved["state"].items():
                 state.setdefault(self._names[id(order[index])], values)
-        groups = [{**{k: copy.deepcopy(v) for k, v in g.items() if k not in _OWN_KEYS},
-                   "param_names": list(g["param_names"])} for g in self.param_groups]
+        names = [list(g["param_names"]) for g in self.param_groups]
+        if self._distributed:
+            parts: list = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, (state, names))
+            state = {}
+            for part_state, _ in parts:  # a tied parameter: its first holder stands for it, as in one process
+                for name, values in part_state.items():
+                    state.setdefault(name, values)
+            names = self._merged([part_names for _, part_names in parts])
+        groups = [{**{k: copy.deepcopy(v) for k, v in g.items() if k not in _OWN_KEYS}, "param_names": group_names}
+                  for g, group_names in zip(self.param_groups, names, strict=True)]
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore what `state_dict` returned (of this model, with the same groups): each stage gets
-        its parameters' state and the groups' hyper-parameters."""
-        self._check_one_process("load_state_dict")
-        groups = _checked_groups(state_dict, self.param_groups)
+        its parameters' state and the groups' hyper-parameters. Under torch.distributed every rank
+        calls it with the same state_dict."""
+        names = [list(g["param_names"]) for g in self.param_groups]
+        if self._distributed:
+            parts: list = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, names)
+            names = self._merged(parts)
+        groups = _checked_groups(state_dict, names)
         self._settle(broken_ok=True)
         for worker in self._stages:
             order = [p for group in _optimizer(worker).param_groups for p in group["params"]]
@@ -121,10 +137,13 @@ class PipelineOptimizer(torch.optim.Optimizer):
         for saved, group in zip(groups, self.param_groups, strict=True):
             group.update({k: copy.deepcopy(v) for k, v in saved.items() if k not in _OWN_KEYS})
 
-    def _check_one_process(self, what: str) -> None:
-        if self._distributed:
-            raise OptionError(f"pipe.optimizer.{what}() under torch.distributed is not supported (each rank holds only "
-                              "its own stages' state): use pipe.save(directory) and stagewise.load(directory)")
+    def _ordered(self, name: str) -> int:
+        return self._position.get(name, len(self._position))
+
+    def _merged(self, parts: list[list[list[str]]]) -> list[list[str]]:
+        """Every rank's names of each group as one list per group, in the model's order."""
+        return [sorted({n for part in parts for n in part[index]}, key=self._ordered)
+                for index in range(len(self.param_groups))]
 
 
 class _StageStates(Mapping):
@@ -159,13 +178,12 @@ def _optimizer(worker: StageWorker) -> torch.optim.Optimizer:
     return worker.optimizer
 
 
-def _checked_groups(state_dict: object, groups: list[dict]) -> list[dict]:
+def _checked_groups(state_dict: object, want: list[list[str]]) -> list[dict]:
     """The saved groups, if `state_dict` is one of this model's optimizer (StateDictError if not)."""
     if not isinstance(state_dict, Mapping) or set(state_dict) != {"state", "param_groups"}:
         raise StateDictError("pipe.optimizer.load_state_dict takes what pipe.optimizer.state_dict() returned: a dict "
                              "with 'state' (by parameter name) and 'param_groups'")
     saved = state_dict["param_groups"]
-    want = [list(g["param_names"]) for g in groups]
     got = [list(g.get("param_names", [])) for g in saved]
     if got != want:
         raise StateDictError(f"the optimizer state_dict's groups name parameters {got[:2]}... but this pipeline's are "

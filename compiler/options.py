@@ -22,8 +22,10 @@ from stagewise.ir.errors import (
     OptionError,
     OversubscribedWarning,
     PlanError,
+    PrecisionError,
 )
 from stagewise.ir.plan import DeviceSpec, InputSpec
+from stagewise.ir.precision import LossScaling, check_precision
 from stagewise.passes.capture import input_names
 from stagewise.passes.contention import available_cores, computes_at_full_speed
 from stagewise.passes.layout import PER_STAGE
@@ -52,6 +54,8 @@ class CompileOptions:
     stages: int | str | None = None
     optimizer_on_host: bool = False
     seed: int | None = None
+    precision: str = "fp32"  # checked by ir/precision.py check_precision before
+    loss_scaling: LossScaling | None = None  # fp16's (LossScaling() unless given)
 
     def __post_init__(self) -> None:
         if isinstance(self.replicas, list):  # replicas=[2, 1] reads as (2, 1)
@@ -60,6 +64,7 @@ class CompileOptions:
         _check_optimizer(self.optimizer)
         _check_scalars(self)
         _check_layout(self)
+        _check_precision(self)
 
     @property
     def searched(self) -> bool:
@@ -68,6 +73,11 @@ class CompileOptions:
             return False
         return ("auto" in (self.replicas, self.stages) or self.replicas == PER_STAGE or self.schedule == "auto"
                 or self.microbatches is None)
+
+    @property
+    def reduces_grad_norm(self) -> bool:
+        """Whether every update waits for the global gradient norm: to clip, or as fp16's overflow check."""
+        return self.clip_grad_norm is not None or self.precision == "fp16"
 
     @property
     def dynamic(self) -> bool:
@@ -161,6 +171,32 @@ def _check_layout(options: CompileOptions) -> None:
         raise PlanError(f"stages must be a positive int, 'auto' or None (every device), got {stages!r}")
 
 
+def _check_precision(options: CompileOptions) -> None:
+    """A known precision; loss scaling only where fp16 needs it."""
+    if check_precision(options.precision) != options.precision:
+        raise PrecisionError(f"precision={options.precision!r}: give the name, 'fp16', and the LossScaling apart")
+    if options.loss_scaling is not None and (options.precision != "fp16"
+                                             or not isinstance(options.loss_scaling, LossScaling)):
+        raise PrecisionError(f"loss_scaling={options.loss_scaling!r} is for precision 'fp16' only (bf16 has fp32's "
+                             "range and needs none); pass precision=sw.LossScaling(...) for fp16 with your settings")
+
+
+def _check_model_precision(model: torch.nn.Module, precision: str, devices: list[Device]) -> None:
+    """bf16 / fp16 train fp32 master weights under autocast, on devices torch's autocast supports."""
+    if precision == "fp32":
+        return
+    for name, param in model.named_parameters():
+        if param.dtype != torch.float32:
+            raise PrecisionError(
+                f"precision={precision!r} keeps fp32 master weights and casts them under torch.autocast, but the "
+                f"model's {name!r} is {param.dtype}: compile model.float() (the masters; autocast computes in "
+                f"{precision}), or precision='fp32' to train the {param.dtype} weights as they are")
+    for device in devices:
+        if not torch.amp.is_autocast_available(device.torch_device.type):
+            raise PrecisionError(f"torch.autocast does not run on {device.torch_device.type!r} devices "
+                                 f"({device.name}); use precision='fp32' there")
+
+
 def _valid_replicas(replicas: object) -> bool:
     """A count D of whole pipelines, 'auto', 'per-stage', or a count per stage."""
     def positive(n: object) -> bool:
@@ -195,6 +231,7 @@ class CompileRequest:
         if isinstance(options.optimizer, ParamGroups):
             check_param_groups(options.optimizer, model)
         resolved = resolve_devices(devices)
+        _check_model_precision(model, options.precision, resolved)
         distributed = distributed_context()
         _warn_if_oversubscribed(_sharing_cpu_devices(resolved, distributed))
         names, kind = input_names(model, example_inputs)

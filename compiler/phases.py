@@ -28,7 +28,8 @@ def capture(ctx: CompileContext) -> None:
     """Trace (fx) or export the model with its loss, once: `ctx.analysis`."""
     request, options = ctx.request, ctx.request.options
     ctx.analysis = Analysis(request.model, request.example_inputs, options.example_target, options.loss_fn,
-                            request.batch, request.first_microbatches, dynamic=options.dynamic)
+                            request.batch, request.first_microbatches, dynamic=options.dynamic,
+                            precision=options.precision)
 
 
 def analyse(ctx: CompileContext) -> None:
@@ -58,9 +59,11 @@ def plan(ctx: CompileContext) -> None:
         input_names=request.input_names,
         input_kind=request.input_kind,
         target_name=analysis.target_name,
-        input_specs=request.input_specs,
+        input_specs=analysis.input_specs(request.input_specs),
+        smallest_microbatch=analysis.smallest_microbatch(graph.microbatch_size),
         seed=request.seed,
         training=request.model.training,
+        precision=request.options.precision,
         graph_inputs=graph.graph_inputs,
         microbatches=chosen.microbatches,
         microbatch_size=graph.microbatch_size,
@@ -95,7 +98,7 @@ def runtime(ctx: CompileContext) -> None:
     """Memory pools, transport, stage workers and executor for this process: `ctx.runtime`."""
     options = ctx.request.options
     ctx.runtime = start_runtime(after(ctx.plan, "plan"), after(ctx.modules, "codegen"), options.optimizer,
-                                options.clip_grad_norm, after(ctx.choice, "plan").plan.swaps.stages)
+                                options.clip_grad_norm, after(ctx.choice, "plan").plan.swaps.stages, options.loss_scaling)
 
 
 PHASES: tuple[Callable[[CompileContext], None], ...] = (capture, analyse, cost, plan, codegen, runtime)

@@ -11,13 +11,15 @@ import torch.fx as fx
 from stagewise.compiler.batches import check_step_tensors, split_batch
 from stagewise.compiler.checkpoint_write import save
 from stagewise.compiler.evaluation import Evaluation
-from stagewise.compiler.loss_reduction import LossReduction, check_loss_reduction, loss_weights
+from stagewise.compiler.loss_reduction import LossReduction, check_loss_reduction
 from stagewise.compiler.optimizer_view import PipelineOptimizer
 from stagewise.compiler.prediction import predict
 from stagewise.compiler.runtime_setup import Runtime
 from stagewise.compiler.state_dict import IncompatibleKeys, aliases_of, check_state_dict
+from stagewise.compiler.step_inputs import prepare_batch
+from stagewise.compiler.step_shapes import StepShapes, TransferSpecs
 from stagewise.compiler.training_state import TrainingState, resume_scheduler, training_state
-from stagewise.ir.errors import BatchSizeError, ExampleInputsError, ModeError
+from stagewise.ir.errors import ExampleInputsError, ModeError, PrecisionError
 from stagewise.ir.instructions import Stream
 from stagewise.ir.plan import Plan, SharedTensor
 from stagewise.ir.program import Program
@@ -27,6 +29,7 @@ from stagewise.runtime.distributed import DistributedTransport
 from stagewise.runtime.executor import DEFAULT_TIMEOUT_S, StreamExecutor
 from stagewise.runtime.launch import DistributedContext
 from stagewise.runtime.pool import MemoryPool
+from stagewise.runtime.precision import enclosing_autocast
 from stagewise.runtime.transport import LocalTransport
 from stagewise.runtime.worker import StageWorker
 
@@ -58,6 +61,8 @@ class Pipeline:
         self._optimizer: PipelineOptimizer | None = None  # made when first asked for
         self.resumed = TrainingState()  # a loaded pipeline's: the saved scheduler state and `extra`
         self.evaluation = Evaluation(plan, runtime.workers, runtime.pools, runtime.transport)
+        self.step_shapes = StepShapes(plan, runtime.stage_modules, runtime.stage_states,
+                                      [pool.device for pool in runtime.pools])
         self._loss_reduction: LossReduction | None = None
         self.loss_reduction = compiled.loss_reduction if compiled is not None else None  # checked
 
@@ -128,6 +133,16 @@ class Pipeline:
         self._loss_reduction = reduction
 
     @property
+    def loss_scale(self) -> float | None:
+        """fp16's current loss scale (runtime/precision.py); None in fp32 and bf16."""
+        return None if self.executor.scaler is None else self.executor.scaler.scale
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last step's fp16 gradients overflowed, so no stage updated (the scale backed off)."""
+        return self.executor.last_step_skipped
+
+    @property
     def last_grad_norm(self) -> float | None:
         """The global gradient norm of the last step, before clipping (as clip_grad_norm_ returns
         it); None without clip_grad_norm."""
@@ -186,6 +201,7 @@ class Pipeline:
         if not torch.is_grad_enabled():
             raise ModeError("step trains (gradients and an update) but was called under torch.no_grad() or "
                             "inference_mode: call pipe.evaluate(...) for the loss without training")
+        _refuse_enclosing_autocast("step")
         if self._optimizer is not None:
             self._optimizer.push_hyperparameters()
         loss = self.executor.run(self.plan.microbatches, feed=self._checked_feed(args, target, kwargs))
@@ -196,6 +212,7 @@ class Pipeline:
     def evaluate(self, *args, target=None, **kwargs) -> torch.Tensor:
         """The mean loss over the microbatches (as `step` returns it) of a forward-only pass in eval mode:
         no gradient, nothing updated, no step counted; the mode `step` trains in is kept."""
+        _refuse_enclosing_autocast("evaluate")
         return self.evaluation.evaluate(self.plan.microbatches, self._checked_feed(args, target, kwargs), self.executor)
 
     def predict(self, *args, **kwargs) -> torch.Tensor:
@@ -203,7 +220,8 @@ class Pipeline:
         without target=: every microbatch's, concatenated along dim 0, on the CPU. Nothing is updated
         or counted. Known for a model compiled with loss_fn (compiler/prediction.py), else PredictError."""
         inputs = self._inputs(args, kwargs)
-        check_step_tensors(inputs, self.plan.input_specs[:len(inputs)], self.plan.microbatches * self.plan.microbatch_size)
+        check_step_tensors(inputs, self.plan.input_specs[:len(inputs)], self.plan.microbatches,
+                           self.plan.microbatch_size, self.plan.smallest_microbatch or self.plan.microbatch_size)
         pieces = [{n: v for n, v in zip(self.plan.graph_inputs, piece.values(), strict=False)}
                   for piece in split_batch(inputs, self.plan.microbatches)]
         if self.plan.target_name is not None:
@@ -222,13 +240,6 @@ class Pipeline:
     def _feeder(self, args, target, kwargs):
         """What feeds the workers a minibatch's microbatches, its inputs checked as `step` takes them."""
         inputs = self._inputs(args, kwargs)
-        m = self.plan.microbatches
-        first = next(iter(inputs.values()))
-        if first.dim() > 0 and first.shape[0] != m * self.plan.microbatch_size:
-            raise BatchSizeError(
-                f"step got a batch of {first.shape[0]} but the pipeline was compiled for {m} microbatches of "
-                f"{self.plan.microbatch_size} ({m * self.plan.microbatch_size}); recompile for the new size"
-            )
         if self.plan.target_name is not None:
             if target is None:
                 raise ExampleInputsError("this pipeline was compiled with loss_fn: call step(..., target=targets)")
@@ -236,12 +247,8 @@ class Pipeline:
         elif target is not None:
             raise ExampleInputsError("step got target= but the pipeline was compiled without loss_fn (the model "
                                      "returns its loss): drop target=, or recompile with loss_fn and example_target")
-        check_step_tensors(inputs, self.plan.input_specs, m * self.plan.microbatch_size)
-        node_names = dict(zip(self.plan.input_names + (self.plan.target_name,), self.plan.graph_inputs, strict=False))
-        split = split_batch(inputs, m)
-        weights = None if self.loss_reduction is None else loss_weights(self.loss_reduction, split, self.plan.target_name)
-        pieces = [{node_names[k]: v for k, v in piece.items()} for piece in split]
-        return lambda: self._feed(pieces, weights)
+        prepared = prepare_batch(self.plan, self.step_shapes, inputs, self.loss_reduction)
+        return lambda: self._feed(prepared.pieces, prepared.weights, prepared.transfer_specs)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The trained state under every key of the original model's state_dict, in its order (tied
@@ -334,10 +341,13 @@ class Pipeline:
                                          f"{name!r} is a {type(value).__name__}")
         return inputs
 
-    def _feed(self, pieces: list[dict[str, torch.Tensor]], weights: tuple[float, ...] | None = None) -> None:
-        """Give each worker its inputs of every microbatch it runs (a failed step clears them), and the
-        executors each microbatch's loss weight (None: 1 / microbatches)."""
+    def _feed(self, pieces: list[dict[str, torch.Tensor]], weights: tuple[float, ...] | None = None,
+              transfer_specs: TransferSpecs | None = None) -> None:
+        """Give each worker its inputs of every microbatch it runs (a failed step clears them), the
+        executors each microbatch's loss weight (None: 1 / microbatches), and the transport the sizes
+        of what is sent where they are not the plan's (compiler/step_shapes.py)."""
         self.executor.loss_weights.weights = weights
+        self.transport.transfer_specs = transfer_specs
         for worker in self.workers:
             for mb, piece in enumerate(pieces):
                 if worker.stage.microbatches and mb not in worker.stage.microbatches:
@@ -353,3 +363,12 @@ class Pipeline:
             for name, tensor in worker.state_tensors().items():
                 found.setdefault(name, tensor)
         return found
+
+
+def _refuse_enclosing_autocast(call: str) -> None:
+    """torch.autocast around a call would be ignored (the stages compute on threads of their own)."""
+    kind = enclosing_autocast()
+    if kind is not None:
+        raise PrecisionError(f"pipe.{call} was called under torch.autocast({kind!r}), which the pipeline's stage "
+                             "threads do not see; compile with precision='bf16' (or 'fp16') instead, and call "
+                             f"{call} outside autocast")

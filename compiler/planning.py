@@ -112,7 +112,7 @@ class PlanBuilder:
                                                  self.costs.topology)
             starts, stage_devices = self.partitions[key]
         plan = assemble(graph.graph, graph.layers, graph.cuts, graph.microbatch_size, name, m, starts, stage_devices, layout,
-                        options.swap, request.capacities, options.clip_grad_norm is not None, self.costs.state_ratio,
+                        options.swap, request.capacities, options.reduces_grad_norm, self.costs.state_ratio,
                         optimizer_on_host=options.optimizer_on_host,
                         stash_bytes=[c.stash_bytes for c in layer_costs], built=self.built,
                         replica_devices=replica_devices, grad_bytes=[c.grad_bytes for c in layer_costs])

@@ -4,12 +4,15 @@ forward-only pass in eval mode, through the evaluation's executor (compiler/eval
 Each stage that computes the marked value runs a copy of its graph that also returns it, and each
 last stage a copy that returns a zero instead of the loss, with what only the loss needed left out,
 so no target is fed. The copies share the stage's parameters, buffers and leaves; the stages' own
-modules are back in place afterwards, so training programs and code are untouched.
+modules are back in place afterwards, so training programs and code are untouched. Under
+torch.distributed every rank calls it (as `evaluate`): the ranks holding the output send it to
+every rank, which returns the whole batch's.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 
 from stagewise.compiler.evaluation import Evaluation
@@ -26,10 +29,9 @@ UNKNOWN = ("pipe.predict needs the model's output as a value of the traced graph
 
 def predict(evaluation: Evaluation, microbatches: int, feed, training_executor: StreamExecutor) -> torch.Tensor:
     """The model's outputs of every microbatch, concatenated along dim 0, on the CPU."""
-    if isinstance(evaluation.transport, DistributedTransport):
-        raise PredictError("pipe.predict runs in one process; under torchrun call pipe.evaluate, or predict eagerly")
     copies = [_predict_module(w.module, w.is_last) for w in evaluation.workers]
-    if not any(holds for _, holds in copies):
+    distributed = isinstance(evaluation.transport, DistributedTransport)
+    if not distributed and not any(holds for _, holds in copies):
         raise PredictError(UNKNOWN)
     originals = [w.module for w in evaluation.workers]
     holders = [w for w, (_, holds) in zip(evaluation.workers, copies, strict=True) if holds]
@@ -44,7 +46,20 @@ def predict(evaluation: Evaluation, microbatches: int, feed, training_executor: 
     finally:
         for worker, module in zip(evaluation.workers, originals, strict=True):
             worker.module = module
+    if distributed:
+        pieces = _gathered(pieces)
     return torch.cat([pieces[mb] for mb in range(microbatches)])
+
+
+def _gathered(pieces: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Every rank's outputs by microbatch, on every rank (each rank computed those of its stages);
+    PredictError on every rank when no rank knows the model's output."""
+    parts: list[dict[int, torch.Tensor] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, pieces)
+    merged = {mb: out for part in parts for mb, out in (part or {}).items()}
+    if not merged:
+        raise PredictError(UNKNOWN)
+    return merged
 
 
 def _predict_module(module: fx.GraphModule, last: bool) -> tuple[fx.GraphModule, bool]:

@@ -13,8 +13,10 @@ import torch.fx as fx
 
 from stagewise.compiler.optimizer_groups import ParamGroups, StageOptimizerFactory
 from stagewise.compiler.state_dict import model_name
+from stagewise.compiler.step_shapes import StateSpecs, state_specs
 from stagewise.ir.instructions import StashOut
 from stagewise.ir.plan import Plan
+from stagewise.ir.precision import LossScaling
 from stagewise.runtime.distributed import DistributedTransport
 from stagewise.runtime.executor import DEFAULT_TIMEOUT_S, StreamExecutor
 from stagewise.runtime.launch import DistributedContext, distributed_context
@@ -31,14 +33,17 @@ class Runtime:
     workers: list[StageWorker]  # this process's stages
     executor: StreamExecutor
     optimizer_factory: Callable  # what each stage's optimizer was made with
+    stage_modules: list[fx.GraphModule | None]  # every stage's (another rank's on the meta device), for shapes
+    stage_states: list[StateSpecs | None]  # every stage's parameter and buffer sizes, for shapes
     clip_grad_norm: float | None
 
 
 def start_runtime(plan: Plan, modules: Sequence[fx.GraphModule | None], optimizer: Callable,
-                  clip_grad_norm: float | None, swapped: frozenset[int] = frozenset()) -> Runtime:
+                  clip_grad_norm: float | None, swapped: frozenset[int] = frozenset(),
+                  loss_scaling: LossScaling | None = None) -> Runtime:
     """Pools, transport, this process's stage workers (modules[i] runs stage i, None where another
     rank holds it; `swapped`: the stages whose state lives in host memory between uses) and their
-    executor."""
+    executor (`loss_scaling`: fp16's, default LossScaling())."""
     context = distributed_context()
     local = set(range(len(plan.devices))) if context is None else {context.rank}
     pools = [MemoryPool(i, _torch_device(plan, i, context), d.memory) for i, d in enumerate(plan.devices)]
@@ -47,6 +52,7 @@ def start_runtime(plan: Plan, modules: Sequence[fx.GraphModule | None], optimize
         transport = LocalTransport(pools)
     else:
         transport = DistributedTransport(plan, context.rank, pools, DEFAULT_TIMEOUT_S)
+    states = [state_specs(m) if m is not None else None for m in modules]  # before swapping empties them
     received_with_grad = {(t.dst, t.value) for t in plan.transfers if t.requires_grad}
     last = max(s.position for s in plan.stages)
     stash_swaps = {(i.stage, i.microbatch) for p in plan.programs for i in p.instructions
@@ -68,8 +74,12 @@ def start_runtime(plan: Plan, modules: Sequence[fx.GraphModule | None], optimize
         if stage.device in local
     ]
     executor = StreamExecutor(tuple(p for p in plan.programs if p.device in local), workers, transport,
-                              clip_grad_norm, {s.index: s.device for s in plan.stages}, seed=plan.seed)
-    return Runtime(context, pools, transport, workers, executor, optimizer, clip_grad_norm)
+                              clip_grad_norm, {s.index: s.device for s in plan.stages}, seed=plan.seed,
+                              precision=plan.precision,
+                              loss_scaling=(loss_scaling or LossScaling()) if plan.precision == "fp16" else None)
+    others = [m.to("meta") if m is not None and s.device not in local else m
+              for s, m in zip(plan.stages, modules, strict=True)]  # their shapes only: no memory
+    return Runtime(context, pools, transport, workers, executor, optimizer, others, states, clip_grad_norm)
 
 
 def _stage_optimizer(plan: Plan, module: torch.nn.Module, optimizer: Callable) -> Callable:

@@ -82,5 +82,10 @@ class OversubscribedWarning(UserWarning):
     """In-process CPU devices would run more intra-op threads than the machine has cores."""
 
 
+class PrecisionError(StagewiseError):
+    """A precision compile cannot train in: an unknown name, weights that are not fp32 masters,
+    or torch.autocast around `step` (say precision= to compile instead)."""
+
+
 class PredictError(StagewiseError):
     """`pipe.predict` where the model's output is not a known value of the traced graph."""

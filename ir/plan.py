@@ -135,12 +135,13 @@ class Task:
 class InputSpec:
     """What `step` checks one of its tensors against: the example's dtype and its sizes after the
     batch dimension (`batched`: dim 0 is the batch; a 0-d tensor is every microbatch's as it is).
-    A step tensor of another dtype or size would fail deep in a stage, or be received into a
-    buffer sized from the example's."""
+    The example's sizes are the largest the memory was planned for; `lowest` the smallest the stage
+    code takes (a size the graph fixed has lowest == shape; () in plans saved before: fixed)."""
 
     dtype: str  # as torch prints it: "torch.float32"
     shape: tuple[int, ...]  # sizes after dim 0 (all sizes when not batched)
     batched: bool = True
+    lowest: tuple[int, ...] = ()  # per size of `shape`: the smallest a step may give
 
 
 @dataclass(frozen=True)
@@ -174,7 +175,9 @@ class Plan:
     costs: PlanCosts | None = None  # what the predictions charged: a loaded plan predicts the same
     input_specs: tuple[InputSpec, ...] = ()  # per input_names (then the target); () skips step's checks
     seed: int = 0  # random ops draw from streams keyed by (seed, step, op, microbatch): ir/random_streams.py
+    smallest_microbatch: int = 0  # the fewest samples a microbatch may hold (uneven last batches); 0: microbatch_size
     training: bool = True  # the model's mode at compile: the pipeline's starting mode (pipe.train / pipe.eval)
+    precision: str = "fp32"  # "bf16" | "fp16": stage forwards run under torch.autocast (ir/precision.py)
 
     def to_json(self) -> str:
         """JSON of every field; the programs in their printed form (typed instructions read back)."""

@@ -11,6 +11,16 @@ Backward costs twice the forward (two matmuls per forward matmul; Narayanan §4.
 recompute costs one forward. The stash is what autograd saves for the backward, counted on a
 fake-tensor run of the whole graph (no memory allocated); where that run is impossible,
 every floating-point value the layer makes, an upper bound.
+
+Mixed precision (bf16 / fp16) is modelled to first order. Value bytes (inputs, outputs,
+stash, workspace) come from the fake run under the precision's autocast, so they have the
+dtypes autocast gives each op (matmul outputs and the casts they save in 2 bytes, norms and
+softmax in 4). The compute bound divides by the device's peak times LOW_PRECISION_SPEEDUP for
+its kind: the datasheet's dense bf16/fp16 tensor-core rate over its TF32 one on CUDA (A100:
+312 / 156 TFLOP/s, H100: 989 / 495), 1 on CPU (without AMX, CPU bf16 matmuls are no faster).
+Approximated: every FLOP is charged at that rate (the ops autocast keeps in fp32 are not
+told apart), and the casts' own time is not charged. State (weights, gradients, optimizer
+state) stays fp32: autocast computes from fp32 masters.
 """
 
 from __future__ import annotations
@@ -25,12 +35,13 @@ from torch.utils._pytree import tree_flatten
 from stagewise.ir.plan import Layer, LayerCost
 from stagewise.passes.profile_fit import LayerProfile, PiecewiseLinear
 from stagewise.passes.profile_layer import OPTIMIZER_STATE_FACTOR, layer_signature, layer_state_bytes
-from stagewise.passes.profile_shapes import shapes_at, tree_bytes
+from stagewise.passes.profile_shapes import Shapes, shapes_at, tree_bytes
 
 # Used when a device gives no figures: a modest CPU core set, and an older datacenter GPU.
 DEFAULT_PEAK_FLOPS = {"cpu": 5e10, "cuda": 1e14}
 DEFAULT_MEMORY_BANDWIDTH = {"cpu": 2e10, "cuda": 1e12}
 BACKWARD_PER_FORWARD = 2.0  # a backward computes two matmuls per forward matmul (Narayanan §4.2)
+LOW_PRECISION_SPEEDUP = {"cpu": 1.0, "cuda": 2.0}  # bf16 / fp16 peak over fp32's (module docstring)
 
 
 def analytic_layers(
@@ -40,22 +51,31 @@ def analytic_layers(
     device,
     *,
     optimizer_state_factor: float = OPTIMIZER_STATE_FACTOR,
+    precision: str = "fp32",
 ) -> list[LayerProfile]:
     """One LayerProfile per layer from meta['flops'] and meta['val'] at the traced size.
 
     `device` is a `sw.Device` or `DeviceSpec`; its `peak_flops` and `memory_bandwidth`
-    (else defaults for its kind, times its relative `speed`) set the roofline.
+    (else defaults for its kind, times its relative `speed`) set the roofline. A reduced
+    `precision` is modelled as the module docstring says.
     """
     peak, bandwidth = device_rates(device)
     by_name = {n.name: n for n in gm.graph.nodes}
-    saved = _saved_bytes(gm, layers, traced_microbatch)
+    fake = _fake_run(gm, layers, traced_microbatch, precision)
+    saved = fake.stash_bytes if fake is not None else None
+    cast = fake if precision != "fp32" else None  # meta['val'] holds the fp32 trace's values
+    if precision != "fp32":
+        peak *= LOW_PRECISION_SPEEDUP.get(getattr(device, "kind", None) or _kind(device), 1.0)
     profiles = []
     for layer in layers:
         nodes = [by_name[name] for name in layer.nodes]
         per_u = 1.0 / traced_microbatch
         state = layer_state_bytes(gm, layer, optimizer_state_factor)
-        act = sum(tree_bytes(by_name[v].meta.get("val")) for v in layer.outputs)
-        inputs = sum(tree_bytes(by_name[v].meta.get("val")) for v in layer.inputs)
+        act = cast.act_bytes[layer.index] if cast else sum(tree_bytes(by_name[v].meta.get("val")) for v in layer.outputs)
+        inputs = (cast.input_bytes[layer.index] if cast
+                  else sum(tree_bytes(by_name[v].meta.get("val")) for v in layer.inputs))
+        workspace = (cast.largest_bytes[layer.index] if cast
+                     else max((tree_bytes(n.meta.get("val")) for n in nodes), default=0))
         flops = sum(n.meta.get("flops", 0) for n in nodes)
         fwd = roofline(flops * per_u, (inputs + act) * per_u, state.param + state.buffers, peak, bandwidth)
         profiles.append(LayerProfile(
@@ -72,16 +92,16 @@ def analytic_layers(
             act_bytes=_linear(act, traced_microbatch),
             stash_bytes=_linear(saved[layer.index] if saved else sum(_float_bytes(n.meta.get("val")) for n in nodes),
                                 traced_microbatch),
-            workspace_bytes=_linear(max((tree_bytes(n.meta.get("val")) for n in nodes), default=0),
-                                    traced_microbatch),
+            workspace_bytes=_linear(workspace, traced_microbatch),
         ))
     return profiles
 
 
-def _saved_bytes(gm: fx.GraphModule, layers: Sequence[Layer], traced_microbatch: int) -> list[int] | None:
-    """Bytes autograd saves per layer at the traced size (a fake run), or None if it cannot run."""
+def _fake_run(gm: fx.GraphModule, layers: Sequence[Layer], traced_microbatch: int, precision: str) -> Shapes | None:
+    """Values and bytes autograd saves per layer at the traced size (a fake run under the
+    precision's autocast), or None if it cannot run."""
     try:
-        return shapes_at(gm, layers, traced_microbatch, traced_microbatch).stash_bytes
+        return shapes_at(gm, layers, traced_microbatch, traced_microbatch, precision)
     except Exception:  # noqa: BLE001 - fall back to the upper bound
         return None
 

@@ -12,12 +12,13 @@ capture (`Capture.at`): the planner weighs several microbatch counts.
 - an fx graph is shape-agnostic (sizes are computed by the graph itself); at a size it is
   copied and fake tensors are propagated through it (node.meta['val'], ['flops']), a torch.nn
   leaf module repeated with the same configuration and input shapes run only once;
-- torch.export (`dynamic=True`) is asked for a graph whose batch dimension is one symbol
-  (`Dim.AUTO` on dim 0 of every input). At a size the graph is copied with the symbol bound:
-  every node's value is the export's own symbolic value evaluated there, FLOPs come from
-  torch.utils.flop_counter's formulas on those shapes, and the symbolic size nodes
-  (`sym_size` feeding `view`, `reshape`, `expand`, `arange`) are folded into the literal sizes
-  the generated stage code then holds, as in a graph exported at that size.
+- torch.export (`dynamic=True`) is asked for a graph whose input sizes are symbols (`Dim.AUTO`
+  on every dimension of every input: batch, sequence length, image size; export keeps literal
+  what the model pins, a weight's width). The size nodes are then read in each layer that uses
+  them, from the graph inputs (passes/local_sizes.py), so the generated stage code takes any
+  shape. At a size the graph is copied with the symbols bound: every node's value is the
+  export's own symbolic value evaluated there, FLOPs come from torch.utils.flop_counter's
+  formulas on those shapes.
 
 A size the symbolic graph does not cover is exported again, statically, at that size: the
 model cannot keep its batch symbolic (export specialised it: `if x.shape[0] == 4`, a
@@ -25,10 +26,11 @@ data-dependent shape), the example batch is 1, or the size fails the export's ow
 constraints and guards. Size 1 is special: export assumes a symbolic size is at least 2
 (0/1 specialisation) yet accepts 1 at run time; a model whose Python code branches on a
 batch of one would then differ from eager, so at size 1 the graph is used only after one
-forward of it gives eager's loss on the same inputs (else it is exported at size 1).
+forward of it gives eager's loss on the same inputs (else it is exported at size 1). What a
+step may give follows (`lowest_sizes`, `smallest_microbatch`): compiler/batches.py checks it.
 
 The parts live beside this module: capture_tracers (the two tracers and the normalisation of
-their graphs), symbolic_sizes (binding, evaluating and folding the symbolic sizes),
+their graphs), symbolic_sizes (binding and evaluating the symbolic sizes), local_sizes (sizes read where used),
 capture_annotate (node values and FLOPs by fake-tensor propagation, FLOPs of an ATen node),
 capture_functional (in-place ops written out of place where no alias can tell).
 """
@@ -49,7 +51,8 @@ from stagewise.ir.errors import ExampleInputsError, LossError, TraceError
 from stagewise.passes.capture_annotate import annotate, check_loss, op_flops
 from stagewise.passes.capture_functional import functionalize
 from stagewise.passes.capture_tracers import Exported, normalise, trace_export, trace_fx
-from stagewise.passes.symbolic_sizes import SYMBOLIC, Evaluator, NotCovered, bind, fold
+from stagewise.passes.local_sizes import localise_sizes
+from stagewise.passes.symbolic_sizes import Evaluator, NotCovered, bind
 
 # (Traced.tracer, the name failures are reported under, the tracer), tried in this order
 MODEL_OUTPUT = "stagewise_model_output"  # node meta: the model's output, the loss function's first argument
@@ -160,6 +163,8 @@ def capture(model: torch.nn.Module, example_inputs, example_target, loss_fn, *, 
                 failures.append(f"{label}: {type(err).__name__}: {_first_line(err)}")
                 continue
             normalise(gm, wanted)
+            if exported is not None and exported.symbolic:
+                localise_sizes(gm, model)
             return Capture(objective, tracer_name, names, kind, target_name, gm, exported)
     raise TraceError(
         "could not capture the model as a graph.\n  "
@@ -190,6 +195,47 @@ class Capture:
         with _buffers_kept(self.objective._stagewise_model):
             gm = self._graph_at(inputs, target)
         return Traced(gm, self.tracer, self.input_names, self.input_kind, self.target_name)
+
+    def lowest_sizes(self) -> list[tuple[int, ...]] | None:
+        """Per graph input, the smallest each size after the batch dimension may be at run time: an
+        export's symbolic size its range's lower bound (2: export assumes a symbolic size is not 1), a
+        size it fixed only its traced size. None for an fx graph: it computes its sizes itself."""
+        if self.tracer == "fx":
+            return None
+        result = []
+        for node in self.template.graph.nodes:
+            if node.op != "placeholder":
+                continue
+            value = node.meta.get("val")
+            shape = tuple(value.shape[1:]) if isinstance(value, torch.Tensor) and value.dim() else ()
+            result.append(tuple(self._lowest(size) for size in shape))
+        return result
+
+    def _lowest(self, size) -> int:
+        expr = size.node.expr if isinstance(size, torch.SymInt) else None
+        bounds = self.exported.ranges.get(expr) if self.exported is not None and expr is not None else None
+        return int(size) if bounds is None else int(bounds.lower)
+
+    def smallest_microbatch(self, inputs, target, planned: int) -> int:
+        """The fewest samples a microbatch may hold with the graph at `planned` samples: any with fx;
+        with an export whose batch stayed symbolic 2, or 1 where the graph at one sample (of
+        `inputs`) is the symbolic one and gives eager's loss; `planned` where export fixed the batch."""
+        if self.tracer == "fx":
+            return 1
+        value = next(n for n in self.template.graph.nodes if n.op == "placeholder").meta.get("val")
+        if not isinstance(value, torch.Tensor) or not isinstance(value.shape[0], torch.SymInt):
+            return planned
+        def one(value):
+            return value[:1] if isinstance(value, torch.Tensor) and value.dim() else value
+
+        inputs = {k: one(v) for k, v in inputs.items()} if isinstance(inputs, dict) else tuple(map(one, inputs))
+        target, leaves = one(target), self._leaves(inputs, one(target))
+        with _buffers_kept(self.objective._stagewise_model):
+            try:
+                gm, verify = self._specialised(self.template, leaves, inputs, target)
+            except NotCovered:
+                return 2
+            return 1 if not verify or self._agrees_with_eager(gm, inputs, target, leaves) else 2
 
     def _graph_at(self, inputs, target) -> fx.GraphModule:
         if self.tracer == "fx":
@@ -223,7 +269,6 @@ class Capture:
         guards = self.exported.guards if self.exported is not None and template is self.template else None
         bindings, verify = bind(template, leaves, ranges, guards)
         graph = _copy_graph(template)
-        symbolic = [n for n in graph.nodes if isinstance(n.meta.get("val"), SYMBOLIC)]
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         evaluate = Evaluator(bindings, mode)
         try:
@@ -236,7 +281,6 @@ class Capture:
                 node.meta["flops"] = op_flops(template, node, mode, self.flop_memo)
         except Exception:  # noqa: BLE001 - what is not evaluated here (Unsupported) is propagated
             annotate(_module(template, graph), inputs, target)
-        fold(graph, symbolic)
         gm = _module(template, graph)
         functionalize(gm)
         check_loss(gm)

@@ -25,7 +25,7 @@ from stagewise.passes.capture_functional import modifies_input
 @dataclass
 class Exported:
     """What torch.export says about the graph's inputs: their guards, the symbols' ranges, and
-    whether the batch stayed symbolic (Dim.AUTO leaves it static where the model pins it)."""
+    whether any input size stayed symbolic (Dim.AUTO leaves a size static where the model pins it)."""
 
     guards: Callable | None
     ranges: dict
@@ -44,16 +44,16 @@ def trace_fx(objective, example_inputs, example_target, n_inputs, dynamic=False)
 def trace_export(objective, example_inputs, example_target, n_inputs, dynamic=False) -> tuple[fx.GraphModule, Exported]:
     """torch.export (non-strict): ATen graph, module paths from nn_module_stack.
 
-    `dynamic`: dim 0 of every input is `Dim.AUTO`, a symbol unless the model pins it; an export
-    that fails that way is retried with static shapes."""
+    `dynamic`: every dimension of every input is `Dim.AUTO`, a symbol unless the model pins it (a
+    weight's size, a literal); an export that fails that way is retried with static shapes."""
     args = (example_inputs, example_target) if objective._stagewise_loss_fn is not None else (example_inputs,)
     # The same tensor passed twice (input_ids as labels) would become one graph input.
     args = tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, args)
     batched = [v for v in tree_flatten(args)[0] if isinstance(v, torch.Tensor) and v.dim() > 0]
     program = None
-    if dynamic and batched and batched[0].shape[0] > 1:  # a batch of 1 would be pinned to 1 anyway
-        shapes = tree_map(lambda v: {0: torch.export.Dim.AUTO} if isinstance(v, torch.Tensor) and v.dim() > 0 else None,
-                          args)
+    if dynamic and batched:  # export pins a size of 1 (0/1 specialisation), keeps the others symbolic
+        shapes = tree_map(lambda v: dict.fromkeys(range(v.dim()), torch.export.Dim.AUTO)
+                          if isinstance(v, torch.Tensor) and v.dim() > 0 else None, args)
         with contextlib.suppress(Exception), _no_stack_traces():
             program = torch.export.export(objective, args, dynamic_shapes=shapes, strict=False)
     if program is None:
@@ -65,9 +65,9 @@ def trace_export(objective, example_inputs, example_target, n_inputs, dynamic=Fa
     for node in list(gm.graph.nodes):
         if node.op == "call_module" and node.target == "_guards_fn":
             gm.graph.erase_node(node)
-    symbolic = any(isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() > 0
-                   and isinstance(n.meta["val"].shape[0], torch.SymInt) and n.meta["val"].shape[0].node.expr.free_symbols
-                   for n in gm.graph.nodes if n.op == "placeholder")
+    symbolic = any(isinstance(size, torch.SymInt) and size.node.expr.free_symbols
+                   for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
+                   for size in n.meta["val"].shape)
     return gm, Exported(guards, dict(program.range_constraints), bool(symbolic))
 
 

@@ -32,8 +32,8 @@ def atomic_module(path: str, modules: dict[str, torch.nn.Module]) -> str | None:
     return None
 
 
-def build_layers(gm: fx.GraphModule, model: torch.nn.Module) -> tuple[Layer, ...]:
-    """Layers of the traced graph; `model` (the user's module tree) tells containers from blocks."""
+def layer_runs(gm: fx.GraphModule, model: torch.nn.Module) -> list[tuple[str, list[fx.Node]]]:
+    """The compute nodes in maximal runs of one layer key, in topological order: the layers to be."""
     modules = dict(model.named_modules())
     compute = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]
     keys = [atomic_module(n.meta.get("module_path", ""), modules) for n in compute]
@@ -43,13 +43,18 @@ def build_layers(gm: fx.GraphModule, model: torch.nn.Module) -> tuple[Layer, ...
         next_key = keys[i]
     last = next((k for k in reversed(keys) if k is not None), "model")
     keys = [k if k is not None else last for k in keys]  # trailing glue (the loss) joins the last layer
-
     runs: list[tuple[str, list[fx.Node]]] = []
     for node, key in zip(compute, keys, strict=True):
         if runs and runs[-1][0] == key:
             runs[-1][1].append(node)
         else:
             runs.append((key, [node]))
+    return runs
+
+
+def build_layers(gm: fx.GraphModule, model: torch.nn.Module) -> tuple[Layer, ...]:
+    """Layers of the traced graph; `model` (the user's module tree) tells containers from blocks."""
+    runs = layer_runs(gm, model)
 
     seen: dict[str, int] = {}
     layer_of = {n: i for i, (_, nodes) in enumerate(runs) for n in nodes}

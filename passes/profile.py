@@ -63,7 +63,7 @@ from stagewise.passes.profile_layer import (
     layer_signature,
     layer_state_bytes,
 )
-from stagewise.passes.profile_measure import REPEATS, measure_layer, real_inputs
+from stagewise.passes.profile_measure import REPEATS, at_precision, measure_layer, real_inputs
 from stagewise.passes.profile_shapes import ShapeCache, Shapes, shapes_at
 from stagewise.passes.profile_sizes import MAX_MICROBATCH, does_not_fit, fits, probe_list, slow_start
 
@@ -87,6 +87,7 @@ def profile_layers(
     max_microbatch: int = MAX_MICROBATCH,
     cache: bool = True,
     graph_at: Callable[[int], fx.GraphModule] | None = None,
+    precision: str = "fp32",
 ) -> list[LayerProfile]:
     """Profile every layer of `gm` on `device` (Harmony §4.2) and fit costs in u (Srifty §3).
 
@@ -96,25 +97,27 @@ def profile_layers(
     `microbatch_sizes` picks the probes instead (those that do not fit are dropped).
     `graph_at(u)`: the graph at microbatch size u, for graphs that run at their traced size only
     (torch.export's): each probe size is then measured on a graph of its own.
+    `precision`: forwards are timed and shapes propagated under its autocast (ir/precision.py), so
+    times, stash and workspace bytes are those of training at that precision; state stays fp32.
     """
     device = resolve_devices(device)[0]
     capacity_bytes = parse_bytes(capacity) if capacity is not None else device.memory
     traced = traced_microbatch or traced_microbatch_size(gm)
     signatures = [layer_signature(gm, layer) for layer in layers]
     request = dict(sizes=list(microbatch_sizes or ()), capacity=capacity_bytes, traced=traced, repeats=repeats,
-                   optim=optimizer_state_factor, limit=max_microbatch)
+                   optim=optimizer_state_factor, limit=max_microbatch, precision=precision)
     key = cache_key(gm, layers, signatures, device, request)
-    if cache and (hit := load(key)) is not None and not _measured_under_load(hit, gm, layers, traced, device):
+    if cache and (hit := load(key)) is not None and not _measured_under_load(hit, gm, layers, traced, device, precision):
         return hit
 
-    shapes = ShapeCache(gm, layers, traced, graph_at)
+    shapes = ShapeCache(gm, layers, traced, graph_at, precision)
     state = [layer_state_bytes(gm, layer, optimizer_state_factor) for layer in layers]
     largest = _largest_fitting(shapes, state, layers, capacity_bytes, device, max_microbatch)
     sizes = probe_list(microbatch_sizes, largest or traced, largest, shapes)
 
     first_of = _first_of_each_signature(layers, signatures)
     unique = [layers[i] for i in first_of.values()]
-    measured = _profile_unique(gm, unique, sizes, shapes, state, device, repeats, quiet)
+    measured = _profile_unique(gm, unique, sizes, shapes, state, device, repeats, quiet, precision)
     measured_top = min(max(p.u for p in probes) for probes in measured.values())
     if measured_top < max(sizes):  # a real OOM cut some layer's probes short
         largest = measured_top
@@ -124,7 +127,8 @@ def profile_layers(
         for i in first_of.values()
     }
     profiles = [by_sig[sig].for_layer(layer) for layer, sig in zip(layers, signatures, strict=True)]
-    factors = in_context_factors(gm, layers, profiles, shapes.at(traced), device, max(repeats, CONTEXT_REPEATS))
+    factors = in_context_factors(gm, layers, profiles, shapes.at(traced), device, max(repeats, CONTEXT_REPEATS),
+                                 precision)
     profiles = [p.in_context(*f) for p, f in zip(profiles, factors, strict=True)]
     if cache:
         save(key, profiles)
@@ -162,7 +166,7 @@ def _largest_fitting(shapes: ShapeCache, state: Sequence[LayerState], layers: Se
 # ---- profiling the unique layers ----------------------------------------------------------------------
 def _profile_unique(gm, unique: Sequence[Layer], sizes: Sequence[int], shapes: ShapeCache,
                     state: Sequence[LayerState], device: Device, repeats: int,
-                    quiet: bool) -> dict[int, list[LayerCost]]:
+                    quiet: bool, precision: str) -> dict[int, list[LayerCost]]:
     """Run each unique layer at each probe size; stop a layer's sizes at a real OOM."""
     where = device.torch_device
     console = Console(stderr=True)
@@ -181,7 +185,7 @@ def _profile_unique(gm, unique: Sequence[Layer], sizes: Sequence[int], shapes: S
             for u in sizes:
                 at_u = shapes.at(u)
                 own = module if at_u.graph is None else layer_module(at_u.graph, layer).to(where)
-                cost = _probe(own, layer, u, at_u, state[layer.index], where, repeats)
+                cost = _probe(own, layer, u, at_u, state[layer.index], where, repeats, precision)
                 bar.advance(task)
                 if cost is None:
                     break
@@ -196,10 +200,10 @@ def _profile_unique(gm, unique: Sequence[Layer], sizes: Sequence[int], shapes: S
 
 
 def _probe(module, layer: Layer, u: int, shapes: Shapes, state: LayerState, device: torch.device,
-           repeats: int) -> LayerCost | None:
+           repeats: int, precision: str) -> LayerCost | None:
     inputs = real_inputs([shapes.values[name] for name in layer.inputs], device, seed=layer.index)
     try:
-        m = measure_layer(module, inputs, device, repeats)
+        m = measure_layer(at_precision(module, precision, device), inputs, device, repeats)
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
         return None
@@ -219,16 +223,17 @@ def _probe(module, layer: Layer, u: int, shapes: Shapes, state: LayerState, devi
 
 # ---- trusting the cache ---------------------------------------------------------------------------------
 def _measured_under_load(cached: Sequence[LayerProfile], gm: fx.GraphModule, layers: Sequence[Layer], traced: int,
-                         device: Device) -> bool:
+                         device: Device, precision: str) -> bool:
     """A profile taken while other jobs loaded the machine keeps its inflated times in the cache
     for good. Re-time the costliest layer at the traced size (a fraction of a second); if the
     cache says it is STALE_RATIO times slower than it runs now, the cache is not trusted."""
     _, costliest = max(((p.fwd_s(traced) + p.bwd_s(traced), p) for p in cached), key=lambda pair: pair[0])
     layer = layers[costliest.layer]
     where = device.torch_device
-    inputs = real_inputs([shapes_at(gm, layers, traced, traced).values[name] for name in layer.inputs], where,
+    inputs = real_inputs([shapes_at(gm, layers, traced, traced, precision).values[name] for name in layer.inputs], where,
                          seed=layer.index)
     with torch.random.fork_rng(devices=[where.index or 0] if where.type == "cuda" else []):
-        fresh = measure_layer(layer_module(gm, layer).to(where), inputs, where, repeats=SPOT_CHECK_REPEATS)
+        fresh = measure_layer(at_precision(layer_module(gm, layer).to(where), precision, where), inputs, where,
+                              repeats=SPOT_CHECK_REPEATS)
     alone = costliest.fwd_s(traced) / costliest.context_fwd + costliest.bwd_s(traced) / costliest.context_bwd
     return alone > STALE_RATIO * (fresh.fwd_s + fresh.bwd_s)

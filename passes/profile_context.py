@@ -19,6 +19,7 @@ import torch.fx as fx
 
 from stagewise.ir.devices import Device
 from stagewise.ir.plan import Layer
+from stagewise.ir.precision import autocast_for
 from stagewise.passes.capture_functional import modifies_input
 from stagewise.passes.profile_fit import LayerProfile
 from stagewise.passes.profile_layer import layer_module
@@ -32,7 +33,8 @@ CONTEXT_RANGE = (0.5, 2.0)  # an in-context / alone ratio outside this is a dist
 
 
 def in_context_factors(gm: fx.GraphModule, layers: Sequence[Layer], profiles: Sequence[LayerProfile],
-                       shapes: Shapes, device: Device, repeats: int = CONTEXT_REPEATS) -> list[tuple[float, float]]:
+                       shapes: Shapes, device: Device, repeats: int = CONTEXT_REPEATS,
+                       precision: str = "fp32") -> list[tuple[float, float]]:
     """Per layer, how much slower its forward and its backward run back to back with the other
     layers than on their own: (forward factor, backward factor).
 
@@ -44,6 +46,7 @@ def in_context_factors(gm: fx.GraphModule, layers: Sequence[Layer], profiles: Se
     produced (median of `repeats` passes after a warm-up; of at least CONTEXT_MIN_REPEATS once the
     passes took CONTEXT_BUDGET_S). Identical layers share the median of their factors. Measured only where the model already lives on `device` (no copy of a model
     that may not fit); (1, 1) elsewhere, on OOM, and for a factor outside CONTEXT_RANGE.
+    Forwards run under the precision's autocast.
     """
     where = device.torch_device
     neutral = [(1.0, 1.0)] * len(layers)
@@ -57,12 +60,12 @@ def in_context_factors(gm: fx.GraphModule, layers: Sequence[Layer], profiles: Se
     cuda = [where.index or 0] if where.type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=cuda):
-            _layers_back_to_back(layers, modules, inputs, outputs, where)  # warm-up
+            _layers_back_to_back(layers, modules, inputs, outputs, where, precision)  # warm-up
             began = time.perf_counter()
             for run in range(repeats):
                 if run >= CONTEXT_MIN_REPEATS and time.perf_counter() - began > CONTEXT_BUDGET_S:
                     break
-                for (fwd, bwd), seconds in zip(times, _layers_back_to_back(layers, modules, inputs, outputs, where),
+                for (fwd, bwd), seconds in zip(times, _layers_back_to_back(layers, modules, inputs, outputs, where, precision),
                                                strict=True):
                     fwd.append(seconds[0])
                     bwd.append(seconds[1])
@@ -94,7 +97,7 @@ def _ratio(in_context: float, alone: float) -> float:
 
 
 def _layers_back_to_back(layers: Sequence[Layer], modules: Sequence[fx.GraphModule], inputs: dict[str, Any],
-                         outputs: set[str], where: torch.device) -> list[tuple[float, float]]:
+                         outputs: set[str], where: torch.device, precision: str = "fp32") -> list[tuple[float, float]]:
     """One pass: each layer's forward in order, then each backward in reverse; (fwd s, bwd s) per layer.
     A layer's floating inputs are leaves of their own, so its backward stops at its boundary and
     their gradients are what its producers' backwards receive."""
@@ -113,7 +116,7 @@ def _layers_back_to_back(layers: Sequence[Layer], modules: Sequence[fx.GraphModu
             if placeholder in written and isinstance(value, torch.Tensor):
                 value = value.clone()  # a leaf may not be modified in place; nor may a value others read
             args.append(value)
-        seconds, result = timed(lambda module=module, args=args: module(*args), where)
+        seconds, result = timed(lambda module=module, args=args: _cast_call(module, args, precision, where), where)
         forward_s.append(seconds)
         values.update(zip(layer.outputs, result, strict=True))
         leaves.append(mine)
@@ -132,3 +135,8 @@ def _layers_back_to_back(layers: Sequence[Layer], modules: Sequence[fx.GraphModu
                 grads[name] = grads[name] + leaf.grad if name in grads else leaf.grad
         modules[i].zero_grad(set_to_none=True)
     return list(zip(forward_s, backward_s, strict=True))
+
+
+def _cast_call(module: fx.GraphModule, args: list, precision: str, where: torch.device):
+    with autocast_for(precision, where):
+        return module(*args)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from stagewise.ir.precision import autocast_for
 from stagewise.passes.profile_fit import TIMES
 from stagewise.passes.profile_shapes import storage_id, tree_bytes
 
@@ -85,6 +86,24 @@ def measure_layer(module: torch.nn.Module, inputs: Sequence[Any], device: torch.
         workspace_bytes=peak.transient if device.type == "cuda" else None,
         times=times,
     )
+
+
+class Autocast(torch.nn.Module):
+    """A layer whose forward runs under the precision's autocast and whose backward runs outside
+    it, as the runtime runs a stage (runtime/handlers.py), so a measurement is the precision's."""
+
+    def __init__(self, layer: torch.nn.Module, precision: str, device: torch.device):
+        super().__init__()
+        self.layer, self.precision, self.device = layer, precision, device
+
+    def forward(self, *args):
+        with autocast_for(self.precision, self.device):
+            return self.layer(*args)
+
+
+def at_precision(layer: torch.nn.Module, precision: str, device: torch.device) -> torch.nn.Module:
+    """`layer` as measured at `precision`: itself in fp32."""
+    return layer if precision == "fp32" else Autocast(layer, precision, device)
 
 
 class _PeakMemory:

@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten
 
 from stagewise.ir.errors import ProfileError
 from stagewise.ir.plan import Layer
+from stagewise.ir.precision import autocast_for
 from stagewise.ir.subgraph import attribute
 
 
@@ -56,8 +57,9 @@ class ShapeCache:
     """
 
     def __init__(self, gm: fx.GraphModule, layers: Sequence[Layer], traced: int,
-                 graph_at: Callable[[int], fx.GraphModule] | None = None):
+                 graph_at: Callable[[int], fx.GraphModule] | None = None, precision: str = "fp32"):
         self.gm, self.layers, self.traced, self.graph_at = gm, layers, traced, graph_at
+        self.precision = precision
         self._done: dict[int, Shapes] = {}
         self.static = False  # set at the first size other than the traced one that fails
 
@@ -66,20 +68,20 @@ class ShapeCache:
             return self._done[u]
         if u == self.traced:
             try:
-                self._done[u] = shapes_at(self.gm, self.layers, u, self.traced)
+                self._done[u] = shapes_at(self.gm, self.layers, u, self.traced, self.precision)
             except Exception as err:  # noqa: BLE001 - reported as what it means for the user
                 raise ProfileError(f"cannot propagate shapes through the traced graph: {err}; "
                                    f"use cost='analytic'") from err
         elif not self.static:
             try:
-                with _quiet_fake_tensor_log():
-                    self._done[u] = shapes_at(self.gm, self.layers, u, self.traced)
+                with quiet_fake_tensor_log():
+                    self._done[u] = shapes_at(self.gm, self.layers, u, self.traced, self.precision)
             except Exception:  # noqa: BLE001 - any failure: the graph is specialised to its size
                 self.static = True
         if u not in self._done and self.graph_at is not None:
             try:
                 graph = self.graph_at(u)
-                self._done[u] = replace(shapes_at(graph, self.layers, u, u), graph=graph)
+                self._done[u] = replace(shapes_at(graph, self.layers, u, u, self.precision), graph=graph)
             except Exception:  # noqa: BLE001 - this size cannot be captured: scaled below
                 pass
         if u not in self._done:
@@ -88,8 +90,8 @@ class ShapeCache:
 
 
 @contextlib.contextmanager
-def _quiet_fake_tensor_log():
-    """FakeTensorMode logs a traceback for a shape mismatch that the caller expects and handles."""
+def quiet_fake_tensor_log():
+    """FakeTensorMode logs a traceback for an op refusing its sizes, which the caller expects and handles."""
     logger = logging.getLogger("torch._subclasses.fake_tensor")
     level = logger.level
     logger.setLevel(logging.CRITICAL)
@@ -99,9 +101,11 @@ def _quiet_fake_tensor_log():
         logger.setLevel(level)
 
 
-def shapes_at(gm: fx.GraphModule, layers: Sequence[Layer], u: int, traced: int) -> Shapes:
+def shapes_at(gm: fx.GraphModule, layers: Sequence[Layer], u: int, traced: int, precision: str = "fp32") -> Shapes:
     """Run the whole graph on fake inputs whose batch is u: exact shapes of every value at u,
-    and the bytes autograd saves per layer, without allocating them."""
+    and the bytes autograd saves per layer, without allocating them. Under the precision's
+    autocast (for the graph's device type: CPU and CUDA autocast cast matmuls, convolutions and
+    linear alike) values and saved tensors have the dtypes training at that precision makes."""
     layer_of = {name: layer.index for layer in layers for name in layer.nodes}
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     # A module's Python forward may update a real buffer in place even on fake inputs
@@ -115,7 +119,8 @@ def shapes_at(gm: fx.GraphModule, layers: Sequence[Layer], u: int, traced: int) 
         inputs = [_batched_fake(n.meta.get("val"), u, traced) for n in gm.graph.nodes if n.op == "placeholder"]
         saved = _SavedBytes(set(layer_of.values()), {storage_id(t) for t in (*state, *fake_state)})
         recorder = _Recorder(gm, layer_of, saved)
-        with torch.autograd.graph.saved_tensors_hooks(saved.pack, _never_unpacked):
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, _never_unpacked), \
+                autocast_for(precision, _graph_device(state)):
             recorder.run(*inputs)
     values = recorder.values
     n = len(layers)
@@ -217,3 +222,8 @@ def _state_tensors(gm: fx.GraphModule) -> list[torch.Tensor]:
     tensors += [v for n in gm.graph.nodes if n.op == "get_attr"
                 for v in [attribute(gm, n.target)] if isinstance(v, torch.Tensor)]
     return tensors
+
+
+def _graph_device(state: list[torch.Tensor]) -> torch.device:
+    """Where the graph's state lives (its fakes keep that device): the autocast to propagate under."""
+    return state[0].device if state else torch.device("cpu")

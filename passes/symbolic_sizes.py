@@ -1,9 +1,9 @@
-"""Symbolic sizes of an exported graph, evaluated at one microbatch size.
+"""Symbolic sizes of an exported graph, evaluated at one set of input sizes.
 
-torch.export with a symbolic batch gives every node a value whose sizes are sympy expressions
-in that symbol. At a size the symbol is bound from the inputs' shapes (checked against the
-export's ranges and guards), every value is evaluated there, and the symbolic size nodes are
-folded into literals, as in a graph exported at that size.
+torch.export with symbolic sizes (batch, sequence length, ...) gives every node a value whose sizes
+are sympy expressions in those symbols. At a microbatch's sizes the symbols are bound from the
+inputs' shapes (checked against the export's ranges and guards) and every value is evaluated there
+(the graph's size nodes stay: the stage code reads its sizes, passes/local_sizes.py).
 
 torch's own input check (torch._export.utils._check_input_constraints_for_graph) binds much
 the same way, but it is private, returns no bindings, and lets sizes 0 and 1 through a range
@@ -19,15 +19,8 @@ import sympy
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.node import map_arg
 
 SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
-# Run-time assertions on symbolic sizes; once the sizes are literals they are checked here instead.
-_ASSERTS = {
-    torch.ops.aten._assert_scalar.default,
-    torch.ops.aten.sym_constrain_range.default,
-    torch.ops.aten.sym_constrain_range_for_size.default,
-}
 
 
 class NotCovered(Exception):
@@ -109,7 +102,7 @@ class Evaluator:
             expr = value.node.expr
             result = expr.xreplace(self.bindings) if isinstance(expr, sympy.Basic) else expr
             if isinstance(result, sympy.Basic) and result.free_symbols:
-                raise Unsupported(f"{expr} depends on more than the batch size")
+                raise Unsupported(f"{expr} depends on more than the input sizes")
             self.memo[key] = kind(result)
         return self.memo[key]
 
@@ -124,20 +117,3 @@ class Evaluator:
         if isinstance(value, list | tuple):
             return type(value)(self.value(v) for v in value)
         return self.number(value)
-
-
-def fold(graph: fx.Graph, symbolic: list[fx.Node]) -> None:
-    """Symbolic size nodes become the literals they evaluate to; their assertions are checked now."""
-    for node in symbolic:
-        literal = node.meta["val"]
-        for user in list(node.users):
-            user.args = map_arg(user.args, lambda a, node=node, literal=literal: literal if a is node else a)
-            user.kwargs = map_arg(user.kwargs, lambda a, node=node, literal=literal: literal if a is node else a)
-    for node in list(graph.nodes):
-        if node.op == "call_function" and node.target in _ASSERTS and not node.all_input_nodes:
-            if node.target is torch.ops.aten._assert_scalar.default and not node.args[0]:
-                raise NotCovered(f"a run-time assertion fails at this size: {node.args[1]}")
-            graph.erase_node(node)
-    for node in reversed(symbolic):
-        graph.erase_node(node)
-    graph.lint()

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from stagewise.ir.errors import CapacityError, PeerError, PlanError
-from stagewise.ir.plan import Plan, Transfer
+from stagewise.ir.plan import Plan
 from stagewise.runtime.drain import EndOfStep
 from stagewise.runtime.failure_notice import FailureNotice, PeerFailed
 from stagewise.runtime.links import (
@@ -39,7 +39,6 @@ from stagewise.runtime.links import (
     check_link_order,
     directed_links,
     reduction_groups,
-    transfer_key,
 )
 from stagewise.runtime.pending import POLL_S, Pending
 from stagewise.runtime.pool import MemoryPool
@@ -69,7 +68,6 @@ class DistributedTransport(EndOfStep):
         self.local = LocalTransport(pools)  # two stages of one device exchange in memory
         self._sync: Sync | None = None
         self.device_of = {s.index: s.device for s in plan.stages}
-        self.transfers = {(t.value, t.src, t.dst): t for t in plan.transfers}
         self.blocking_wait = dist.get_backend() == "gloo"
         if not self.blocking_wait:
             check_link_order(plan)
@@ -88,6 +86,15 @@ class DistributedTransport(EndOfStep):
 
     # ---- the executor's interface -----------------------------------------------------------
     @property
+    def transfer_specs(self) -> dict | None:
+        """This step's sizes of the values sent, where they differ from the plan's (compiler/step_shapes.py)."""
+        return self.tags.step_specs
+
+    @transfer_specs.setter
+    def transfer_specs(self, specs: dict | None) -> None:
+        self.tags.step_specs = specs
+
+    @property
     def sync(self) -> Sync | None:
         return self._sync
 
@@ -103,8 +110,7 @@ class DistributedTransport(EndOfStep):
             self.local.send(key, src_device, dst_device, tensor, instruction)
             return
         self.records.reap()
-        transfer = self._transfer(key)
-        _check_shape(tensor, transfer, key, instruction)
+        _check_shape(tensor, self.tags.like(self.tags.of(key)), key, instruction)
         payload = tensor.detach().contiguous()
         link = self.links[(src_device, dst_device)]
         tag = self.tags.of(key)
@@ -162,8 +168,8 @@ class DistributedTransport(EndOfStep):
             if key in self.receives:
                 return self.receives[key]
             src_device = self.device_of[key[3]]
-            transfer = self._transfer(key)
-            like = torch.empty(transfer.shape, dtype=_dtype(transfer.dtype), device="meta")
+            shape, dtype = self.tags.like(self.tags.of(key))
+            like = torch.empty(shape, dtype=dtype, device="meta")
             pool = self.pools[self.rank]
             buffer = pool.take_buffer(like, ("buffer",) + key, instruction)
             link = self.links[(src_device, self.rank)]
@@ -268,9 +274,6 @@ class DistributedTransport(EndOfStep):
         return box[0]
 
     # ---- naming ------------------------------------------------------------------------------
-    def _transfer(self, key: tuple) -> Transfer:
-        return self.transfers[transfer_key(key)]
-
     def _check_same_plan(self) -> None:
         """Every rank compiled on its own: different plans would exchange garbage or hang, so compare
         what they execute (EXECUTED_FIELDS)."""
@@ -301,17 +304,16 @@ def _check_world(plan: Plan, rank: int) -> None:
         )
 
 
-def _check_shape(tensor: torch.Tensor, transfer: Transfer, key: tuple, instruction: str) -> None:
-    """The receiver allocates from the plan's shape; a different tensor would arrive corrupted."""
-    if tuple(tensor.shape) != tuple(transfer.shape) or tensor.dtype != _dtype(transfer.dtype):
+def _check_shape(tensor: torch.Tensor, expected: tuple[tuple[int, ...], torch.dtype], key: tuple,
+                 instruction: str) -> None:
+    """The receiver allocates from the shape it expects (the plan's, or this step's: compiler/step_shapes.py);
+    a different tensor would arrive corrupted."""
+    shape, dtype = expected
+    if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
         raise PlanError(
-            f"{instruction}: {key[0]} of `{key[1]}` is {tuple(tensor.shape)} {tensor.dtype} but the plan says "
-            f"{tuple(transfer.shape)} {transfer.dtype}; recompile with example inputs shaped like the batches"
+            f"{instruction}: {key[0]} of `{key[1]}` is {tuple(tensor.shape)} {tensor.dtype} but its receiver expects "
+            f"{tuple(shape)} {dtype}; a stage's code gave another shape than its fake run did: report it"
         )
-
-
-def _dtype(name: str) -> torch.dtype:
-    return getattr(torch, name.removeprefix("torch."))
 
 
 def _unflatten(tensors: list[torch.Tensor], flats: dict[torch.dtype, torch.Tensor]) -> list[torch.Tensor]:

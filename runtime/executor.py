@@ -47,11 +47,13 @@ from stagewise.ir.instructions import (
     Update,
 )
 from stagewise.ir.interpreter import Interpreter
+from stagewise.ir.precision import LossScaling
 from stagewise.ir.program import Program
 from stagewise.runtime.forward_replay import ForwardReplay
 from stagewise.runtime.handlers import Handlers
 from stagewise.runtime.loss_weights import LossWeights
 from stagewise.runtime.opportunistic import OpportunisticCompute
+from stagewise.runtime.precision import LossScaler
 from stagewise.runtime.recovery import GRACE_S, StepRecovery
 from stagewise.runtime.rollback import StepGuard
 from stagewise.runtime.streams import DeviceStreams
@@ -85,12 +87,19 @@ class StreamExecutor(StepRecovery, OpportunisticCompute, Handlers, Interpreter):
         timeout_s: float = DEFAULT_TIMEOUT_S,
         opportunistic: bool | None = None,
         seed: int = 0,
+        precision: str = "fp32",
+        loss_scaling: LossScaling | None = None,
     ):
         """`programs` and `workers`: this process's (all of them in one process, one device's under
         torch.distributed); `device_of`: every stage's device, for all-reduce groups. `opportunistic`:
         Varuna's run-time deviation (runtime/opportunistic.py) for programs that recompute (None, the
         default), for every program (True) or none (False); it may be changed between steps. `seed`:
-        the plan's, which random ops' streams are keyed by (runtime/forward_replay.py)."""
+        the plan's, which random ops' streams are keyed by (runtime/forward_replay.py). `precision`: the
+        autocast forwards run under; `loss_scaling`: fp16's, for a training executor (runtime/precision.py)."""
+        self.precision = precision
+        self.scaler = None if loss_scaling is None else LossScaler(loss_scaling)
+        self.step_overflowed = False  # the running step's gradients hold an inf or NaN (fp16): no stage updates
+        self.last_step_skipped = False
         self.replay = ForwardReplay(seed)
         self.opportunistic = opportunistic
         self._plans: dict[int, DeviationPoints] = {}
@@ -130,7 +139,7 @@ class StreamExecutor(StepRecovery, OpportunisticCompute, Handlers, Interpreter):
         raised (runtime/recovery.py). `feed` gives the workers their inputs. Returns the mean loss."""
         self.settle()
         self.guard.begin()
-        self.step_grad_norm = None
+        self.step_grad_norm, self.step_overflowed = None, False
         failed = self._attempt(microbatches, feed)
         partial = self._partial_loss() if failed is None else None
         if failed is not None:
@@ -143,7 +152,9 @@ class StreamExecutor(StepRecovery, OpportunisticCompute, Handlers, Interpreter):
             self.guard.commit()
             self.iteration += 1
             if self.step_grad_norm is not None:  # a forward-only pass keeps the last update's
-                self.last_grad_norm = self.step_grad_norm
+                self.last_grad_norm, self.last_step_skipped = self.step_grad_norm, self.step_overflowed
+                if self.scaler is not None:
+                    self.scaler.conclude(self.step_overflowed)
             return outcome.loss / microbatches
         raise self._failed(failed, outcome)
 

@@ -29,6 +29,7 @@ from stagewise.ir.instructions import (
     Update,
 )
 from stagewise.ir.interpreter import stashes
+from stagewise.runtime.precision import autocast_for, grad_coefficient, skip_update
 
 
 class Handlers:
@@ -36,16 +37,22 @@ class Handlers:
 
     def _forward(self, device: int, index: int, ins: Forward | Recompute) -> None:
         worker = self.workers[ins.stage]
-        with self.replay.running(ins.stage, worker.module, ins.microbatch, self.iteration, isinstance(ins, Recompute)):
+        with autocast_for(self.precision, worker.device), self.replay.running(ins.stage, worker.module, ins.microbatch, self.iteration, isinstance(ins, Recompute)):
             worker.forward(ins.microbatch, self.tables[device].labels[index], stash=stashes(ins))
 
     def _backward(self, device: int, index: int, ins: Backward) -> None:
         seed = self.loss_weights.seed(ins.microbatch, self.microbatches)
+        if self.scaler is not None:  # fp16: the seed scaled, so the gradients stay in fp16's range
+            seed *= self.scaler.scale
         self.workers[ins.stage].backward(ins.microbatch, seed, self.tables[device].labels[index])
 
     def _update(self, device: int, index: int, ins: Update | HostUpdate) -> None:
         """The optimizer step on the device or (HostUpdate) on host masters; `clip` scales first.
-        The step's guard first takes the stage's undo record (runtime/rollback.py)."""
+        The step's guard first takes the stage's undo record (runtime/rollback.py). An fp16 step whose
+        gradients overflowed on any stage updates none (runtime/precision.py)."""
+        if self.step_overflowed:
+            skip_update(self.workers[ins.stage])
+            return
         if self.workers[ins.stage].optimizer is not None:
             self.guard.before_update(ins.stage)
         self.workers[ins.stage].update(self.tables[device].labels[index], on_host=isinstance(ins, HostUpdate), clip=ins.clip)
@@ -102,16 +109,22 @@ class Handlers:
 
     def _all_reduce_norm(self, device: int, index: int, ins: AllReduceGradNorm) -> None:
         """The whole model's gradient norm; stages counted live scale right away, those whose part was
-        counted ahead keep the coefficient for their update."""
+        counted ahead keep the coefficient for their update. With fp16 the gradients are scaled: the
+        norm reported and clipped is the unscaled one, and a total that is not finite (the same on
+        every device) skips the step everywhere."""
         local = [self.workers[s] for s in ins.group if self.device_of[s] == device]
         square_sum = sum(w.grad_square_sum() if w.norm_part is None else w.norm_part for w in local)
         tag = (self.iteration, type(ins).__name__, (), ins.group)
         (total,) = self.transport.all_reduce(tag, self._devices(ins.group), device, [square_sum],
                                              self.tables[device].labels[index])
-        self.step_grad_norm = math.sqrt(float(total))  # every device's all-reduce gives the same total
-        coefficient = min(self.clip_grad_norm / (self.step_grad_norm + 1e-6), 1.0)
+        scale = 1.0 if self.scaler is None else self.scaler.scale
+        self.step_grad_norm = math.sqrt(float(total)) / scale  # every device's all-reduce gives the same total
+        self.step_overflowed = not math.isfinite(self.step_grad_norm)
+        coefficient = grad_coefficient(self.step_grad_norm, self.clip_grad_norm, scale)
         for w in local:
-            if w.norm_part is None:
+            if self.step_overflowed:
+                w.norm_part = None  # its update is skipped
+            elif w.norm_part is None:
                 w.scale_grads(coefficient)
             else:
                 w.norm_part, w.clip_coefficient = None, coefficient

@@ -30,8 +30,8 @@ def distributed_context(timeout_s: float = DEFAULT_TIMEOUT_S) -> DistributedCont
     """This rank's place in the job, initialising the default process group if needed; None when alone.
 
     A process group someone already initialised (the user, or a test with a file store) is
-    used as it is; otherwise torchrun's environment is read and gloo (CPU) or NCCL (CUDA)
-    started with `timeout_s`, so a collective on a dead peer fails instead of hanging.
+    used as it is; otherwise torchrun's environment is read and NCCL (a GPU per local process) or
+    gloo started with `timeout_s`, so a collective on a dead peer fails instead of hanging.
     """
     if dist.is_available() and dist.is_initialized():
         if dist.get_world_size() == 1:
@@ -59,9 +59,12 @@ def _from_environment(world_size: int) -> DistributedContext:
 
 
 def _init_default_group(context: DistributedContext, timeout_s: float) -> None:
-    """gloo on CPU, NCCL on CUDA (bound to this machine's device LOCAL_RANK first, as NCCL needs)."""
+    """NCCL (bound to this machine's device LOCAL_RANK first, as NCCL needs) where every process of
+    this machine has its own GPU, else gloo. Every rank of a machine decides alike; a CPU plan on a
+    machine with a GPU per process needs the caller's gloo group (`dist.init_process_group("gloo")`)."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    if torch.cuda.is_available():
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", context.world_size))
+    if torch.cuda.is_available() and torch.cuda.device_count() >= local_processes:
         torch.cuda.set_device(context.local_rank)
         dist.init_process_group("nccl", rank=context.rank, world_size=context.world_size, timeout=timeout,
                                 device_id=torch.device("cuda", context.local_rank))

@@ -87,6 +87,9 @@ class MessageTags:
         self.plan = plan
         self.index = {(t.value, t.src, t.dst): i for i, t in enumerate(plan.transfers)}
         self.space = max(1, 2 * len(plan.transfers) * plan.microbatches)  # the tags of one epoch
+        # this step's (value, microbatch) -> (sizes, dtype) where they differ from the plan's (a batch of
+        # other sizes: compiler/step_shapes.py); None: the plan's hold
+        self.step_specs: dict[tuple[str, int], tuple[tuple[int, ...], torch.dtype]] | None = None
 
     def of(self, key: tuple) -> int:
         """The tag of message `key` = (what, value, microbatch, src stage, dst stage) within an epoch."""
@@ -98,6 +101,9 @@ class MessageTags:
         return (epoch % max(1, (2**31 - 1) // self.space)) * self.space + tag
 
     def like(self, tag: int) -> tuple[tuple[int, ...], torch.dtype]:
-        """Shape and dtype of the message under `tag` (a gradient is shaped like its activation)."""
+        """Shape and dtype of the message under `tag` (a gradient is shaped like its activation) this step."""
         transfer = self.plan.transfers[tag // (2 * self.plan.microbatches)]
+        spec = None if self.step_specs is None else self.step_specs.get((transfer.value, tag % self.plan.microbatches))
+        if spec is not None:
+            return spec
         return tuple(transfer.shape), getattr(torch, transfer.dtype.removeprefix("torch."))

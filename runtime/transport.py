@@ -45,6 +45,7 @@ class LocalTransport:
         self.receiver: dict[tuple, MemoryPool] = {}  # a message's key -> the pool its buffer came from
         self.reductions: dict[tuple, dict[int, list[torch.Tensor]]] = {}
         self.taken: dict[tuple, set[int]] = {}
+        self.transfer_specs: dict | None = None  # this step's sizes of what is sent: in memory, never needed
 
     def send(self, key: tuple, src_device: int, dst_device: int, tensor: torch.Tensor, instruction: str) -> None:
         """key = (what, value, microbatch, src stage, dst stage)."""

@@ -78,7 +78,7 @@ class StageWorker(CheckpointAccess):
         self.input_grads: dict[int, dict[str, torch.Tensor]] = {}
         self.losses: dict[int, torch.Tensor] = {}
         self.stashes: dict[int, Stash] = {}  # per microbatch, from its forward to its backward
-        self.stash_size: dict[bool, int] = {}  # bytes one microbatch's forward stashes (with / without autograd)
+        self.stash_size: dict[tuple, int] = {}  # bytes one forward stashes, by (autograd on, its input sizes)
         self.host_bytes = HostBuffers(self.device)  # recycled host memory for stashes
 
     def provide(self, microbatch: int, name: str, value, buffer_key: tuple | None = None) -> None:
@@ -102,7 +102,8 @@ class StageWorker(CheckpointAccess):
         microbatch's inputs (received transfer buffers, counted as such, or the caller's tensors)."""
         inputs = self.inputs.get(microbatch, {})  # a stage may take no input (rotary embeddings)
         args = [inputs[name] for name in self.stage.inputs]
-        size = self.stash_size.get(stash)
+        key = (stash, tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor)))  # per input sizes
+        size = self.stash_size.get(key)
         if size is not None and microbatch not in self.swapped_stashes:
             # saved_tensors_hooks call Python for every tensor autograd saves (a GPT block's forward
             # took 1.6x as long): a stash that stays on the device is the size the first one measured
@@ -114,7 +115,7 @@ class StageWorker(CheckpointAccess):
             with torch.set_grad_enabled(stash), torch.autograd.graph.saved_tensors_hooks(saved.pack, unpack):
                 outputs = self.module(*args)
             saved.add_outputs(outputs)
-            size = self.stash_size[stash] = saved.nbytes()
+            size = self.stash_size[key] = saved.nbytes()
         self.outputs[microbatch] = outputs
         self.pool.allocate("stash", ("stash", self.stage.index, microbatch), size, instruction)
         if self.is_last:

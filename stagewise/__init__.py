@@ -24,6 +24,7 @@ from stagewise.ir.errors import (
     PeerError,
     PipelineBrokenError,
     PlanError,
+    PrecisionError,
     StagewiseError,
     StateDictError,
     StepFailedError,
@@ -31,6 +32,7 @@ from stagewise.ir.errors import (
     TraceError,
 )
 from stagewise.ir.plan import Plan
+from stagewise.ir.precision import LossScaling
 
 __all__ = [
     "BatchSizeError",
@@ -40,6 +42,7 @@ __all__ = [
     "DeviceError",
     "ExampleInputsError",
     "LossError",
+    "LossScaling",
     "OptionError",
     "OversubscribedWarning",
     "ParamGroups",
@@ -49,6 +52,7 @@ __all__ = [
     "PipelineBrokenError",
     "Plan",
     "PlanError",
+    "PrecisionError",
     "SampleMean",
     "StagewiseError",
     "StateDictError",

@@ -59,3 +59,48 @@ def test_stream_work_overlaps_on_the_gpu():
     streams = pipe.executor.streams[0].streams
     assert len({s.cuda_stream for s in streams.values()}) == 5
     assert torch.cuda.default_stream().cuda_stream not in {s.cuda_stream for s in streams.values()}
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_on_cuda_trains_as_eager_autocast(precision):
+    """Stage forwards under CUDA autocast (bf16 / fp16), fp32 masters, against eager torch.autocast on
+    the GPU over the same microbatches (tolerances of tests/test_precision.py)."""
+    from tests.test_precision import LOSS_RTOL, PARAM_ATOL, SGD, eager_autocast_train
+
+    torch.manual_seed(0)
+    model = TinyGPT(layers=4)
+    reference = copy.deepcopy(model).cuda()
+    batches = token_batches()
+    inputs, target = batches[0]
+    pipe = sw.compile(model, gpus(2), inputs, loss_fn=lm_loss, example_target=target, optimizer=SGD, microbatches=2,
+                      schedule="1f1b", swap="on", precision=precision)
+    got = [float(loss) for loss in pipeline_train(pipe, batches)]
+    want = eager_autocast_train(reference, batches, precision, 2, lm_loss, device="cuda")
+    assert got == pytest.approx(want, rel=LOSS_RTOL)
+    state = reference.state_dict()
+    for name, tensor in pipe.state_dict().items():
+        assert tensor.dtype == torch.float32
+        torch.testing.assert_close(tensor.cpu(), state[name].cpu(), rtol=0, atol=PARAM_ATOL)
+
+
+def test_any_batch_shape_on_cuda_with_pinned_swaps():
+    """Sequence lengths vary per step and the last batch is uneven: the shapes of a step are derived
+    on fake CUDA tensors from the swapped (pinned host) stages, as on the CPU (tests/test_any_shape.py).
+    Batches come from host memory or the GPU."""
+    from tests.test_any_shape import _lm_batches, _train, eager_split_train
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    model = gpt2(2)
+    reference = copy.deepcopy(model)
+    batches = _lm_batches()
+    pipe = sw.compile(model, gpus(2), batches[0][0], microbatches=2, schedule="1f1b", swap="on", optimizer=ADAMW,
+                      cost="analytic")
+    gpu_batches = [({k: v.cuda() if step % 2 else v for k, v in inputs.items()}, None)  # from the CPU or the GPU
+                   for step, (inputs, _) in enumerate(batches)]
+    got = torch.stack([loss.cpu() for loss in _train(pipe, gpu_batches)])
+    want = torch.stack(eager_split_train(reference, batches, microbatches=1, optimizer=ADAMW))
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    state = reference.state_dict()
+    for name, tensor in pipe.state_dict().items():
+        torch.testing.assert_close(tensor.cpu(), state[name], rtol=RTOL, atol=ATOL)

@@ -70,7 +70,7 @@ def measured_cost(pipe) -> SimCost:
             state[worker.stage.index] = float(weights + optimizer + buffers)
     stash = [0.0] * len(stages)
     for worker in pipe.workers:
-        stash[worker.stage.index] = float(worker.stash_size.get(True, 0))
+        stash[worker.stage.index] = float(max((v for (grad, _), v in worker.stash_size.items() if grad), default=0))
     forward, backward, update = measured_seconds(pipe)
     return SimCost(forward_s=forward, backward_s=backward, update_s=update, state_bytes=tuple(state),
                    grad_bytes=tuple(grads), stash_bytes=tuple(stash),

@@ -16,8 +16,11 @@ import pytest
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._pytree import tree_map
 
 import stagewise as sw
+from stagewise.passes.capture import Objective
 from stagewise.runtime.executor import StreamExecutor
 from stagewise.runtime.worker import StageWorker
 from tests.hf import gpt2, lm_batches
@@ -47,8 +50,10 @@ class FailsWhenArmed(torch.nn.Module):
 
 
 def live_objects() -> dict[str, int]:
-    """Live objects of each kind, by type (subclasses included: fx makes a class per graph)."""
-    names = [kind.__name__ for obj in gc.get_objects() for kind in KINDS if issubclass(type(obj), kind)]
+    """Live objects of each kind, by type (subclasses included: fx makes a class per graph; not the
+    fake inputs of the ShapeEnv torch.export leaves alive, see torch_export_keeps)."""
+    names = [kind.__name__ for obj in gc.get_objects() for kind in KINDS
+             if issubclass(type(obj), kind) and not isinstance(obj, FakeTensor)]
     return {kind.__name__: names.count(kind.__name__) for kind in KINDS}
 
 
@@ -80,9 +85,25 @@ def round_trip(make, batches, loss_fn, directory, tracer: str) -> None:
     pipeline_train(sw.load(directory / "ck"), batches)
 
 
-def assert_flat(kept: tuple[float, dict[str, int], int]) -> None:
+def torch_export_keeps(make, inputs, target, loss_fn) -> float:
+    """Bytes torch.export itself keeps per export with symbolic sizes (Dim.AUTO on every dimension,
+    as the capture asks): torch 2.13 leaves each such export's ShapeEnv alive (held from C++, with
+    its symbols, guards and fake inputs), about 0.5 MB for a 2-block GPT-2. Not ours to free; the
+    pipeline's rounds may keep that much more, and no more."""
+    def export() -> None:
+        args = (inputs, target) if loss_fn is not None else (inputs,)
+        shapes = tree_map(lambda v: dict.fromkeys(range(v.dim()), torch.export.Dim.AUTO)
+                          if isinstance(v, torch.Tensor) else None, args)
+        objective = Objective(make(), loss_fn, isinstance(inputs, dict))
+        torch.export.export(objective, args, dynamic_shapes=shapes, strict=False)
+
+    return kept_per_round(export)[0]
+
+
+def assert_flat(kept: tuple[float, dict[str, int], int], allowance: float = 0.0) -> None:
     bytes_per_round, objects, threads = kept
-    assert bytes_per_round < LIMIT_BYTES_PER_ROUND, f"{bytes_per_round / 1e6:.3f} MB kept per compile"
+    assert bytes_per_round < LIMIT_BYTES_PER_ROUND + allowance, (
+        f"{bytes_per_round / 1e6:.3f} MB kept per compile ({allowance / 1e6:.3f} MB of it torch.export's own)")
     assert all(n <= 0 for n in objects.values()), f"objects outlive their pipeline: {objects}"
     assert threads <= 0, f"{threads} more threads alive"
 
@@ -90,7 +111,9 @@ def assert_flat(kept: tuple[float, dict[str, int], int]) -> None:
 def test_export_path_gpt_compiled_trained_saved_and_loaded_again_and_again_keeps_memory_flat(tmp_path):
     ids = torch.randint(0, 64, (8, 9))
     batches = [((ids[:, :-1],), ids[:, 1:])] * 2
-    assert_flat(kept_per_round(lambda: round_trip(lambda: TinyGPT(layers=2), batches, lm_loss, tmp_path, "export")))
+    allowance = torch_export_keeps(lambda: TinyGPT(layers=2), (ids[:4, :-1],), ids[:4, 1:], lm_loss)
+    assert_flat(kept_per_round(lambda: round_trip(lambda: TinyGPT(layers=2), batches, lm_loss, tmp_path, "export")),
+                allowance)
 
 
 def test_fx_path_mlp_compiled_trained_saved_and_loaded_again_and_again_keeps_memory_flat(tmp_path):
@@ -99,7 +122,9 @@ def test_fx_path_mlp_compiled_trained_saved_and_loaded_again_and_again_keeps_mem
 
 
 def test_hugging_face_gpt2_compiled_again_and_again_keeps_memory_flat(tmp_path):
-    assert_flat(kept_per_round(lambda: round_trip(lambda: gpt2(2), lm_batches(2), None, tmp_path, "export")))
+    batches = lm_batches(2)
+    allowance = torch_export_keeps(lambda: gpt2(2), {k: v[:4] for k, v in batches[0][0].items()}, None, None)
+    assert_flat(kept_per_round(lambda: round_trip(lambda: gpt2(2), batches, None, tmp_path, "export")), allowance)
 
 
 def test_profiled_compiles_keep_memory_flat(tmp_path, monkeypatch):
@@ -112,7 +137,8 @@ def test_profiled_compiles_keep_memory_flat(tmp_path, monkeypatch):
         sw.compile(TinyGPT(layers=2), 2, (ids[:, :-1],), loss_fn=lm_loss, example_target=ids[:, 1:],
                    microbatches=2, cost="profile")
 
-    assert_flat(kept_per_round(compile_and_drop))
+    assert_flat(kept_per_round(compile_and_drop), torch_export_keeps(lambda: TinyGPT(layers=2), (ids[:4, :-1],),
+                                                                     ids[:4, 1:], lm_loss))
 
 
 def test_a_pipeline_whose_first_step_failed_is_released_whole():

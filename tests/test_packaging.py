@@ -104,9 +104,10 @@ def test_wheel_and_editable_install_expose_the_same_modules(wheel_entries: list[
 
 
 def expected_names() -> dict[Path, str]:
-    """The one proper module name of each .py file of the package (symlinks followed) and of tests/."""
+    """The one proper module name of each .py file of the package (symlinks followed), of tests/ and of
+    examples/ (tests import an example's functions as `examples.<name>`)."""
     names = {}
-    for top in (ROOT / PACKAGE, ROOT / "tests"):
+    for top in (ROOT / PACKAGE, ROOT / "tests", ROOT / "examples"):
         for directory, _, files in os.walk(top, followlinks=True):
             for file in files:
                 if file.endswith(".py"):

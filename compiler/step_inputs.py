@@ -1,0 +1,49 @@
+"""A step's minibatch made ready for the workers: checked, split, weighed and its transfers sized.
+
+One compiled pipeline takes any batch the stage code takes: a batch that does not divide into the
+microbatches is split unevenly (the first `batch % microbatches` one sample larger), non-batch sizes
+may shrink down to what the traced graph covers, and the example's sizes are the largest (memory
+was planned for them). Each microbatch's loss weighs its share of the batch (its samples, or the
+counted items of a declared loss reduction), so the step's loss and gradients are eager's on the
+whole batch; transfers of microbatches shaped unlike the example are sized ahead
+(compiler/step_shapes.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from stagewise.compiler.batches import check_step_tensors, split_batch
+from stagewise.compiler.loss_reduction import LossReduction, loss_weights
+from stagewise.compiler.step_shapes import StepShapes, TransferSpecs
+from stagewise.ir.plan import Plan
+
+
+@dataclass(frozen=True)
+class PreparedBatch:
+    """Per microbatch the graph inputs (node name -> tensor); the loss weights (None: 1 / microbatches,
+    the batch divided evenly); the transfers' sizes where the microbatches differ from the example."""
+
+    pieces: list[dict[str, torch.Tensor]]
+    weights: tuple[float, ...] | None
+    transfer_specs: TransferSpecs | None
+
+
+def prepare_batch(plan: Plan, shapes: StepShapes, inputs: dict[str, torch.Tensor],
+                  reduction: LossReduction | None) -> PreparedBatch:
+    """`inputs` (model input name, then the target's, -> tensor) checked and split for a step."""
+    m = plan.microbatches
+    batch = check_step_tensors(inputs, plan.input_specs, m, plan.microbatch_size,
+                               plan.smallest_microbatch or plan.microbatch_size)
+    node_names = dict(zip(plan.input_names + (plan.target_name,), plan.graph_inputs, strict=False))
+    split = split_batch(inputs, m)
+    if reduction is not None:
+        weights: tuple[float, ...] | None = loss_weights(reduction, split, plan.target_name)
+    elif batch % m:
+        weights = tuple(len(piece) / batch for piece in torch.arange(batch).tensor_split(m))
+    else:
+        weights = None
+    pieces = [{node_names[k]: v for k, v in piece.items()} for piece in split]
+    return PreparedBatch(pieces, weights, shapes.of_step(pieces))

@@ -1,0 +1,133 @@
+"""The sizes of what a step's microbatches send between stages, known before the step runs.
+
+A pipeline trains on batches of any shape the stage code takes (a shorter sequence, a smaller
+image, an uneven last microbatch). The plan's transfers hold the example's shapes; for a
+microbatch of other sizes the stage modules are run on fake tensors (no memory, no compute), in
+pipeline order, from the microbatch's input sizes: every value they send gets its shape and dtype
+(under torch.distributed a receiver allocates its buffer from it before the message arrives), and
+input sizes the stage code cannot take are refused before anything runs, naming the stage and the
+op, instead of failing in the middle of a step. Stages run under the plan's precision (a bf16
+activation is sent as bf16). One propagation per distinct microbatch
+signature, cached: a loader with 8 sequence lengths and an uneven last batch costs a handful.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import chain
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from stagewise.ir.errors import ExampleInputsError
+from stagewise.ir.plan import Plan, Stage
+from stagewise.ir.precision import autocast_for
+from stagewise.ir.random_streams import drawing
+from stagewise.passes.profile_shapes import quiet_fake_tensor_log
+
+Signature = tuple[tuple[str, tuple[int, ...], torch.dtype], ...]  # (graph input, sizes, dtype) of one microbatch
+ValueSpec = tuple[tuple[int, ...], torch.dtype]  # a sent value's sizes and dtype
+StateSpecs = dict[str, tuple[tuple[int, ...], tuple[int, ...], torch.dtype]]  # tensor name -> size, stride, dtype
+TransferSpecs = dict[tuple[str, int], ValueSpec]  # (value, microbatch) -> its sizes and dtype this step
+
+
+class StepShapes:
+    """Per step, the shape and dtype of every transferred value of every microbatch (None when every
+    microbatch is shaped like the example and the plan is fp32: the plan's shapes and dtypes hold)."""
+
+    def __init__(self, plan: Plan, modules: Sequence[fx.GraphModule | None], states: Sequence[StateSpecs | None],
+                 devices: Sequence[torch.device]):
+        self.plan = plan
+        self.modules = modules  # every stage's module (another rank's may hold meta tensors); None: not known here
+        self.states = states  # every stage's parameters and buffers, read before swapping emptied any
+        self.devices = devices  # per plan device: where its fake tensors live
+        self.example = _example_signature(plan)
+        self.user_names = dict(zip(plan.graph_inputs, plan.input_names + (plan.target_name or "target",), strict=False))
+        self.cache: dict[Signature, dict[str, ValueSpec]] = {}
+
+    def of_step(self, pieces: Sequence[dict[str, torch.Tensor | None]]) -> TransferSpecs | None:
+        """The transfers' sizes for these microbatches (graph input name -> tensor), or None where every
+        microbatch is shaped like the example. Raises ExampleInputsError for sizes the code cannot take."""
+        signatures = [_signature(piece) for piece in pieces]
+        if self.plan.precision == "fp32" and all(signature == self.example for signature in signatures):
+            return None  # the plan's shapes and dtypes (traced in fp32; under autocast some are bf16 / fp16)
+        sent = {t.value for t in self.plan.transfers}
+        specs: TransferSpecs = {}
+        for microbatch, signature in enumerate(signatures):
+            values = self.cache.get(signature)
+            if values is None:
+                values = self.cache[signature] = self._propagate(signature)
+            specs.update({(name, microbatch): values[name] for name in sent if name in values})
+        return specs
+
+    def _described(self, signature: Signature) -> str:
+        """The microbatch's sizes under the model's input names."""
+        return ", ".join(f"{self.user_names.get(name, name)} {list(size)}" for name, size, _ in signature)
+
+    def _propagate(self, signature: Signature) -> dict[str, ValueSpec]:
+        """Every stage output's sizes and dtype for one microbatch of these input sizes."""
+        with FakeTensorMode(), drawing(self.plan.seed, 0, 0, training=False), torch.no_grad():
+            env: dict[str, torch.Tensor] = {name: torch.empty(size, dtype=dtype) for name, size, dtype in signature}
+            for stage in _one_instance_per_position(self.plan.stages):
+                module, state = self.modules[stage.index], self.states[stage.index]
+                if module is None or state is None:
+                    raise ExampleInputsError(f"the shapes of a step of other sizes cannot be derived without stage "
+                                             f"{stage.index}'s code; give batches shaped like the example")
+                device = self.devices[stage.device]
+                args = tuple(_moved(env[name], device) if isinstance(env.get(name), torch.Tensor) else env.get(name)
+                             for name in stage.inputs)
+                try:
+                    with quiet_fake_tensor_log(), autocast_for(self.plan.precision, device):
+                        outputs = torch.func.functional_call(module, _fake_state(state, device), args)
+                except Exception as error:  # noqa: BLE001 - any op refusing the sizes is the user's input
+                    raise ExampleInputsError(
+                        f"step got inputs of sizes {self._described(signature)} that stage {stage.index}'s code cannot "
+                        f"take ({type(error).__name__}: {_first_line(error)}); give sizes like the example's "
+                        f"{self._described(self.example)}") from error
+                env.update(zip(stage.outputs, outputs, strict=True))
+        return {name: (tuple(value.shape), value.dtype) for name, value in env.items() if isinstance(value, torch.Tensor)}
+
+
+def _one_instance_per_position(stages: Sequence[Stage]) -> list[Stage]:
+    """One stage instance per pipeline position (replicas run the same code), in dataflow order."""
+    first: dict[int, Stage] = {}
+    for stage in stages:
+        first.setdefault(stage.position, stage)
+    return sorted(first.values(), key=lambda s: min(s.layers, default=0))
+
+
+def state_specs(module: torch.nn.Module) -> StateSpecs:
+    """The sizes of the module's parameters and buffers (every name, ties included), read while they
+    are whole: a swapped stage's parameters are empty on the device between uses."""
+    named = chain(module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False))
+    return {name: (tuple(t.shape), tuple(t.stride()), t.dtype) for name, t in named}
+
+
+def _fake_state(state: StateSpecs, device: torch.device) -> dict[str, torch.Tensor]:
+    """Fake stand-ins of a stage's parameters and buffers on `device`."""
+    return {name: torch.empty_strided(size, stride, dtype=dtype, device=device)
+            for name, (size, stride, dtype) in state.items()}
+
+
+def _moved(value: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return value if value.device == device else torch.empty_like(value, device=device)
+
+
+def _signature(piece: dict[str, torch.Tensor | None]) -> Signature:
+    return tuple((name, tuple(v.shape), v.dtype) for name, v in piece.items() if isinstance(v, torch.Tensor))
+
+
+def _example_signature(plan: Plan) -> Signature:
+    """A microbatch of the example's sizes, as `_signature` reads it."""
+    result = []
+    for name, spec in zip(plan.graph_inputs, plan.input_specs, strict=False):
+        dtype = getattr(torch, spec.dtype.removeprefix("torch."))
+        size = (plan.microbatch_size, *spec.shape) if spec.batched else spec.shape
+        result.append((name, tuple(size), dtype))
+    return tuple(result)
+
+
+def _first_line(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0][:300] if lines else ""

@@ -1,0 +1,103 @@
+"""Batches of any shape under torch.distributed: two gloo ranks train on varying sequence lengths and
+uneven last batches like eager training. Each receiver sizes its buffer from the step's own shapes
+(compiler/step_shapes.py), which every rank derives alike from the batch it was given."""
+
+from __future__ import annotations
+
+import copy
+import os
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import stagewise as sw
+from tests.models.gpt import TinyGPT, lm_loss
+from tests.models.mlp import mlp
+from tests.reference import ADAMW, ATOL, RTOL, assert_state_equal
+from tests.test_any_shape import _lm_batches, _tied_gpt_batches, _train, eager_split_train
+from tests.test_distributed import _join, _save, _spawn
+
+# (problem, schedule, resumed): a resumed case saves after the first step and trains on with the
+# pipeline sw.load gives every rank (another rank's stage code comes back on the meta device)
+CASES = (("hf-gpt2", "1f1b", False), ("hf-gpt2", "varuna", False), ("tied-gpt", "gpipe", False),
+         ("hf-gpt2", "1f1b", True), ("mlp-bf16", "1f1b", False))
+
+
+def _problem(name: str):
+    torch.manual_seed(0)
+    if name == "hf-gpt2":
+        from tests.hf import gpt2
+
+        return gpt2(2), _lm_batches(), {"microbatches": 2}
+    if name == "mlp-bf16":  # after its first Linear every activation is bf16 under autocast, so are transfers
+        generator = torch.Generator().manual_seed(0)
+        batches = [((torch.randn(b, 8, generator=generator),), torch.randint(0, 5, (b,), generator=generator))
+                   for b in (8, 7, 5)]
+        return mlp(), batches, {"microbatches": 2, "loss_fn": F.cross_entropy, "precision": "bf16"}
+    return TinyGPT(), _tied_gpt_batches(), {"microbatches": 4, "loss_fn": lm_loss}
+
+
+def _ranks(rank: int, init_file: str, out: str) -> None:
+    _join(init_file, rank, 30.0)
+    torch.set_num_threads(1)
+    results = {}
+    for case in CASES:
+        name, schedule, resumed = case
+        try:
+            model, batches, options = _problem(name)
+            inputs, target = batches[0]
+            if target is not None:
+                options["example_target"] = target
+            pipe = sw.compile(model, 2, inputs, schedule=schedule, optimizer=ADAMW, cost="analytic", **options)
+            pipe.timeout_s = 20.0
+            losses = _train(pipe, batches[:1])
+            if resumed:
+                pipe.save(Path(out) / "checkpoint")
+                pipe = sw.load(Path(out) / "checkpoint")
+            losses += _train(pipe, batches[1:])
+            results[case] = {"losses": losses, "state": {k: v.clone() for k, v in pipe.state_dict().items()}}
+        except Exception:  # noqa: BLE001 - the parent shows it
+            results[case] = {"error": traceback.format_exc()}
+            _save(Path(out) / f"rank{rank}.pkl", results)
+            os._exit(0)
+        _save(Path(out) / f"rank{rank}.pkl", results)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> list[dict]:
+    results = _spawn(_ranks, tmp_path_factory.mktemp("shapes"), limit_s=120.0, fail_on_hang=False)
+    return [result or {} for result in results]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(c[:2]) + ("-resumed" if c[2] else ""))
+def test_two_ranks_train_on_any_shape_like_eager(trained, case):
+    for rank, result in enumerate(trained):
+        assert case in result, f"rank {rank} did not reach {case} (a hang or an earlier failure)"
+        assert "error" not in result[case], f"rank {rank}:\n{result[case]['error']}"
+    model, batches, options = _problem(case[0])
+    if options.get("precision") == "bf16":  # bf16 activations are sent as bf16 (their receivers know)
+        _assert_like_one_process(trained, case, model, batches, options)
+        return
+    reference = copy.deepcopy(model)
+    want = eager_split_train(reference, batches, microbatches=1, loss_fn=options.get("loss_fn"), optimizer=ADAMW)
+    for result in trained:
+        torch.testing.assert_close(torch.stack(result[case]["losses"]), torch.stack(want), rtol=RTOL, atol=ATOL)
+        assert_state_equal(result[case]["state"], reference.state_dict())
+
+
+def _assert_like_one_process(trained, case, model, batches, options) -> None:
+    """The same plan in one process computes the same ops on the same dtypes: bitwise the ranks' result."""
+    inputs, target = batches[0]
+    pipe = sw.compile(model, 2, inputs, example_target=target, schedule=case[1], optimizer=ADAMW, cost="analytic",
+                      **options)
+    pieces = [{pipe.plan.graph_inputs[0]: inputs[0][:4], pipe.plan.graph_inputs[1]: target[:4]}]
+    assert {dtype for _, dtype in pipe.step_shapes.of_step(pieces).values()} == {torch.bfloat16}
+    want = _train(pipe, batches)
+    for result in trained:
+        torch.testing.assert_close(torch.stack(result[case]["losses"]), torch.stack(want), rtol=0, atol=0)
+        assert_state_equal(result[case]["state"], pipe.state_dict())
