@@ -6,7 +6,8 @@
 # 1. tests/test_cuda.py: CUDA streams and events, pinned swaps, bf16 / fp16, any batch shape;
 # 2. examples/train_anywhere.py under torchrun (2 ranks; NCCL needs a GPU per rank, else gloo);
 # 3. bench/precision.py on the GPU: the demo model and a GPT-2-small-sized one;
-# 4. the rest of the suite on this machine's torch (a check that stagewise runs on it), in parallel.
+# 4. the rest of the suite on this machine's torch (a check that stagewise runs on it), in parallel
+#    (SUITE_TESTS="tests/test_a.py tests/test_b.py" runs those only; SUITE=0 none; SUITE_S its limit).
 set -uo pipefail
 out="${1:-/tmp/gpu}"
 mkdir -p "$out"
@@ -32,7 +33,8 @@ timeout 240 python3 bench/precision.py --device cuda --no-pin --layers 12 --dim 
   --steps 10 2>&1 | tail -14 | tee "$out/bench_precision_gpt2_small.txt"
 if [ "${SUITE:-1}" = 1 ]; then
   step "the suite on this torch"
-  timeout "${SUITE_S:-300}" python3 -m pytest -q -p no:cacheprovider -n 12 --maxfail=5 --ignore tests/test_cuda.py 2>&1 | tail -30 \
+  timeout "${SUITE_S:-300}" python3 -m pytest -q -p no:cacheprovider -n 12 --maxfail=5 --ignore tests/test_cuda.py \
+    ${SUITE_TESTS:-tests} 2>&1 | tail -30 \
     | tee "$out/suite.txt"
 fi
 step "done"
