@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.fx as fx
 
-from stagewise.compiler.batches import first_microbatch, split_batch
+from stagewise.compiler.batches import first_microbatch, on_model_device, split_batch
 from stagewise.ir.plan import Cut, InputSpec, Layer
 from stagewise.passes.capture import Capture, capture
 from stagewise.passes.cutpoints import find_cuts
@@ -47,6 +47,7 @@ class Analysis:
 
     def __init__(self, model: torch.nn.Module, inputs, target, loss_fn, batch: int, first_microbatches: int, *,
                  dynamic: bool, precision: str = "fp32"):
+        inputs, target = on_model_device(model, inputs), on_model_device(model, target)
         self.model, self.inputs, self.target, self.batch = model, inputs, target, batch
         self.dynamic = dynamic
         self.precision = precision  # under autocast the trace's fp32 dtype checks are casts (passes/precision_casts.py)

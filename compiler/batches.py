@@ -143,3 +143,18 @@ def first_microbatch(target, microbatches: int):
     if isinstance(target, torch.Tensor) and target.dim() > 0:
         return target.tensor_split(microbatches)[0]
     return target
+
+
+def on_model_device(model: torch.nn.Module, value):
+    """The example's tensors where the model is, for tracing: data on the GPU beside a model still on
+    the CPU (the usual order: the model is compiled before it is placed) traces like CPU data."""
+    state = next(iter(model.parameters()), None)
+    state = state if state is not None else next(iter(model.buffers()), None)
+    device = state.device if state is not None else torch.device("cpu")
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {key: on_model_device(model, item) for key, item in value.items()}
+    if isinstance(value, tuple | list):
+        return type(value)(on_model_device(model, item) for item in value)
+    return value

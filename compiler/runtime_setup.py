@@ -14,6 +14,7 @@ import torch.fx as fx
 from stagewise.compiler.optimizer_groups import ParamGroups, StageOptimizerFactory
 from stagewise.compiler.state_dict import model_name
 from stagewise.compiler.step_shapes import StateSpecs, state_specs
+from stagewise.ir.errors import DeviceError
 from stagewise.ir.instructions import StashOut
 from stagewise.ir.plan import Plan
 from stagewise.ir.precision import LossScaling
@@ -95,6 +96,11 @@ def _torch_device(plan: Plan, index: int, context: DistributedContext | None) ->
     """This process's device; under torchrun on CUDA the local rank's GPU."""
     device = torch.device(plan.devices[index].name)
     if context is not None and device.type == "cuda":
+        if context.local_rank >= torch.cuda.device_count():
+            raise DeviceError(
+                f"rank {context.rank} (local rank {context.local_rank}) runs a CUDA device of the plan, but this "
+                f"machine has {torch.cuda.device_count()} GPU(s): under torchrun each process needs its own GPU; "
+                "start at most that many processes per machine, or give 'cpu' devices")
         return torch.device("cuda", context.local_rank)
     return device
 

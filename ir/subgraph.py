@@ -4,6 +4,11 @@ Used for stage modules (codegen) and for the profiler's single-layer modules: pl
 the values the nodes receive, `get_attr` and `call_module` for their state under the original
 FQNs, and the chosen values returned as a tuple. The state is deep-copied in one call, so a
 tensor used twice inside the subgraph (a tie not split by the cut) stays one tensor.
+
+The model is traced on one device (the CPU, mostly) and torch.export writes that device into the
+ops that make tensors (`arange(..., device=cpu)` for position ids). An extracted module runs where
+its stage is placed, so those ops read the device from the module's first tensor input or state
+instead (`bind_device`): the generated code is the same on every device.
 """
 
 from __future__ import annotations
@@ -33,7 +38,32 @@ def extract(gm: fx.GraphModule, nodes: Iterable[str], inputs: Iterable[str], out
             attrs[node.target] = gm.get_submodule(node.target)
         env[node] = graph.node_copy(node, lambda n: env[n])
     graph.output(tuple(env[by_name[name]] for name in outputs))
+    tensor_inputs = [env[by_name[name]] for name in inputs if isinstance(by_name[name].meta.get("val"), torch.Tensor)]
+    bind_device(graph, tensor_inputs, attrs)
     return fx.GraphModule(copy.deepcopy(attrs), graph, class_name=class_name)
+
+
+def bind_device(graph: fx.Graph, tensor_inputs: list[fx.Node], attrs: dict[str, object]) -> None:
+    """Ops given a fixed device (`device=` or positional, as `aten.to.device`) make their tensors on
+    the device of the module's first tensor input (or, with none, of its first tensor attribute) as
+    it runs. A module with neither keeps them."""
+    fixed = [n for n in graph.nodes if n.op == "call_function"
+             and any(isinstance(a, torch.device) for a in (*n.args, *n.kwargs.values()))]
+    if not fixed:
+        return
+    if tensor_inputs:
+        anchor = tensor_inputs[0]
+    else:
+        state = next((target for target, value in attrs.items() if isinstance(value, torch.Tensor)), None)
+        if state is None:
+            return
+        with graph.inserting_before(fixed[0]):
+            anchor = graph.get_attr(state)
+    with graph.inserting_before(fixed[0]):
+        device = graph.create_node("call_function", getattr, (anchor, "device"), name="stage_device")
+    for node in fixed:
+        node.args = tuple(device if isinstance(a, torch.device) else a for a in node.args)
+        node.kwargs = {k: device if isinstance(v, torch.device) else v for k, v in node.kwargs.items()}
 
 
 def attribute(root: torch.nn.Module, target: str):

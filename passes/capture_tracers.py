@@ -74,20 +74,27 @@ def trace_export(objective, example_inputs, example_target, n_inputs, dynamic=Fa
 def _forget_export_nodes() -> None:
     """torch.export keeps, until the next export, a map from its fake tensors to the nodes of the
     graph it traced, which it reads only within that export (its fake-tensor leak check): the
-    whole traced graph (1.1 MB for a 4-layer GPT-2) stayed alive after the pipeline was dropped."""
-    proxy_tensor._FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT.clear()
+    whole traced graph (1.1 MB for a 4-layer GPT-2) stayed alive after the pipeline was dropped.
+    A torch without that map (another version) keeps nothing there."""
+    nodes_of_fakes = getattr(proxy_tensor, "_FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT", None)
+    if nodes_of_fakes is not None:
+        nodes_of_fakes.clear()
 
 
 @contextlib.contextmanager
 def _no_stack_traces():
     """torch.export records a Python stack trace for every node (a fifth of its time); nothing
-    here reads them."""
-    before = torch.fx.config.do_not_emit_stack_traces
-    torch.fx.config.do_not_emit_stack_traces = True
+    here reads them. Older torch (2.11) lacks the switch: its exports keep their traces."""
+    config = torch.fx.config
+    if not hasattr(config, "do_not_emit_stack_traces"):
+        yield
+        return
+    before = config.do_not_emit_stack_traces
+    config.do_not_emit_stack_traces = True
     try:
         yield
     finally:
-        torch.fx.config.do_not_emit_stack_traces = before
+        config.do_not_emit_stack_traces = before
 
 
 def normalise(gm: fx.GraphModule, wanted: list[str]) -> None:

@@ -138,9 +138,10 @@ def test_fewer_stages_than_devices_trains_like_eager_and_leaves_devices_idle():
 
 
 @pytest.mark.parametrize("cores", [4, 2])
-def test_stages_auto_simulates_every_depth_and_keeps_the_fastest(cores, monkeypatch):
+def test_stages_auto_simulates_every_depth_and_keeps_one_within_the_margin(cores, monkeypatch):
     """PipeDream §2.4.1: the planner may use fewer workers than it has; in-process CPU devices get
-    at most a stage per core that computes at full speed."""
+    at most a stage per core that computes at full speed. The depth kept is predicted within
+    PLAN_MARGIN of the fastest (a simpler plan wins a near tie: `keep_simplest`)."""
     monkeypatch.setattr("stagewise.compiler.options.computes_at_full_speed", lambda: float(cores))
     batches = token_batches(2, batch=8)
     pipe = check_equal_training(TinyGPT(layers=4), batches, 4, loss_fn=lm_loss, optimizer=SGD,
@@ -148,7 +149,9 @@ def test_stages_auto_simulates_every_depth_and_keeps_the_fastest(cores, monkeypa
     tried = {int(line.split("P=")[1].split()[0]): line for line in pipe.plan.considered}
     assert set(tried) == set(range(1, cores + 1))
     times = {p: float(line.split("ms/iteration")[0].split()[-1]) for p, line in tried.items()}
-    assert times[len(pipe.plan.stages)] == pytest.approx(min(times.values()), abs=0.01)
+    fastest = min(times.values())
+    assert times[len(pipe.plan.stages)] <= fastest * (1 + PLAN_MARGIN) + 0.01  # the printed times are rounded
+    assert any("chosen" in line for line in pipe.plan.considered)
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [

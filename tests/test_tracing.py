@@ -173,3 +173,26 @@ def test_fake_propagation_runs_repeated_leaf_modules_once_with_the_same_values()
         if prop is _CountingProp:
             assert len(propagation.memo) < sum(n.op == "call_module" for n in gm.graph.nodes)
     assert found[0] == found[1]
+
+
+@pytest.mark.parametrize("name", ["hf-gpt2", "hf-llama", "tied-gpt"])
+def test_stage_code_makes_its_tensors_on_the_device_it_runs_on(name):
+    """Traced on the CPU, torch.export writes device=cpu into `arange` (position ids) and `to` (rotary
+    frequencies); the stage code reads the device from its inputs instead, so a stage placed on a GPU
+    makes those tensors there. Checked with fake CUDA tensors: every stage, in pipeline order."""
+    from stagewise.compiler.step_shapes import StepShapes
+    from tests.hf import llama
+
+    torch.manual_seed(0)
+    if name == "tied-gpt":
+        ids = torch.randint(0, 64, (4, 12))  # shorter than its context: the length stays symbolic
+        pipe = sw.compile(TinyGPT(), 2, (ids,), loss_fn=lm_loss, example_target=ids, microbatches=2, cost="analytic")
+    else:
+        ids = torch.randint(0, 100, (4, 16))
+        pipe = sw.compile((gpt2 if name == "hf-gpt2" else llama)(2), 2, {"input_ids": ids, "labels": ids},
+                          microbatches=2, cost="analytic")
+    assert not any("device(type=" in stage.code for stage in pipe.stages)
+    cpu = pipe.step_shapes
+    gpu = StepShapes(pipe.plan, cpu.modules, cpu.states, [torch.device("cuda", 0)] * len(pipe.plan.devices))
+    shorter = {name: torch.zeros(2, 9, dtype=torch.int64) for name in pipe.plan.graph_inputs}
+    assert gpu.of_step([shorter]) is not None  # no device mismatch on the way
