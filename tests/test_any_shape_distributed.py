@@ -5,13 +5,11 @@ uneven last batches like eager training. Each receiver sizes its buffer from the
 from __future__ import annotations
 
 import copy
-import os
-import traceback
+import functools
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import stagewise as sw
@@ -19,7 +17,7 @@ from tests.models.gpt import TinyGPT, lm_loss
 from tests.models.mlp import mlp
 from tests.reference import ADAMW, ATOL, RTOL, assert_state_equal
 from tests.test_any_shape import _lm_batches, _tied_gpt_batches, _train, eager_split_train
-from tests.test_distributed import _join, _save, _spawn
+from tests.test_distributed import _spawn, run_cases
 
 # (problem, schedule, resumed): a resumed case saves after the first step and trains on with the
 # pipeline sw.load gives every rank (another rank's stage code comes back on the meta device)
@@ -42,30 +40,23 @@ def _problem(name: str):
 
 
 def _ranks(rank: int, init_file: str, out: str) -> None:
-    _join(init_file, rank, 30.0)
-    torch.set_num_threads(1)
-    results = {}
-    for case in CASES:
-        name, schedule, resumed = case
-        try:
-            model, batches, options = _problem(name)
-            inputs, target = batches[0]
-            if target is not None:
-                options["example_target"] = target
-            pipe = sw.compile(model, 2, inputs, schedule=schedule, optimizer=ADAMW, cost="analytic", **options)
-            pipe.timeout_s = 20.0
-            losses = _train(pipe, batches[:1])
-            if resumed:
-                pipe.save(Path(out) / "checkpoint")
-                pipe = sw.load(Path(out) / "checkpoint")
-            losses += _train(pipe, batches[1:])
-            results[case] = {"losses": losses, "state": {k: v.clone() for k, v in pipe.state_dict().items()}}
-        except Exception:  # noqa: BLE001 - the parent shows it
-            results[case] = {"error": traceback.format_exc()}
-            _save(Path(out) / f"rank{rank}.pkl", results)
-            os._exit(0)
-        _save(Path(out) / f"rank{rank}.pkl", results)
-    dist.destroy_process_group()
+    run_cases(rank, init_file, out, CASES, functools.partial(_run_case, Path(out)))
+
+
+def _run_case(out: Path, case) -> dict:
+    name, schedule, resumed = case
+    model, batches, options = _problem(name)
+    inputs, target = batches[0]
+    if target is not None:
+        options["example_target"] = target
+    pipe = sw.compile(model, 2, inputs, schedule=schedule, optimizer=ADAMW, cost="analytic", **options)
+    pipe.timeout_s = 20.0
+    losses = _train(pipe, batches[:1])
+    if resumed:
+        pipe.save(out / "checkpoint")
+        pipe = sw.load(out / "checkpoint")
+    losses += _train(pipe, batches[1:])
+    return {"losses": losses, "state": {k: v.clone() for k, v in pipe.state_dict().items()}}
 
 
 @pytest.fixture(scope="module")

@@ -115,30 +115,49 @@ def _save(path: Path, result) -> None:
     partial.replace(path)
 
 
-# ---- what each rank runs --------------------------------------------------------------------
-def _train_cases(rank: int, init_file: str, out: str, cases) -> None:
-    """Train every case in turn, saving after each; the first failure ends the matrix on this rank
-    (the peer then fails on a PeerError: later collectives could not be matched)."""
+def run_cases(rank: int, init_file: str, out: str, cases, run_case) -> None:
+    """On one rank: join, then `run_case(case)` for every case in turn, saving the results after each;
+    the first failure (saved as its traceback) ends the matrix on this rank (the peer then fails on a
+    PeerError: later collectives could not be matched)."""
     _join(init_file, rank, 30.0)
     torch.set_num_threads(1)  # two ranks share the machine's cores
-    context = distributed_context()
     path = Path(out) / f"rank{rank}.pkl"
-    results = {}
+    results: dict = {}
     for case in cases:
         try:
-            pipe, batches = _compile(*case)
-            pipe.timeout_s = 20.0
-            devices = {w.stage.device for w in pipe.workers}
-            losses = pipeline_train(pipe, batches)
-            state = {k: v.clone() for k, v in pipe.state_dict().items()}  # gathered from every rank
-            results[case] = {"context": tuple(context), "devices": devices, "losses": losses, "state": state,
-                             "stats": pipe.stats[rank]}
+            results[case] = run_case(case)
         except Exception:  # noqa: BLE001 - the parent shows it
             results[case] = {"error": traceback.format_exc()}
             _save(path, results)
             os._exit(0)  # the process group may be mid-collective; do not wait on it at exit
         _save(path, results)
     dist.destroy_process_group()
+
+
+def case_results(per_rank: list[dict], case, limit_s: float) -> list[dict]:
+    """Every rank's result of `case` from `run_cases`, each rank's own failure shown."""
+    results = [results.get(case) for results in per_rank]
+    for rank, result in enumerate(results):
+        failed = [f"{c}: {r['error']}" for c, r in per_rank[rank].items() if "error" in r]
+        assert result is not None, f"rank {rank} did not finish {case}; " + (
+            "\n".join(failed) or f"it hung, or the matrix took over {limit_s:.0f} s")
+        assert "error" not in result, f"rank {rank} failed:\n{result['error']}"
+    return results
+
+
+# ---- what each rank runs --------------------------------------------------------------------
+def _train_cases(rank: int, init_file: str, out: str, cases) -> None:
+    run_cases(rank, init_file, out, cases, functools.partial(_train_case, rank))
+
+
+def _train_case(rank: int, case) -> dict:
+    pipe, batches = _compile(*case)
+    pipe.timeout_s = 20.0
+    devices = {w.stage.device for w in pipe.workers}
+    losses = pipeline_train(pipe, batches)
+    state = {k: v.clone() for k, v in pipe.state_dict().items()}  # gathered from every rank
+    return {"context": tuple(distributed_context()), "devices": devices, "losses": losses, "state": state,
+            "stats": pipe.stats[rank]}
 
 
 FAILURE_TIMEOUT_S = {"exits": 2.0, "silent": 2.0, "fails-locally": 10.0}
@@ -221,12 +240,7 @@ def test_two_ranks_train_like_eager(trained, case):
     """Losses and parameters equal eager training's on both ranks; each rank ran only its own
     stages, and moved state to host memory exactly when its mode asks for it."""
     name, schedule, mode = case
-    results = [per_rank.get(case) for per_rank in trained]
-    for rank, result in enumerate(results):
-        failed = [f"{c}: {r['error']}" for c, r in trained[rank].items() if "error" in r]
-        assert result is not None, f"rank {rank} did not finish {case}; " + (
-            "\n".join(failed) or f"it hung, or the matrix took over {MATRIX_LIMIT_S:.0f} s")
-        assert "error" not in result, f"rank {rank} failed:\n{result['error']}"
+    results = case_results(trained, case, MATRIX_LIMIT_S)
     want, state = _eager(name, mode)
     for rank, result in enumerate(results):
         assert result["context"] == (rank, RANKS, rank)

@@ -11,8 +11,7 @@ same thing (losses, gathered state): the parent checks both.
 
 from __future__ import annotations
 
-import os
-import traceback
+import functools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import stagewise as sw
 from stagewise.compiler.state_dict import model_name
 from stagewise.ir.errors import PredictError
 from tests.reference import ADAMW, ATOL, RTOL, SGD, assert_state_equal, chunks, eager_train, model_loss
-from tests.test_distributed import _join, _save, _spawn
+from tests.test_distributed import _spawn, case_results, run_cases
 from tests.training_problems import (
     GROUPED,
     LOSS_FNS,
@@ -150,24 +149,14 @@ CASES = (
 
 
 def _run_cases(rank: int, init_file: str, out: str, cases) -> None:
-    """Every case in turn, saving after each; the first failure ends the matrix on this rank."""
-    _join(init_file, rank, 30.0)
-    torch.set_num_threads(1)  # two ranks share the machine's cores
-    path = Path(out) / f"rank{rank}.pkl"
-    results: dict = {}
-    for case in cases:
-        kind, name, schedule = case
-        try:
-            if kind == "resume":
-                results[case] = run_resume(name, schedule, Path(out) / "-".join(case))
-            else:
-                results[case] = RUNNERS[kind](name, schedule)
-        except Exception:  # noqa: BLE001 - the parent shows it
-            results[case] = {"error": traceback.format_exc()}
-            _save(path, results)
-            os._exit(0)  # the process group may be mid-collective; do not wait on it at exit
-        _save(path, results)
-    dist.destroy_process_group()
+    run_cases(rank, init_file, out, cases, functools.partial(_run_case, Path(out)))
+
+
+def _run_case(out: Path, case) -> dict:
+    kind, name, schedule = case
+    if kind == "resume":
+        return run_resume(name, schedule, out / "-".join(case))
+    return RUNNERS[kind](name, schedule)
 
 
 # ---- the parent ------------------------------------------------------------------------------
@@ -179,13 +168,7 @@ def ranks(tmp_path_factory) -> list[dict]:
 
 def _results(ranks: list[dict], case) -> list[dict]:
     """Both ranks' results of `case`, each rank's own failure shown."""
-    results = [per_rank.get(case) for per_rank in ranks]
-    for rank, result in enumerate(results):
-        failed = [f"{c}: {r['error']}" for c, r in ranks[rank].items() if "error" in r]
-        assert result is not None, f"rank {rank} did not finish {case}; " + (
-            "\n".join(failed) or f"it hung, or the matrix took over {LIMIT_S:.0f} s")
-        assert "error" not in result, f"rank {rank} failed:\n{result['error']}"
-    return results
+    return case_results(ranks, case, LIMIT_S)
 
 
 def _exact(got, want) -> None:
