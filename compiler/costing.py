@@ -16,6 +16,7 @@ from stagewise.compiler.calibrate import (
     optimizer_state_ratio,
 )
 from stagewise.compiler.cluster import cluster_topology
+from stagewise.compiler.modelled_costs import modelled_runtime_costs, modelled_topology
 from stagewise.compiler.options import CompileRequest
 from stagewise.ir.costs import RuntimeCosts, training_state_per_param_byte
 from stagewise.ir.devices import Device
@@ -68,15 +69,21 @@ class Costs:
 
 def measure_costs(request: CompileRequest, analysis: Analysis) -> Costs:
     """Measure the links between the devices (under torch.distributed, with a level per host), profile
-    (or model) every layer at the first size, and measure what the runtime adds on this machine."""
+    (or model) every layer at the first size, and measure what the runtime adds on this machine. A
+    plan that will not run here (sw.plan) models the links and the runtime from the devices' figures
+    (compiler/modelled_costs.py) unless `topology=` gives the links."""
     devices = request.devices
-    context = request.distributed
-    topology = local_topology(devices) if context is None else cluster_topology(devices, context.local_rank)
     options = request.options
     # no optimizer state on the devices when the optimizer steps on the host
     optimizer_ratio = 0.0 if options.optimizer_on_host else optimizer_state_ratio(options.optimizer)
     layers = LayerCostModel(options.cost, analysis, devices[0], optimizer_ratio, options.precision)
     layers.at(analysis.first.microbatch_size)
+    if not request.runs_here:
+        topology = options.topology or modelled_topology(devices)
+        return Costs(layers, modelled_runtime_costs(request, analysis), topology, optimizer_ratio)
+    context = request.distributed
+    topology = options.topology or (local_topology(devices) if context is None
+                                    else cluster_topology(devices, context.local_rank))
     return Costs(layers, runtime_costs(request, analysis, layers), topology, optimizer_ratio)
 
 

@@ -10,14 +10,19 @@ from stagewise.compiler.context import CompileContext, after
 from stagewise.compiler.fx_sources import releasing_fx_sources
 from stagewise.compiler.loss_reduction import check_loss_reduction
 from stagewise.compiler.options import DEFAULT_OPTIMIZER, CompileOptions, CompileRequest
-from stagewise.compiler.phases import PHASES, analyse, plan, run_phases
+from stagewise.compiler.phases import PHASES, analyse, run_phases
+from stagewise.compiler.phases import plan as plan_phase
 from stagewise.compiler.pipeline import Compiled, Pipeline
 from stagewise.ir.devices import format_bytes
 from stagewise.ir.errors import CapacityError, ExampleInputsError, LossError, OptionError
 from stagewise.ir.plan import Plan
 from stagewise.ir.precision import LossScaling, check_precision
+from stagewise.ir.topology import Topology
 from stagewise.passes.capture import input_names
+from stagewise.passes.costs import plan_charges
 from stagewise.passes.shared import unheld_state
+from stagewise.passes.sim_result import SimResult
+from stagewise.passes.simulate import simulate as simulate_programs
 
 
 @releasing_fx_sources
@@ -65,18 +70,64 @@ def compile(  # noqa: A001 - the public name of the API
     a step whose gradients overflow on any stage is skipped on every stage). README has the rest.
     """
     _check_arguments(model, split_points, example_inputs, loss_fn, loss_reduction)
-    options = CompileOptions(loss_fn=loss_fn, example_target=example_target,
-                             optimizer=DEFAULT_OPTIMIZER if optimizer is None else optimizer,
-                             microbatches=microbatches, schedule=schedule, cost=cost,
-                             split_points=None if split_points is None else tuple(split_points),
-                             clip_grad_norm=clip_grad_norm, swap=swap, replicas=replicas, stages=stages,
-                             optimizer_on_host=optimizer_on_host, seed=seed, precision=check_precision(precision),
-                             loss_scaling=precision if isinstance(precision, LossScaling) else None)
+    options = _options(loss_fn=loss_fn, example_target=example_target, optimizer=optimizer, microbatches=microbatches,
+                       schedule=schedule, cost=cost, split_points=split_points, clip_grad_norm=clip_grad_norm, swap=swap,
+                       replicas=replicas, stages=stages, optimizer_on_host=optimizer_on_host, seed=seed,
+                       precision=precision)
     ctx = CompileContext(CompileRequest.make(model, devices, example_inputs, options))
     _run_checked(ctx)
     compiled = Compiled(after(ctx.choice, "plan").sim_cost, ctx.seconds, loss_reduction)
     described = after(ctx.plan, "plan")
     return Pipeline(described, after(ctx.runtime, "runtime"), compiled, unheld_state(model, described.stages))
+
+
+@releasing_fx_sources
+def plan(
+    model: torch.nn.Module,
+    devices,
+    example_inputs,
+    *,
+    loss_fn=None, example_target=None,
+    optimizer=None,
+    microbatches: int | None = None,
+    schedule: str = "auto",
+    split_points: list[str] | None = None,
+    swap: str = "auto",
+    replicas: int | str | tuple[int, ...] = 1,
+    stages: int | str | None = None,
+    optimizer_on_host: bool = False,
+    precision: str = "fp32",
+    topology: Topology | None = None,
+) -> Plan:
+    """The plan `compile` would choose, without a runtime: for devices this machine need not have
+    (`sw.Device("cuda", memory="80GiB", peak_flops="989TFLOPS", ...)`) and a model that may live on
+    the meta device (no weights: `with torch.device("meta"): model = ...`). Every cost is modelled
+    from the devices' figures, none timed here (passes/analytic.py, compiler/modelled_costs.py);
+    `topology` gives the links between the devices (default: PCIe between GPUs). The arguments
+    are `compile`'s; `sw.simulate(plan)` gives its predicted timeline.
+    """
+    _check_arguments(model, split_points, example_inputs, loss_fn, None)
+    options = _options(loss_fn=loss_fn, example_target=example_target, optimizer=optimizer, microbatches=microbatches,
+                       schedule=schedule, cost="analytic", split_points=split_points, clip_grad_norm=None, swap=swap,
+                       replicas=replicas, stages=stages, optimizer_on_host=optimizer_on_host, seed=0,
+                       precision=precision, topology=topology)
+    ctx = CompileContext(CompileRequest.make(model, devices, example_inputs, options, runs_here=False))
+    _run_checked(ctx, PHASES[:PHASES.index(plan_phase) + 1])
+    return after(ctx.plan, "plan")
+
+
+def simulate(plan: Plan, peak_flops: float | None = None, bandwidth: float | None = None) -> SimResult:
+    """The predicted timeline of one iteration of `plan` (`to_chrome_trace`, `to_png`), with the costs
+    its prediction charged, or for devices of `peak_flops` FLOP/s and links of `bandwidth` bytes/s."""
+    return simulate_programs(plan.programs, plan_charges(plan, peak_flops, bandwidth))
+
+
+def _options(*, optimizer, split_points, precision, **given) -> CompileOptions:
+    """CompileOptions from the public keyword arguments (defaults and conversions applied)."""
+    return CompileOptions(optimizer=DEFAULT_OPTIMIZER if optimizer is None else optimizer,
+                          split_points=None if split_points is None else tuple(split_points),
+                          precision=check_precision(precision),
+                          loss_scaling=precision if isinstance(precision, LossScaling) else None, **given)
 
 
 def _check_arguments(model: object, split_points: object, example_inputs, loss_fn: object, reduction: object) -> None:
@@ -92,11 +143,11 @@ def _check_arguments(model: object, split_points: object, example_inputs, loss_f
         check_loss_reduction(reduction, loss_fn is not None, input_names(model, example_inputs)[0])
 
 
-def _run_checked(ctx: CompileContext) -> None:
+def _run_checked(ctx: CompileContext, phases=PHASES) -> None:
     """The compile phases, with the checks that need a phase's result run right after it."""
     checks = {analyse: lambda: _check_loss_is_differentiable(ctx.request.model, after(ctx.first, "analyse").graph),
-              plan: lambda: _check_layers_fit(after(ctx.plan, "plan"))}
-    for phase in PHASES:
+              plan_phase: lambda: _check_layers_fit(after(ctx.plan, "plan"))}
+    for phase in phases:
         run_phases(ctx, (phase,))
         if phase in checks:
             checks[phase]()

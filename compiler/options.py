@@ -14,7 +14,7 @@ import torch
 
 from stagewise.compiler.batches import batch_size, check_microbatches, input_specs
 from stagewise.compiler.optimizer_groups import ParamGroups, check_param_groups
-from stagewise.ir.devices import Device, resolve_devices
+from stagewise.ir.devices import Device, check_present, resolve_devices
 from stagewise.ir.errors import (
     BatchSizeError,
     ExampleInputsError,
@@ -26,6 +26,7 @@ from stagewise.ir.errors import (
 )
 from stagewise.ir.plan import DeviceSpec, InputSpec
 from stagewise.ir.precision import LossScaling, check_precision
+from stagewise.ir.topology import Topology
 from stagewise.passes.capture import input_names
 from stagewise.passes.contention import available_cores, computes_at_full_speed
 from stagewise.passes.layout import PER_STAGE
@@ -56,6 +57,7 @@ class CompileOptions:
     seed: int | None = None
     precision: str = "fp32"  # checked by ir/precision.py check_precision before
     loss_scaling: LossScaling | None = None  # fp16's (LossScaling() unless given)
+    topology: Topology | None = None  # the links between the devices, given (else measured, or modelled by sw.plan)
 
     def __post_init__(self) -> None:
         if isinstance(self.replicas, list):  # replicas=[2, 1] reads as (2, 1)
@@ -223,17 +225,27 @@ class CompileRequest:
     cores_at_full_speed: float  # single-device computes this process's cores run at full speed at once
     input_specs: tuple[InputSpec, ...] = ()  # each example tensor's dtype and sizes, for step's checks
     seed: int = 0  # the plan's: `seed=`, else torch.initial_seed() (ir/random_streams.py)
+    runs_here: bool = True  # False for sw.plan: no runtime, the devices need not exist, nothing is timed here
 
     @classmethod
-    def make(cls, model: torch.nn.Module, devices, example_inputs, options: CompileOptions) -> CompileRequest:
-        """Check the model and inputs, resolve the devices, pick the first microbatch count."""
-        _check_model(model)
+    def make(cls, model: torch.nn.Module, devices, example_inputs, options: CompileOptions, *,
+             runs_here: bool = True) -> CompileRequest:
+        """Check the model and inputs, resolve the devices, pick the first microbatch count. A plan
+        that will not run here (`runs_here=False`) takes a meta-device model and absent devices."""
+        _check_model(model, weights_needed=runs_here)
         if isinstance(options.optimizer, ParamGroups):
             check_param_groups(options.optimizer, model)
         resolved = resolve_devices(devices)
+        _check_topology(options.topology, len(resolved))
+        if runs_here:
+            check_present(resolved)
+        elif options.cost != "analytic":
+            raise OptionError(f"cost={options.cost!r} times layers on this machine's devices; a plan for devices that "
+                              "need not be here is costed from their figures: cost='analytic'")
         _check_model_precision(model, options.precision, resolved)
-        distributed = distributed_context()
-        _warn_if_oversubscribed(_sharing_cpu_devices(resolved, distributed))
+        distributed = distributed_context() if runs_here else None
+        if runs_here:
+            _warn_if_oversubscribed(_sharing_cpu_devices(resolved, distributed))
         names, kind = input_names(model, example_inputs)
         batch = batch_size(example_inputs, options.example_target)
         if options.microbatches is not None:
@@ -249,7 +261,7 @@ class CompileRequest:
         specs = input_specs([*named.values(), *target])
         seed = torch.initial_seed() if options.seed is None else options.seed
         return cls(model, example_inputs, options, resolved, tuple(names), kind, batch, first, distributed,
-                   computes_at_full_speed(), specs, seed)
+                   computes_at_full_speed(), specs, seed, runs_here)
 
     @property
     def specs(self) -> list[DeviceSpec]:
@@ -265,14 +277,29 @@ class CompileRequest:
         return _sharing_cpu_devices(self.devices, self.distributed)
 
 
-def _check_model(model: object) -> None:
-    """A module whose parameters and buffers hold data (a meta-device model has only shapes)."""
+def _check_model(model: object, weights_needed: bool) -> None:
+    """A module whose parameters and buffers hold data where it will train (a meta-device model has
+    only shapes: enough to plan)."""
     if not isinstance(model, torch.nn.Module):
         raise ExampleInputsError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not weights_needed:
+        return
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if tensor.is_meta:
             raise ExampleInputsError(f"the model's {name!r} is on the meta device (shapes, no data); materialise it "
-                                     "first, e.g. model.to_empty(device='cpu') then load its weights")
+                                     "first, e.g. model.to_empty(device='cpu') then load its weights (sw.plan plans "
+                                     "a meta-device model as it is)")
+
+
+def _check_topology(topology: object, devices: int) -> None:
+    if topology is None:
+        return
+    if not isinstance(topology, Topology):
+        raise OptionError(f"topology= is a {type(topology).__name__}; give a sw.Topology, e.g. "
+                          f"sw.Topology.uniform({devices}, '25GB/s')")
+    if len(topology.bandwidth) != devices:
+        raise OptionError(f"topology= describes {len(topology.bandwidth)} devices but {devices} were given; "
+                          "give one row per device, in the devices' order")
 
 
 def _sharing_cpu_devices(devices: list[Device], distributed: DistributedContext | None) -> int:

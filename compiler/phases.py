@@ -108,7 +108,8 @@ def run_phases(ctx: CompileContext, phases: Sequence[Callable[[CompileContext], 
     """Run `phases` in order, recording the seconds each took in `ctx.seconds`. The global random
     generators are left as they were: calibration and probes draw a number of samples that depends
     on timing, and would shift the user's stream (the data drawn after compile) from run to run."""
-    cuda = sorted({d.torch_device.index or 0 for d in ctx.request.devices if d.torch_device.type == "cuda"})
+    present = torch.cuda.is_available()  # sw.plan plans for GPUs this machine need not have
+    cuda = sorted({d.torch_device.index or 0 for d in ctx.request.devices if d.torch_device.type == "cuda" and present})
     with torch.random.fork_rng(devices=cuda):
         for phase in phases:
             start = time.perf_counter()

@@ -293,7 +293,7 @@ class Pipeline:
         prediction charged (profiled or analytic; the plan keeps them, so a loaded pipeline predicts
         the same), or for other hardware: devices of `peak_flops` FLOP/s (the analytic model's compute
         bound), links of `bandwidth` bytes/s (passes/costs.py `plan_charges`)."""
-        return simulate(self.plan.programs, plan_charges(self.plan, peak_flops, bandwidth))
+        return simulate(self.plan.programs, plan_charges(self.plan, peak_flops, bandwidth))  # as sw.simulate
 
     def save(self, directory, scheduler=None, extra: dict | None = None) -> None:
         """Write the pipeline to `directory` for `sw.load`: plan.json, programs.txt, stage_<i>.py (the

@@ -96,7 +96,7 @@ class DeviceSpec:
     kind: str
     memory: int | None = None
     speed: float = 1.0
-    peak_flops: float | None = None  # FLOP/s, for analytic costs of hardware one does not have
+    peak_flops: float | None = None  # FLOP/s in the plan's precision, for analytic costs (passes/analytic.py)
     memory_bandwidth: float | None = None  # bytes/s of the device's own memory (roofline)
     host_bandwidth: float | None = None  # bytes/s of the host <-> device link (swaps)
 
@@ -110,7 +110,9 @@ class Device:
 
     `peak_flops`, `memory_bandwidth` and `host_bandwidth` (host <-> device link, for swaps)
     describe hardware for analytic costs (passes/analytic.py), so one can plan for devices one
-    does not have: `Device("cuda", memory="80GiB", peak_flops="400TFLOPS", memory_bandwidth="2TB/s")`.
+    does not have (`sw.plan`): `Device("cuda", memory="80GiB", peak_flops="989TFLOPS",
+    memory_bandwidth="3.35TB/s")`; `peak_flops` is the rate in the plan's precision (bf16's for a
+    bf16 plan). A device need not exist here until a runtime uses it (`compile`).
     """
 
     name: str = "cpu"
@@ -158,19 +160,28 @@ def _parsed(value: int | float | str | None):
 
 
 def torch_device(name: str | torch.device) -> torch.device:
+    """The torch.device a name describes, whether or not this machine has it (one can plan for GPUs
+    on a laptop); `check_present` is what a runtime asks before it uses the devices."""
     try:
         device = torch.device(name)
     except (RuntimeError, TypeError) as err:
         raise DeviceError(
             f"unknown device {name!r}: use 'cpu', 'cuda', 'cuda:N' or a torch.device ({err})"
         ) from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise DeviceError(f"device {name!r} asks for CUDA but this machine has none; use 'cpu' devices")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise DeviceError(f"device {name!r} does not exist: this machine has {torch.cuda.device_count()} GPUs")
     if device.type not in ("cpu", "cuda"):
         raise DeviceError(f"device {name!r} is of type {device.type!r}; stagewise runs on 'cpu' and 'cuda'")
     return device
+
+
+def check_present(devices: list[Device]) -> None:
+    """Every device exists on this machine, so a runtime can run on it."""
+    for device in devices:
+        where = device.torch_device
+        if where.type == "cuda" and not torch.cuda.is_available():
+            raise DeviceError(f"device {device.name!r} asks for CUDA but this machine has none; use 'cpu' devices")
+        if where.type == "cuda" and where.index is not None and where.index >= torch.cuda.device_count():
+            raise DeviceError(f"device {device.name!r} does not exist: this machine has "
+                              f"{torch.cuda.device_count()} GPUs")
 
 
 def resolve_devices(devices) -> list[Device]:

@@ -15,9 +15,11 @@ every floating-point value the layer makes, an upper bound.
 Mixed precision (bf16 / fp16) is modelled to first order. Value bytes (inputs, outputs,
 stash, workspace) come from the fake run under the precision's autocast, so they have the
 dtypes autocast gives each op (matmul outputs and the casts they save in 2 bytes, norms and
-softmax in 4). The compute bound divides by the device's peak times LOW_PRECISION_SPEEDUP for
-its kind: the datasheet's dense bf16/fp16 tensor-core rate over its TF32 one on CUDA (A100:
-312 / 156 TFLOP/s, H100: 989 / 495), 1 on CPU (without AMX, CPU bf16 matmuls are no faster).
+softmax in 4). A device's `peak_flops`, when given, is its rate in the plan's precision (the
+datasheet's bf16 figure for a bf16 plan: the catalogue picks it); the default peak for its kind
+is fp32's, times LOW_PRECISION_SPEEDUP for its kind in bf16 / fp16: the datasheet's dense
+bf16/fp16 tensor-core rate over its TF32 one on CUDA (A100: 312 / 156 TFLOP/s, H100: 989 / 495),
+1 on CPU (without AMX, CPU bf16 matmuls are no faster).
 Approximated: every FLOP is charged at that rate (the ops autocast keeps in fp32 are not
 told apart), and the casts' own time is not charged. State (weights, gradients, optimizer
 state) stays fp32: autocast computes from fp32 masters.
@@ -64,7 +66,7 @@ def analytic_layers(
     fake = _fake_run(gm, layers, traced_microbatch, precision)
     saved = fake.stash_bytes if fake is not None else None
     cast = fake if precision != "fp32" else None  # meta['val'] holds the fp32 trace's values
-    if precision != "fp32":
+    if precision != "fp32" and getattr(device, "peak_flops", None) is None:
         peak *= LOW_PRECISION_SPEEDUP.get(getattr(device, "kind", None) or _kind(device), 1.0)
     profiles = []
     for layer in layers:

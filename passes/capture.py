@@ -225,6 +225,9 @@ class Capture:
         value = next(n for n in self.template.graph.nodes if n.op == "placeholder").meta.get("val")
         if not isinstance(value, torch.Tensor) or not isinstance(value.shape[0], torch.SymInt):
             return planned
+        if not self._has_weights():
+            return 2  # no weights to run eager with (a model planned on the meta device)
+
         def one(value):
             return value[:1] if isinstance(value, torch.Tensor) and value.dim() else value
 
@@ -286,8 +289,14 @@ class Capture:
         check_loss(gm)
         return gm, verify
 
+    def _has_weights(self) -> bool:
+        return not any(p.is_meta for p in self.objective._stagewise_model.parameters())
+
     def _agrees_with_eager(self, gm: fx.GraphModule, inputs, target, leaves: list) -> bool:
-        """One forward of the graph and of the model on the same inputs give the same loss."""
+        """One forward of the graph and of the model on the same inputs give the same loss (False for a
+        model without weights, a meta-device one: it is exported again at this size)."""
+        if not self._has_weights():
+            return False
         args = (inputs, target) if self.objective._stagewise_loss_fn is not None else (inputs,)
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=[]), _buffers_kept(gm):

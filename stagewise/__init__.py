@@ -6,10 +6,13 @@
 """
 
 from stagewise.compiler.checkpoint import load
-from stagewise.compiler.driver import compile  # noqa: A004 - the public name of the API
+from stagewise.compiler.driver import compile, plan, simulate  # noqa: A004 - the public name of the API
 from stagewise.compiler.loss_reduction import SampleMean, TokenMean
 from stagewise.compiler.optimizer_groups import ParamGroups
 from stagewise.compiler.pipeline import Pipeline
+from stagewise.ir.catalogue import Catalogue
+from stagewise.ir.catalogue_file import load_catalogue
+from stagewise.ir.device_request import Cluster, parse_device_request
 from stagewise.ir.devices import Device
 from stagewise.ir.errors import (
     BatchSizeError,
@@ -33,11 +36,14 @@ from stagewise.ir.errors import (
 )
 from stagewise.ir.plan import Plan
 from stagewise.ir.precision import LossScaling
+from stagewise.ir.topology import Topology
 
 __all__ = [
     "BatchSizeError",
     "CapacityError",
+    "Catalogue",
     "CheckpointError",
+    "Cluster",
     "Device",
     "DeviceError",
     "ExampleInputsError",
@@ -59,7 +65,12 @@ __all__ = [
     "StepFailedError",
     "StepTimeoutError",
     "TokenMean",
+    "Topology",
     "TraceError",
     "compile",
     "load",
+    "load_catalogue",
+    "parse_device_request",
+    "plan",
+    "simulate",
 ]

@@ -89,6 +89,7 @@ def test_wheel_holds_only_the_package(wheel_entries: list[str]):
     strays = [e for e in wheel_entries if not e.startswith((f"{PACKAGE}/", f"{PACKAGE}-"))]
     assert not strays, f"the wheel installs more than {PACKAGE}/: {strays}"
     assert f"{PACKAGE}/py.typed" in wheel_entries
+    assert f"{PACKAGE}/ir/catalogue_data.json" in wheel_entries  # the shipped device catalogue
 
 
 def test_wheel_and_editable_install_expose_the_same_modules(wheel_entries: list[str], installed: dict):
