@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from stagewise.compiler.analysis import Analysis
 from stagewise.compiler.context import CompileContext, after
 from stagewise.compiler.fx_sources import releasing_fx_sources
 from stagewise.compiler.loss_reduction import check_loss_reduction
@@ -70,10 +71,10 @@ def compile(  # noqa: A001 - the public name of the API
     a step whose gradients overflow on any stage is skipped on every stage). README has the rest.
     """
     _check_arguments(model, split_points, example_inputs, loss_fn, loss_reduction)
-    options = _options(loss_fn=loss_fn, example_target=example_target, optimizer=optimizer, microbatches=microbatches,
-                       schedule=schedule, cost=cost, split_points=split_points, clip_grad_norm=clip_grad_norm, swap=swap,
-                       replicas=replicas, stages=stages, optimizer_on_host=optimizer_on_host, seed=seed,
-                       precision=precision)
+    options = make_options(loss_fn=loss_fn, example_target=example_target, optimizer=optimizer,
+                           microbatches=microbatches, schedule=schedule, cost=cost, split_points=split_points,
+                           clip_grad_norm=clip_grad_norm, swap=swap, replicas=replicas, stages=stages,
+                           optimizer_on_host=optimizer_on_host, seed=seed, precision=precision)
     ctx = CompileContext(CompileRequest.make(model, devices, example_inputs, options))
     _run_checked(ctx)
     compiled = Compiled(after(ctx.choice, "plan").sim_cost, ctx.seconds, loss_reduction)
@@ -107,13 +108,22 @@ def plan(
     are `compile`'s; `sw.simulate(plan)` gives its predicted timeline.
     """
     _check_arguments(model, split_points, example_inputs, loss_fn, None)
-    options = _options(loss_fn=loss_fn, example_target=example_target, optimizer=optimizer, microbatches=microbatches,
-                       schedule=schedule, cost="analytic", split_points=split_points, clip_grad_norm=None, swap=swap,
-                       replicas=replicas, stages=stages, optimizer_on_host=optimizer_on_host, seed=0,
-                       precision=precision, topology=topology)
-    ctx = CompileContext(CompileRequest.make(model, devices, example_inputs, options, runs_here=False))
-    _run_checked(ctx, PHASES[:PHASES.index(plan_phase) + 1])
-    return after(ctx.plan, "plan")
+    options = make_options(loss_fn=loss_fn, example_target=example_target, optimizer=optimizer,
+                           microbatches=microbatches, schedule=schedule, cost="analytic", split_points=split_points,
+                           clip_grad_norm=None, swap=swap, replicas=replicas, stages=stages,
+                           optimizer_on_host=optimizer_on_host, seed=0, precision=precision, topology=topology)
+    return planned(CompileRequest.make(model, devices, example_inputs, options, runs_here=False))[0]
+
+
+def planned(request: CompileRequest, analysis: Analysis | None = None) -> tuple[Plan, Analysis]:
+    """The phases from capture to plan for `request`, and the capture they used: a search over many
+    device sets (sw.recommend) hands one capture back in when the first microbatch count agrees."""
+    ctx = CompileContext(request)
+    phases = PHASES[:PHASES.index(plan_phase) + 1]
+    if analysis is not None and analysis.first_microbatches == request.first_microbatches:
+        ctx.analysis, phases = analysis, phases[1:]
+    _run_checked(ctx, phases)
+    return after(ctx.plan, "plan"), after(ctx.analysis, "capture")
 
 
 def simulate(plan: Plan, peak_flops: float | None = None, bandwidth: float | None = None) -> SimResult:
@@ -122,7 +132,7 @@ def simulate(plan: Plan, peak_flops: float | None = None, bandwidth: float | Non
     return simulate_programs(plan.programs, plan_charges(plan, peak_flops, bandwidth))
 
 
-def _options(*, optimizer, split_points, precision, **given) -> CompileOptions:
+def make_options(*, optimizer, split_points, precision, **given) -> CompileOptions:
     """CompileOptions from the public keyword arguments (defaults and conversions applied)."""
     return CompileOptions(optimizer=DEFAULT_OPTIMIZER if optimizer is None else optimizer,
                           split_points=None if split_points is None else tuple(split_points),

@@ -10,6 +10,8 @@ from stagewise.compiler.driver import compile, plan, simulate  # noqa: A004 - th
 from stagewise.compiler.loss_reduction import SampleMean, TokenMean
 from stagewise.compiler.optimizer_groups import ParamGroups
 from stagewise.compiler.pipeline import Pipeline
+from stagewise.compiler.recommend import recommend
+from stagewise.compiler.recommend_report import Candidate, Recommendation
 from stagewise.ir.catalogue import Catalogue
 from stagewise.ir.catalogue_file import load_catalogue
 from stagewise.ir.device_request import Cluster, parse_device_request
@@ -40,6 +42,7 @@ from stagewise.ir.topology import Topology
 
 __all__ = [
     "BatchSizeError",
+    "Candidate",
     "CapacityError",
     "Catalogue",
     "CheckpointError",
@@ -59,6 +62,7 @@ __all__ = [
     "Plan",
     "PlanError",
     "PrecisionError",
+    "Recommendation",
     "SampleMean",
     "StagewiseError",
     "StateDictError",
@@ -72,5 +76,6 @@ __all__ = [
     "load_catalogue",
     "parse_device_request",
     "plan",
+    "recommend",
     "simulate",
 ]
