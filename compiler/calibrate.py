@@ -52,16 +52,16 @@ def _calibrate(name: str) -> Calibration:
     device = torch.device(name)
     src = torch.empty(COPY_BYTES // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    copy_s = _best(lambda: dst.copy_(src), device)
+    copy_s = best_seconds(lambda: dst.copy_(src), device)
     if device.type == "cuda":
         host = torch.empty(COPY_BYTES // 4, dtype=torch.float32, pin_memory=True)
-        host_s = max(_best(lambda: src.copy_(host, non_blocking=True), device),
-                     _best(lambda: host.copy_(src, non_blocking=True), device))
+        host_s = max(best_seconds(lambda: src.copy_(host, non_blocking=True), device),
+                     best_seconds(lambda: host.copy_(src, non_blocking=True), device))
     else:
         host_s = copy_s
     a = torch.randn(MATMUL_N, MATMUL_N, device=device)
     b = torch.randn(MATMUL_N, MATMUL_N, device=device)
-    matmul_s = _best(lambda: torch.mm(a, b), device)
+    matmul_s = best_seconds(lambda: torch.mm(a, b), device)
     return Calibration(
         device=name,
         kind=device.type,
@@ -83,7 +83,7 @@ def _send_bandwidth(src_name: str, dst_name: str) -> float:
         return _calibrate(src_name).copy_bandwidth
     a = torch.empty(COPY_BYTES // 4, dtype=torch.float32, device=src)
     b = torch.empty(COPY_BYTES // 4, dtype=torch.float32, device=dst)
-    return COPY_BYTES / _best(lambda: b.copy_(a, non_blocking=True), src, dst)
+    return COPY_BYTES / best_seconds(lambda: b.copy_(a, non_blocking=True), src, dst)
 
 
 def relative_speeds(devices) -> list[float]:
@@ -108,7 +108,7 @@ def _torch_device(device: str | torch.device | Device) -> torch.device:
     return device
 
 
-def _best(op: Callable[[], object], *devices: torch.device, repeats: int = REPEATS) -> float:
+def best_seconds(op: Callable[[], object], *devices: torch.device, repeats: int = REPEATS) -> float:
     """Seconds of the fastest of `repeats` runs of op, after one warm-up run."""
     op()
     return max(min(_seconds(op, *devices) for _ in range(repeats)), 1e-9)

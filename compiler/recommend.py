@@ -132,7 +132,8 @@ def _candidate(request: str, cluster: Cluster, model: torch.nn.Module, example_i
     """One device set planned (or why it cannot be), and the capture to hand to the next."""
     price = cluster.instance_type.on_demand if cluster.instance_type is not None else None
     row = Candidate(request, len(cluster.devices), len(cluster.nodes),
-                    price.usd_per_hour * len(cluster.nodes) if price is not None else None)
+                    price.usd_per_hour * len(cluster.nodes) if price is not None else None,
+                    figures="measured" if cluster.accelerator.measured else "datasheet")
     try:
         made = CompileRequest.make(model, list(cluster.devices), example_inputs,
                                    _with_topology(options, _topology(cluster)), runs_here=False)

@@ -32,6 +32,7 @@ class Candidate:
     iteration_s: float | None = None
     peak_memory: str = ""  # the busiest device's predicted peak, formatted
     why_not: str = ""
+    figures: str = ""  # "measured" (sw.probe_accelerator, or the user's own) or "datasheet"
 
     def with_plan(self, plan: Plan, peak_bytes: int, formatted: Callable[[float], str]) -> Candidate:
         return replace(self, plan=plan, iteration_s=plan.predicted_iteration_s, peak_memory=formatted(peak_bytes))
@@ -87,12 +88,12 @@ class Recommendation:
     def __str__(self) -> str:
         table = Table(title=f"devices for {self.steps} steps, by {self.objective}" + _limits(self))
         for column in ("#", "devices", "n", "iteration", "$/hour", "$/step", "run", "run $", "peak memory",
-                       "plan", "out because"):
+                       "plan", "figures", "out because"):
             table.add_column(column, justify="left" if column in ("devices", "plan", "out because") else "right")
         for index, row in enumerate(self.rows, 1):
             table.add_row(str(index) if row.meets else "-", row.request, str(row.devices), _ms(row.iteration_s),
                           _usd(row.usd_per_hour), _usd(row.run_usd(1), 4), _duration(row.run_s(self.steps)),
-                          _usd(row.run_usd(self.steps)), row.peak_memory, _plan(row.plan), row.why_not)
+                          _usd(row.run_usd(self.steps)), row.peak_memory, _plan(row.plan), row.figures, row.why_not)
         buffer = io.StringIO()
         Console(file=buffer, width=170, force_terminal=False, color_system=None).print(table)
         verdict = f"no candidate meets every constraint: {self.unsatisfied}" if self.unsatisfied else \

@@ -116,6 +116,12 @@ class Accelerator:
         optional = (self.memory, self.memory_bandwidth, self.host_bandwidth)
         return tuple(f for f in optional if f is not None) + self.peak_flops.figures()
 
+    @property
+    def measured(self) -> bool:
+        """Whether any figure comes from a measurement (sw.probe_accelerator, or the user's own)
+        rather than a datasheet: plans and recommendations say which they rest on."""
+        return any(source.kind is SourceKind.MEASURED for figure in self.figures() for source in figure.sources)
+
 
 @dataclass(frozen=True)
 class InstanceType:

@@ -10,6 +10,7 @@ from stagewise.compiler.driver import compile, plan, simulate  # noqa: A004 - th
 from stagewise.compiler.loss_reduction import SampleMean, TokenMean
 from stagewise.compiler.optimizer_groups import ParamGroups
 from stagewise.compiler.pipeline import Pipeline
+from stagewise.compiler.probe import probe_accelerator
 from stagewise.compiler.recommend import recommend
 from stagewise.compiler.recommend_report import Candidate, Recommendation
 from stagewise.ir.catalogue import Catalogue
@@ -76,6 +77,7 @@ __all__ = [
     "load_catalogue",
     "parse_device_request",
     "plan",
+    "probe_accelerator",
     "recommend",
     "simulate",
 ]

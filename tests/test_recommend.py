@@ -24,8 +24,8 @@ PRICES = {"slow.1": 1.0, "fast.1": 8.0}
 
 
 def _catalogue(tmp_path, memory: str = "16GB"):
-    source = {"url": "https://example.com/test", "title": "made up for the test", "accessed": "2026-11-26",
-              "kind": "measured"}
+    source = {"url": "https://example.com/test", "title": "a datasheet made up for the test", "accessed": "2026-11-26",
+              "kind": "vendor"}
 
     def accelerator(flops: str) -> dict:
         figure = {"sources": ["test"]}
@@ -161,3 +161,25 @@ def test_bad_constraints_are_option_errors(tmp_path):
         _recommend(tmp_path, steps=0)
     with pytest.raises(sw.OptionError, match="deadline_s=-1"):
         _recommend(tmp_path, deadline_s=-1)
+
+
+def test_a_probe_replaces_the_datasheet_and_plans_say_so(tmp_path):
+    """Srifty §4.2: measured rates of the device one has replace the catalogue's figures for its kind.
+    Here the CPU entry (no figures shipped) is probed on this machine's CPU."""
+    catalogue = sw.probe_accelerator("CPU", "cpu", catalogue=_catalogue(tmp_path))
+    cpu = catalogue.accelerator("CPU")
+    assert cpu.measured and not catalogue.accelerator("FAST").measured
+    assert cpu.peak_flops.fp32.value > 1e8 and cpu.memory_bandwidth.value > 1e8
+    assert all(source.kind.value == "measured" for source in cpu.peak_flops.fp32.sources)
+    device = sw.parse_device_request("2xCPU", catalogue).devices[0]
+    assert device.peak_flops == cpu.peak_flops.fp32.value and device.memory_bandwidth == cpu.memory_bandwidth.value
+    result = sw.recommend(_model(), _batch(), catalogue=catalogue, candidates=["2xCPU", "1xfast.1"], optimizer=ADAMW,
+                          objective="time")
+    figures = {row.request: row.figures for row in result.rows}
+    assert figures == {"2xCPU": "measured", "1xfast.1": "datasheet"}
+    assert "measured" in str(result) and "datasheet" in str(result)
+
+
+def test_a_probe_needs_a_device_of_the_accelerators_kind(tmp_path):
+    with pytest.raises(sw.DeviceError, match="is a cuda accelerator but 'cpu' is a cpu device"):
+        sw.probe_accelerator("FAST", "cpu", catalogue=_catalogue(tmp_path))
