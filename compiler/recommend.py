@@ -22,12 +22,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from stagewise.compiler.analysis import Analysis
+from stagewise.compiler.device_mix import Mix, mix_of
 from stagewise.compiler.driver import make_options, planned
 from stagewise.compiler.options import CompileOptions, CompileRequest
 from stagewise.compiler.recommend_report import Candidate, Recommendation, binding_constraint, rank
 from stagewise.ir.catalogue import Catalogue, InstanceType
 from stagewise.ir.catalogue_file import shipped_catalogue
-from stagewise.ir.device_request import Cluster, parse_device_request
 from stagewise.ir.devices import format_bytes
 from stagewise.ir.errors import CapacityError, DeviceError, OptionError, PartitionError
 from stagewise.ir.topology import Topology
@@ -64,7 +64,8 @@ def recommend(
     progress: Progress | None = None,
 ) -> Recommendation:
     """Rank device sets for training `model` (it may be on the meta device) on batches like
-    `example_inputs`: `candidates` as device requests ("8xH100", "2xp4d.24xlarge"), else every
+    `example_inputs`: `candidates` as device requests ("8xH100", "2xp4d.24xlarge", a mix joined by
+    "+": "1xp4d.24xlarge+2xg6.xlarge", placed by the planner's CP-SAT binding), else every
     priced instance type of `catalogue` (the shipped one by default) in 1, 2, 4, ... instances up to
     `max_devices` devices. `objective` "cost" ranks by the run's price, "time" by iteration time;
     `deadline_s` and `budget_usd` bound the run of `steps` steps."""
@@ -82,11 +83,11 @@ def recommend(
         if progress is not None:
             progress(done, len(requests), request)
         try:
-            cluster = parse_device_request(request, catalogue, precision=precision)
+            mix = mix_of(request, catalogue, precision)
         except DeviceError as error:  # e.g. no bf16 figure for a T4: out, with the reason
             rows.append(Candidate(request, 0, 0, None).without_plan(_first_clause(error)))
             continue
-        row, analysis = _candidate(request, cluster, model, example_inputs, options, analysis)
+        row, analysis = _candidate(request, mix, model, example_inputs, options, analysis)
         rows.append(row.judged(constraints.steps, constraints.deadline_s, constraints.budget_usd))
     if progress is not None:
         progress(len(requests), len(requests), "")
@@ -127,35 +128,19 @@ def _constraints(objective: str, steps: int, deadline_s: float | None, budget_us
     return Constraints(objective, steps, deadline_s, budget_usd)
 
 
-def _candidate(request: str, cluster: Cluster, model: torch.nn.Module, example_inputs, options: CompileOptions,
+def _candidate(request: str, mix: Mix, model: torch.nn.Module, example_inputs, options: CompileOptions,
                analysis: Analysis | None) -> tuple[Candidate, Analysis | None]:
     """One device set planned (or why it cannot be), and the capture to hand to the next."""
-    price = cluster.instance_type.on_demand if cluster.instance_type is not None else None
-    row = Candidate(request, len(cluster.devices), len(cluster.nodes),
-                    price.usd_per_hour * len(cluster.nodes) if price is not None else None,
-                    figures="measured" if cluster.accelerator.measured else "datasheet")
+    row = Candidate(request, len(mix.devices), mix.instances, mix.usd_per_hour, figures=mix.figures)
     try:
-        made = CompileRequest.make(model, list(cluster.devices), example_inputs,
-                                   _with_topology(options, _topology(cluster)), runs_here=False)
+        made = CompileRequest.make(model, mix.devices, example_inputs, _with_topology(options, mix.topology()),
+                                   runs_here=False)
         plan, analysis = planned(made, analysis)
     except (CapacityError, PartitionError) as error:  # nothing fits its devices' memory
         return row.without_plan(f"memory: {_first_clause(error)}"), analysis
     except DeviceError as error:
         return row.without_plan(_first_clause(error)), analysis
     return row.with_plan(plan, max(plan.predicted_peak_bytes, default=0), format_bytes), analysis
-
-
-def _topology(cluster: Cluster) -> Topology | None:
-    """The cluster's two levels where the catalogue knows both links (within an instance, between
-    instances); None (sw.plan's default link) where it does not."""
-    per_node, nodes = len(cluster.nodes[0]), len(cluster.nodes)
-    intra, inter = cluster.intra_node_bandwidth, cluster.inter_node_bandwidth
-    if per_node > 1 and intra is None or nodes > 1 and inter is None:
-        return None
-    if nodes == 1:
-        return Topology.uniform(per_node, intra) if per_node > 1 else None
-    # an instance's network is shared by its devices: each pair across instances gets a share
-    return Topology.two_level(nodes, per_node, intra if per_node > 1 else inter, inter / per_node)
 
 
 def _with_topology(options: CompileOptions, topology: Topology | None) -> CompileOptions:

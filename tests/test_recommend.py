@@ -81,8 +81,8 @@ def _usd(request: str, seconds: float, steps: int) -> float:
     return PRICES[name] * int(count) * seconds * steps / 3600
 
 
-def _recommend(tmp_path, **kwargs) -> sw.Recommendation:
-    return sw.recommend(_model(), _batch(), catalogue=_catalogue(tmp_path), candidates=CANDIDATES, optimizer=ADAMW,
+def _recommend(tmp_path, candidates=CANDIDATES, **kwargs) -> sw.Recommendation:
+    return sw.recommend(_model(), _batch(), catalogue=_catalogue(tmp_path), candidates=candidates, optimizer=ADAMW,
                         **kwargs)
 
 
@@ -183,3 +183,13 @@ def test_a_probe_replaces_the_datasheet_and_plans_say_so(tmp_path):
 def test_a_probe_needs_a_device_of_the_accelerators_kind(tmp_path):
     with pytest.raises(sw.DeviceError, match="is a cuda accelerator but 'cpu' is a cpu device"):
         sw.probe_accelerator("FAST", "cpu", catalogue=_catalogue(tmp_path))
+
+
+def test_a_heterogeneous_mix_is_planned_and_priced_as_its_parts(tmp_path, predicted):
+    """One slow and one fast device: the planner (CP-SAT binding) puts more of the model on the
+    fast one, so the mix is no slower than two slow devices; its price is the parts' sum."""
+    result = _recommend(tmp_path, candidates=["1xslow.1+1xfast.1", "2xslow.1"], objective="time")
+    mix = next(row for row in result.rows if row.request == "1xslow.1+1xfast.1")
+    assert mix.devices == 2 and mix.instances == 2 and mix.usd_per_hour == pytest.approx(9.0)
+    assert mix.iteration_s <= predicted["2xslow.1"] * 1.001
+    assert {d.peak_flops for d in mix.plan.devices} == {20e12, 80e12}
