@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stagewise.ir.catalogue import Catalogue
-from stagewise.ir.device_request import Cluster, parse_device_request
+from stagewise.ir.device_request import Cluster, check_device_request, parse_device_request
 from stagewise.ir.devices import Device
 from stagewise.ir.topology import Topology
 
@@ -48,10 +48,13 @@ class Mix:
 
     def topology(self) -> Topology | None:
         """Per pair of devices: their instance's intra-node link, or the slower instance's network
-        share; None where a figure the set needs is missing."""
+        share; None where a figure the set needs is missing. One instance type keeps its two levels
+        (PipeDream's DP partitions level by level)."""
         nodes = [(cluster, members) for cluster in self.clusters for members in cluster.nodes]
         if len(self.devices) == 1:
             return None
+        if len(self.clusters) == 1:
+            return _levels(self.clusters[0])
         links: list[tuple[float, float | None]] = []  # per device: its instance's (intra, inter) link
         for cluster, members in nodes:
             intra = cluster.intra_node_bandwidth if len(members) > 1 else float("inf")
@@ -63,6 +66,23 @@ class Mix:
         return Topology.from_matrix([[None if i == j else links[i][0] if node_of[i] == node_of[j]
                                       else min(links[i][1], links[j][1]) for j in range(len(links))]
                                      for i in range(len(links))])
+
+
+def _levels(cluster: Cluster) -> Topology | None:
+    """Instances of one type: within one the intra-node link, across them the network's share."""
+    per_node, nodes = len(cluster.nodes[0]), len(cluster.nodes)
+    intra, inter = cluster.intra_node_bandwidth, cluster.inter_node_bandwidth
+    if (per_node > 1 and intra is None) or (nodes > 1 and inter is None):
+        return None
+    if nodes == 1:
+        return Topology.uniform(per_node, intra)
+    return Topology.two_level(nodes, per_node, intra if per_node > 1 else inter, inter / per_node)
+
+
+def check_request(request: str, catalogue: Catalogue) -> None:
+    """A DeviceError for a misspelt part (a typo fails the search at once)."""
+    for part in request.split("+"):
+        check_device_request(part, catalogue)
 
 
 def mix_of(request: str, catalogue: Catalogue, precision: str) -> Mix:

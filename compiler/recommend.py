@@ -22,15 +22,16 @@ from dataclasses import dataclass, replace
 import torch
 
 from stagewise.compiler.analysis import Analysis
-from stagewise.compiler.device_mix import Mix, mix_of
+from stagewise.compiler.device_mix import Mix, check_request, mix_of
 from stagewise.compiler.driver import make_options, planned
 from stagewise.compiler.options import CompileOptions, CompileRequest
-from stagewise.compiler.recommend_report import Candidate, Recommendation, binding_constraint, rank
+from stagewise.compiler.recommend_report import Candidate, Out, Recommendation, binding_constraint, rank
 from stagewise.ir.catalogue import Catalogue, InstanceType
 from stagewise.ir.catalogue_file import shipped_catalogue
 from stagewise.ir.devices import format_bytes
 from stagewise.ir.errors import CapacityError, DeviceError, OptionError, PartitionError
 from stagewise.ir.topology import Topology
+from stagewise.passes.pipedream_dp import NoFeasiblePlan
 
 Progress = Callable[[int, int, str], None]  # (candidates done, candidates in all, the one starting)
 OBJECTIVES = ("cost", "time")
@@ -72,6 +73,8 @@ def recommend(
     constraints = _constraints(objective, steps, deadline_s, budget_usd)
     catalogue = catalogue if catalogue is not None else shipped_catalogue()
     requests = list(candidates) if candidates is not None else default_requests(catalogue, max_devices)
+    for request in requests:
+        check_request(request, catalogue)
     if not requests:
         raise OptionError(f"no candidate device set: the catalogue has no priced instance type of at most "
                           f"{max_devices} devices; give candidates=['8xH100', ...] or raise max_devices")
@@ -85,7 +88,7 @@ def recommend(
         try:
             mix = mix_of(request, catalogue, precision)
         except DeviceError as error:  # e.g. no bf16 figure for a T4: out, with the reason
-            rows.append(Candidate(request, 0, 0, None).without_plan(_first_clause(error)))
+            rows.append(Candidate(request, 0, 0, None).without_plan(Out.UNPLANNABLE, _first_clause(error)))
             continue
         row, analysis = _candidate(request, mix, model, example_inputs, options, analysis)
         rows.append(row.judged(constraints.steps, constraints.deadline_s, constraints.budget_usd))
@@ -136,10 +139,10 @@ def _candidate(request: str, mix: Mix, model: torch.nn.Module, example_inputs, o
         made = CompileRequest.make(model, mix.devices, example_inputs, _with_topology(options, mix.topology()),
                                    runs_here=False)
         plan, analysis = planned(made, analysis)
-    except (CapacityError, PartitionError) as error:  # nothing fits its devices' memory
-        return row.without_plan(f"memory: {_first_clause(error)}"), analysis
-    except DeviceError as error:
-        return row.without_plan(_first_clause(error)), analysis
+    except (CapacityError, NoFeasiblePlan) as error:  # nothing fits its devices' memory
+        return row.without_plan(Out.MEMORY, _first_clause(error)), analysis
+    except (DeviceError, PartitionError) as error:
+        return row.without_plan(Out.UNPLANNABLE, _first_clause(error)), analysis
     return row.with_plan(plan, max(plan.predicted_peak_bytes, default=0), format_bytes), analysis
 
 
@@ -149,7 +152,10 @@ def _with_topology(options: CompileOptions, topology: Topology | None) -> Compil
 
 def _first_clause(error: Exception) -> str:
     """The error's first clause, for a table cell: the rest (the fix) is for the raiser's message."""
-    return _first_line(error).split(" (")[0].split("; ")[0]
+    clause = _first_line(error).split("; ")[0]
+    if clause.count("(") > clause.count(")"):  # the cut fell inside a parenthesis: drop it
+        clause = clause[:clause.rindex(" (")] if " (" in clause else clause
+    return clause if len(clause) <= 110 else clause[:109] + "…"
 
 
 def _first_line(error: Exception) -> str:

@@ -8,6 +8,7 @@ rows that meet the others.
 
 from __future__ import annotations
 
+import enum
 import io
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -18,6 +19,15 @@ from rich.table import Table
 from stagewise.ir.plan import Plan
 
 SECONDS_PER_HOUR = 3600.0
+
+
+class Out(enum.Enum):
+    """Why a candidate is out."""
+
+    MEMORY = "memory"  # no plan fits its devices' memory
+    UNPLANNABLE = "unplannable"  # no figure for the precision, too few cut-points, ...
+    DEADLINE = "deadline"
+    BUDGET = "budget"
 
 
 @dataclass(frozen=True)
@@ -31,14 +41,15 @@ class Candidate:
     plan: Plan | None = None
     iteration_s: float | None = None
     peak_memory: str = ""  # the busiest device's predicted peak, formatted
-    why_not: str = ""
+    why_not: str = ""  # the reason, for the table
+    out: Out | None = None
     figures: str = ""  # "measured" (sw.probe_accelerator, or the user's own) or "datasheet"
 
     def with_plan(self, plan: Plan, peak_bytes: int, formatted: Callable[[float], str]) -> Candidate:
         return replace(self, plan=plan, iteration_s=plan.predicted_iteration_s, peak_memory=formatted(peak_bytes))
 
-    def without_plan(self, why: str) -> Candidate:
-        return replace(self, why_not=why)
+    def without_plan(self, out: Out, why: str) -> Candidate:
+        return replace(self, out=out, why_not=f"{out.value}: {why}" if out is Out.MEMORY else why)
 
     def run_s(self, steps: int) -> float | None:
         return None if self.iteration_s is None else self.iteration_s * steps
@@ -54,7 +65,7 @@ class Candidate:
 
     @property
     def meets(self) -> bool:
-        return not self.why_not
+        return self.out is None
 
     def judged(self, steps: int, deadline_s: float | None, budget_usd: float | None) -> Candidate:
         """The row with the first constraint it breaks named (memory was named when it was planned)."""
@@ -62,11 +73,11 @@ class Candidate:
             return self
         run_s, run_usd = self.run_s(steps), self.run_usd(steps)
         if deadline_s is not None and run_s is not None and run_s > deadline_s:
-            return replace(self, why_not=f"deadline: {_duration(run_s)} > {_duration(deadline_s)}")
+            return replace(self, out=Out.DEADLINE, why_not=f"deadline: {_duration(run_s)} > {_duration(deadline_s)}")
         if budget_usd is not None and run_usd is None:
-            return replace(self, why_not="budget: no price in the catalogue")
+            return replace(self, out=Out.BUDGET, why_not="budget: no price in the catalogue")
         if budget_usd is not None and run_usd is not None and run_usd > budget_usd:
-            return replace(self, why_not=f"budget: ${run_usd:,.2f} > ${budget_usd:,.2f}")
+            return replace(self, out=Out.BUDGET, why_not=f"budget: ${run_usd:,.2f} > ${budget_usd:,.2f}")
         return self
 
 
@@ -120,8 +131,10 @@ def binding_constraint(rows: Sequence[Candidate], steps: int, deadline_s: float 
         return ""
     planned = [row for row in rows if row.fits]
     if not planned:
-        return "memory: no candidate holds the model and its training state (" + \
-            "; ".join(f"{row.request}: {row.why_not}" for row in rows[:3]) + ")"
+        reasons = "; ".join(f"{row.request}: {row.why_not}" for row in rows[:3])
+        if all(row.out is Out.MEMORY for row in rows):
+            return f"memory: no candidate holds the model and its training state ({reasons})"
+        return f"no candidate could be planned ({reasons})"
     fastest = min(planned, key=lambda row: row.run_s(steps) or float("inf"))
     priced = [row for row in planned if row.run_usd(steps) is not None]
     cheapest = min(priced, key=lambda row: row.run_usd(steps) or 0.0) if priced else None

@@ -47,6 +47,15 @@ class Cluster:
                           f"give 0..{len(self.devices) - 1}")
 
 
+def check_device_request(request: str, catalogue: Catalogue | None = None) -> None:
+    """A DeviceError for a request that is misspelt (bad count, unknown name); a known name whose
+    figures the precision lacks is left to `parse_device_request` (a candidate out, not a typo)."""
+    catalogue = catalogue if catalogue is not None else shipped_catalogue()
+    _, name = _split(request)
+    if not (catalogue.knows_instance_type(name) or catalogue.knows_accelerator(name)):
+        raise DeviceError(_unknown(name, request, catalogue))
+
+
 def parse_device_request(request: str, catalogue: Catalogue | None = None,
                          precision: Dtype | str = Dtype.FP32) -> Cluster:
     """The cluster `request` names in `catalogue` (the shipped one by default). `precision` picks

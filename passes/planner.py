@@ -44,6 +44,7 @@ from stagewise.passes.harmony_plan import HARMONY
 from stagewise.passes.layout import PER_STAGE, Layout, choose_layout
 from stagewise.passes.lower import lower
 from stagewise.passes.partition import balanced_starts
+from stagewise.passes.pipedream_dp import NoFeasiblePlan
 from stagewise.passes.pipedream_partition import straight_partition
 from stagewise.passes.replicate import replicate, replicate_stages
 from stagewise.passes.schedule import REPLICATED_STAGE_SCHEDULES, SCHEDULES, instance_tasks
@@ -342,11 +343,13 @@ def choose(
     the table of all tried, and why the one kept was kept."""
     tried: list[tuple[Candidate, Prediction | str]] = []
     built: list[tuple[Candidate, Assembled, Prediction]] = []
+    memory_bound = True  # every candidate that failed to build failed for memory (NoFeasiblePlan)
     for option in options:
         try:
             plan, costs, size = build(option)
         except StagewiseError as error:
             tried.append((option, str(error).splitlines()[0]))
+            memory_bound = memory_bound and isinstance(error, NoFeasiblePlan)
             continue
         prediction, _ = predict(plan, costs, devices, size, topology, runtime)
         tried.append((replace(option, stage_replicas=plan.stage_replicas) if option.dp_replication else option,
@@ -354,9 +357,10 @@ def choose(
         built.append((tried[-1][0], plan, prediction))
     if not built:
         reasons = list(dict.fromkeys(r for _, r in tried))
+        failure = NoFeasiblePlan if memory_bound else PartitionError  # memory-bound: recommend says "memory"
         if len(reasons) == 1:
-            raise PartitionError(reasons[0])
-        raise PartitionError("no plan could be built: " + "; ".join(f"{c.describe().strip()}: {r}" for c, r in tried))
+            raise failure(reasons[0])
+        raise failure("no plan could be built: " + "; ".join(f"{c.describe().strip()}: {r}" for c, r in tried))
     if not any(prediction.fits for _, _, prediction in built):
         _, plan, prediction = min(built, key=lambda b: (b[2].iteration_s, simplicity(b[1])))
         raise _nothing_fits(plan, prediction, devices)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("ir", "compiler", "passes", "codegen", "runtime")
+PACKAGES = ("ir", "compiler", "passes", "codegen", "runtime", "cli")
 DOCS = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
 CODE_MAP = ROOT / "docs" / "code-map.md"
 
@@ -23,7 +23,7 @@ _FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
 _CODE_SPAN = re.compile(r"`[^`\n]*`")
 _LINK = re.compile(r"\[[^\]\n]*\]\(([^)\s]+)\)")
 # a repository path as the docs write it: starts at a top-level folder, not inside another path or URL
-_PATH = re.compile(r"(?<![\w./~-])((?:ir|compiler|passes|codegen|runtime|stagewise|tests|bench|examples|scripts|docs|\.ci)"
+_PATH = re.compile(r"(?<![\w./~-])((?:ir|compiler|passes|codegen|runtime|cli|stagewise|tests|bench|examples|scripts|docs|\.ci)"
                    r"/[\w.*/-]*)")
 _DOTTED = re.compile(r"(?<![\w.])stagewise(?:\.\w+)+(?!\w)(?<!\.json)")  # not the file stagewise.json
 

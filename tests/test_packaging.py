@@ -60,9 +60,14 @@ def build_wheel(destination: Path) -> zipfile.ZipFile:
 
 
 @pytest.fixture(scope="module")
-def wheel_entries(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+def wheel_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
     with build_wheel(tmp_path_factory.mktemp("wheel")) as wheel:
-        return wheel.namelist()
+        return {name: wheel.read(name) for name in wheel.namelist()}
+
+
+@pytest.fixture(scope="module")
+def wheel_entries(wheel_files: dict[str, bytes]) -> list[str]:
+    return list(wheel_files)
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +95,12 @@ def test_wheel_holds_only_the_package(wheel_entries: list[str]):
     assert not strays, f"the wheel installs more than {PACKAGE}/: {strays}"
     assert f"{PACKAGE}/py.typed" in wheel_entries
     assert f"{PACKAGE}/ir/catalogue_data.json" in wheel_entries  # the shipped device catalogue
+    assert {f"{PACKAGE}/cli/main.py", f"{PACKAGE}/__main__.py"} <= set(wheel_entries)  # the command line
+
+
+def test_wheel_installs_the_stagewise_command(wheel_files: dict[str, bytes]):
+    (entry_points,) = [data for name, data in wheel_files.items() if name.endswith(".dist-info/entry_points.txt")]
+    assert "[console_scripts]\nstagewise = stagewise.cli.main:main" in entry_points.decode()
 
 
 def test_wheel_and_editable_install_expose_the_same_modules(wheel_entries: list[str], installed: dict):

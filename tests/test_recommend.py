@@ -193,3 +193,8 @@ def test_a_heterogeneous_mix_is_planned_and_priced_as_its_parts(tmp_path, predic
     assert mix.devices == 2 and mix.instances == 2 and mix.usd_per_hour == pytest.approx(9.0)
     assert mix.iteration_s <= predicted["2xslow.1"] * 1.001
     assert {d.peak_flops for d in mix.plan.devices} == {20e12, 80e12}
+
+
+def test_a_misspelt_candidate_fails_at_once(tmp_path):
+    with pytest.raises(sw.DeviceError, match="'fats.1' is neither an accelerator nor an instance type"):
+        _recommend(tmp_path, candidates=["1xslow.1", "1xfats.1"])
