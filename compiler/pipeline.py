@@ -218,7 +218,8 @@ class Pipeline:
     def predict(self, *args, **kwargs) -> torch.Tensor:
         """The model's outputs (logits) of a forward-only pass in eval mode, the same inputs as `step`
         without target=: every microbatch's, concatenated along dim 0, on the CPU. Nothing is updated
-        or counted. Known for a model compiled with loss_fn (compiler/prediction.py), else PredictError."""
+        or counted. Known for a model compiled with loss_fn, or returning .logits beside its own loss
+        (compiler/prediction.py), else PredictError."""
         inputs = self._inputs(args, kwargs)
         check_step_tensors(inputs, self.plan.input_specs[:len(inputs)], self.plan.microbatches,
                            self.plan.microbatch_size, self.plan.smallest_microbatch or self.plan.microbatch_size)

@@ -1,5 +1,5 @@
-"""`pipe.predict`: the model's output (the loss function's first argument, marked at capture) of a
-forward-only pass in eval mode, through the evaluation's executor (compiler/evaluation.py).
+"""`pipe.predict`: the model's output (the loss function's first argument, or the `.logits` of a model
+returning its own loss, marked at capture) of a forward-only pass in eval mode, through the evaluation's executor (compiler/evaluation.py).
 
 Each stage that computes the marked value runs a copy of its graph that also returns it, and each
 last stage a copy that returns a zero instead of the loss, with what only the loss needed left out,
@@ -22,9 +22,10 @@ from stagewise.runtime.distributed import DistributedTransport
 from stagewise.runtime.executor import StreamExecutor
 
 UNKNOWN = ("pipe.predict needs the model's output as a value of the traced graph: it is known for a model "
-           "compiled in this process with loss_fn, traced by torch.fx, whose forward returns one tensor (the loss "
-           "function's first argument); a model that returns its own loss, or one torch.export traced, has no "
-           "such value. Compile it with loss_fn=(output, target) -> loss, or run the model eagerly to predict")
+           "compiled in this process whose forward returns one tensor (loss_fn's first argument) or an object "
+           "with .logits beside its own .loss; this model returns neither, or the pipeline was loaded (its stage "
+           "code does not record the output). Compile it with loss_fn=(output, target) -> loss, or run the model "
+           "eagerly to predict")
 
 
 def predict(evaluation: Evaluation, microbatches: int, feed, training_executor: StreamExecutor) -> torch.Tensor:

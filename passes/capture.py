@@ -50,12 +50,11 @@ from torch.utils._pytree import tree_flatten
 from stagewise.ir.errors import ExampleInputsError, LossError, TraceError
 from stagewise.passes.capture_annotate import annotate, check_loss, op_flops
 from stagewise.passes.capture_functional import functionalize
-from stagewise.passes.capture_tracers import Exported, normalise, trace_export, trace_fx
+from stagewise.passes.capture_tracers import MODEL_OUTPUT, Exported, normalise, trace_export, trace_fx
 from stagewise.passes.local_sizes import localise_sizes
 from stagewise.passes.symbolic_sizes import Evaluator, NotCovered, bind
 
 # (Traced.tracer, the name failures are reported under, the tracer), tried in this order
-MODEL_OUTPUT = "stagewise_model_output"  # node meta: the model's output, the loss function's first argument
 _TRACERS = (("fx", "torch.fx symbolic trace", trace_fx), ("export", "torch.export (non-strict)", trace_export))
 
 
@@ -88,6 +87,7 @@ class Objective(torch.nn.Module):
         object.__setattr__(self, "_stagewise_model", model)
         object.__setattr__(self, "_stagewise_loss_fn", loss_fn)
         object.__setattr__(self, "_stagewise_keyword", keyword)
+        object.__setattr__(self, "_stagewise_with_output", False)  # torch.export: return (loss, output)
         object.__setattr__(self, "_modules", model._modules)
         object.__setattr__(self, "_parameters", model._parameters)
         object.__setattr__(self, "_buffers", model._buffers)
@@ -98,7 +98,7 @@ class Objective(torch.nn.Module):
         if self._stagewise_loss_fn is not None:
             if isinstance(out, fx.Proxy):  # what `pipe.predict` returns (compiler/prediction.py)
                 out.node.meta[MODEL_OUTPUT] = True
-            return self._stagewise_loss_fn(out, target)
+            return self._with_output(self._stagewise_loss_fn(out, target), out)
         if isinstance(out, torch.Tensor | fx.Proxy):
             return out
         loss = getattr(out, "loss", None)
@@ -109,6 +109,13 @@ class Objective(torch.nn.Module):
                 f"the model returns {type(out).__name__}, not a loss: pass loss_fn=(output, target) -> loss "
                 "and example_target=, or make the model return a scalar loss (or an object with .loss)"
             )
+        return self._with_output(loss, out.get("logits") if isinstance(out, dict) else getattr(out, "logits", None))
+
+    def _with_output(self, loss, output):
+        """Under torch.export, (loss, the model's output) when the output is a tensor (a model's own
+        loss: its `.logits`), so the capture can mark it for `pipe.predict` (capture_tracers.normalise)."""
+        if self._stagewise_with_output and isinstance(output, torch.Tensor):
+            return loss, output
         return loss
 
 

@@ -41,8 +41,12 @@ def trace_fx(objective, example_inputs, example_target, n_inputs, dynamic=False)
     return fx.GraphModule(tracer.root, graph, type(objective._stagewise_model).__name__), None
 
 
+MODEL_OUTPUT = "stagewise_model_output"  # node meta: the model's output (loss_fn's first argument, or .logits)
+
+
 def trace_export(objective, example_inputs, example_target, n_inputs, dynamic=False) -> tuple[fx.GraphModule, Exported]:
-    """torch.export (non-strict): ATen graph, module paths from nn_module_stack.
+    """torch.export (non-strict): ATen graph, module paths from nn_module_stack. The objective
+    returns (loss, model output) while exported: `normalise` marks the output and keeps the loss.
 
     `dynamic`: every dimension of every input is `Dim.AUTO`, a symbol unless the model pins it (a
     weight's size, a literal); an export that fails that way is retried with static shapes."""
@@ -50,15 +54,8 @@ def trace_export(objective, example_inputs, example_target, n_inputs, dynamic=Fa
     # The same tensor passed twice (input_ids as labels) would become one graph input.
     args = tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, args)
     batched = [v for v in tree_flatten(args)[0] if isinstance(v, torch.Tensor) and v.dim() > 0]
-    program = None
-    if dynamic and batched:  # export pins a size of 1 (0/1 specialisation), keeps the others symbolic
-        shapes = tree_map(lambda v: dict.fromkeys(range(v.dim()), torch.export.Dim.AUTO)
-                          if isinstance(v, torch.Tensor) and v.dim() > 0 else None, args)
-        with contextlib.suppress(Exception), _no_stack_traces():
-            program = torch.export.export(objective, args, dynamic_shapes=shapes, strict=False)
-    if program is None:
-        with _no_stack_traces():
-            program = torch.export.export(objective, args, strict=False)
+    with _returning_output(objective):
+        program = _export(objective, args, batched, dynamic)
     _forget_export_nodes()
     gm = program.module()
     guards = getattr(gm, "_guards_fn", None)
@@ -69,6 +66,27 @@ def trace_export(objective, example_inputs, example_target, n_inputs, dynamic=Fa
                    for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
                    for size in n.meta["val"].shape)
     return gm, Exported(guards, dict(program.range_constraints), bool(symbolic))
+
+
+def _export(objective, args: tuple, batched: list, dynamic: bool):
+    """The exported program: every dimension `Dim.AUTO` when `dynamic` (export pins a size of 1, 0/1
+    specialisation, and keeps the others symbolic), static where that fails."""
+    if dynamic and batched:
+        shapes = tree_map(lambda v: dict.fromkeys(range(v.dim()), torch.export.Dim.AUTO)
+                          if isinstance(v, torch.Tensor) and v.dim() > 0 else None, args)
+        with contextlib.suppress(Exception), _no_stack_traces():
+            return torch.export.export(objective, args, dynamic_shapes=shapes, strict=False)
+    with _no_stack_traces():
+        return torch.export.export(objective, args, strict=False)
+
+
+@contextlib.contextmanager
+def _returning_output(objective):
+    object.__setattr__(objective, "_stagewise_with_output", True)
+    try:
+        yield
+    finally:
+        object.__setattr__(objective, "_stagewise_with_output", False)
 
 
 def _forget_export_nodes() -> None:
@@ -113,6 +131,8 @@ def normalise(gm: fx.GraphModule, wanted: list[str]) -> None:
         node._rename(name)
     (output,) = [n for n in graph.nodes if n.op == "output"]
     flat, _ = tree_flatten(output.args[0])
+    if len(flat) > 1 and isinstance(flat[1], fx.Node):  # (loss, model output): what pipe.predict returns
+        flat[1].meta[MODEL_OUTPUT] = True
     output.args = (flat[0],)
     for node in graph.nodes:
         node.meta["module_path"] = module_path(node)

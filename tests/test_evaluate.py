@@ -13,7 +13,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 import stagewise as sw
 from stagewise.ir.errors import ModeError, PredictError
 from stagewise.ir.instructions import Backward, Forward, Recompute, Update
-from tests.hf import lm_batches
+from tests.hf import gpt2, llama, lm_batches
 from tests.models.cnn import ResNet
 from tests.models.dropout import DropoutGPT
 from tests.models.gpt import lm_loss
@@ -185,6 +185,28 @@ def test_predict_batchnorm_uses_running_statistics():
     before = _snapshot(pipe)
     torch.testing.assert_close(pipe.predict(images), _eager_predict(model, images), rtol=RTOL, atol=ATOL)
     assert_state_equal(_snapshot(pipe)[0], before[0])
+
+
+@pytest.mark.parametrize(("build", "devices", "schedule"), [("gpt2", 1, "gpipe"), ("gpt2", 2, "1f1b"),
+                                                           ("llama", 4, "varuna")])
+def test_predict_gives_the_logits_of_a_model_returning_its_own_loss(build, devices, schedule):
+    """A Hugging Face model returns its loss (labels in the inputs): predict gives its `.logits`, in
+    eval mode (dropout off), for the example's shape and a shorter, smaller batch; nothing moves."""
+    torch.manual_seed(0)
+    model = (gpt2 if build == "gpt2" else llama)(2)
+    ids = torch.randint(1, 100, (8, 12))
+    pipe = sw.compile(model, devices, {"input_ids": ids, "labels": ids}, microbatches=4, schedule=schedule,
+                      optimizer=ADAMW, cost="analytic")
+    pipe.step(input_ids=ids, labels=ids)
+    before = _snapshot(pipe)
+    eager = copy.deepcopy(model)
+    eager.load_state_dict(pipe.state_dict())
+    for batch in (ids, ids[:6, :7]):
+        with torch.no_grad():
+            want = eager.eval()(input_ids=batch).logits
+        torch.testing.assert_close(pipe.predict(input_ids=batch, labels=batch), want, rtol=RTOL, atol=ATOL)
+    assert_state_equal(_snapshot(pipe)[0], before[0])
+    assert pipe.executor.iteration == before[2]
 
 
 def test_predict_without_a_known_output_is_refused():
