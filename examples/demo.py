@@ -40,14 +40,25 @@ def main() -> None:
     pipe = sw.compile(model, DEVICES, example, optimizer=optimizer, microbatches=MICROBATCHES, clip_grad_norm=1.0)
     # microbatches is fixed so the eager reference below uses the same split; the planner still
     # chooses the schedule and the partition (schedule="auto")
+    show_generated(console, pipe)
+    pipe_s, eager_s = train_beside_eager(console, pipe, eager, optimizer(eager.parameters()), batches)
+    drift = max((pipe.state_dict()[k] - v).abs().max().item() for k, v in eager.state_dict().items())
+    console.print(f"largest parameter difference after {STEPS} steps: {drift:.2e}")
+    show_where_the_time_went(console, pipe, pipe_s, eager_s)
 
+
+def show_generated(console: Console, pipe: sw.Pipeline) -> None:
+    """The plan, the first stage's generated code and one device's program."""
     console.print(pipe.plan)
     console.rule("first stage: generated code (first 25 lines)")
     console.print("\n".join(pipe.stages[0].code.strip().splitlines()[:25]), markup=False, highlight=False)
     console.rule("device 1 program")
     console.print(str(pipe.programs[1]), markup=False, highlight=False)
 
-    eager_opt = optimizer(eager.parameters())
+
+def train_beside_eager(console: Console, pipe: sw.Pipeline, eager, eager_opt, batches) -> tuple[float, float]:
+    """Each step on the pipeline and on the eager model (the same microbatches, summed), losses side by
+    side; the seconds each took in all."""
     table = Table(title=f"training: {DEVICES} CPU devices, {MICROBATCHES} microbatches vs eager, one device")
     for column in ("step", "stagewise loss", "eager loss", "|difference|", "stagewise s", "eager s"):
         table.add_column(column, justify="right")
@@ -69,9 +80,11 @@ def main() -> None:
         table.add_row(str(step), f"{float(loss):.6f}", f"{float(reference):.6f}",
                       f"{abs(float(loss) - float(reference)):.2e}", f"{t1 - t0:.3f}", f"{t2 - t1:.3f}")
     console.print(table)
+    return pipe_s, eager_s
 
-    drift = max((pipe.state_dict()[k] - v).abs().max().item() for k, v in eager.state_dict().items())
-    console.print(f"largest parameter difference after {STEPS} steps: {drift:.2e}")
+
+def show_where_the_time_went(console: Console, pipe: sw.Pipeline, pipe_s: float, eager_s: float) -> None:
+    """Compile phases, training time, and the last step per device stream beside the simulator's prediction."""
     console.rule("where the time went")
     for phase, seconds in pipe.compile_times.items():
         console.print(f"compile: {phase:<45} {seconds:7.2f} s")
