@@ -18,10 +18,12 @@ class RequestedDevices:
     request: str  # the parts joined by "+", as sw.recommend writes a mix
     devices: tuple[sw.Device, ...]
     topology: sw.Topology | None
+    figures: str  # "measured" (sw.probe_accelerator, or the user's) or "datasheet"
 
     def describe(self) -> str:
-        """One line on the devices and the links the plan assumes, so a default is not taken for a figure."""
-        devices = f"devices: {self.request} ({len(self.devices)})"
+        """One line on the devices, whose figures, and the links the plan assumes, so a default is not
+        taken for a figure."""
+        devices = f"devices: {self.request} ({len(self.devices)}, {self.figures} figures)"
         if self.topology is not None:
             speeds = ", ".join(f"{b / 1e9:g} GB/s" for b in sorted(set(self.topology.links().values()), reverse=True))
             return f"{devices}; links: {speeds} (the catalogue's)"
@@ -35,4 +37,4 @@ def requested_devices(requests: Sequence[str], catalogue: sw.Catalogue, precisio
     """Every request parsed as one mix (each device at the precision's peak FLOP/s)."""
     request = "+".join(requests)
     mix = mix_of(request, catalogue, precision)
-    return RequestedDevices(request, tuple(mix.devices), mix.topology())
+    return RequestedDevices(request, tuple(mix.devices), mix.topology(), mix.figures)

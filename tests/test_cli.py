@@ -56,7 +56,7 @@ def test_console_script_plans_a_hugging_face_config_and_writes_the_timeline(gpt2
     run = stagewise("plan", gpt2_config, "--devices", "4xH100", "--seq-len", "64", "--precision", "bf16",
                     "--trace", trace, "--png", png, script=True)
     assert run.returncode == 0, run.stderr
-    assert "devices: 4xH100 (4); links: sw.plan's default per device kind" in run.stdout
+    assert "devices: 4xH100 (4, datasheet figures); links: sw.plan's default per device kind" in run.stdout
     assert "stagewise plan: GPT2LMHeadModel" in run.stdout and "plans considered:" in run.stdout
     assert "precision: bf16" in run.stdout
     events = json.loads(trace.read_text())["traceEvents"]
