@@ -69,7 +69,6 @@ contention curve and the timings: read the machine line printed first (per-threa
 from __future__ import annotations
 
 import argparse
-import bisect
 import collections
 import dataclasses
 import os
@@ -77,12 +76,10 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass, field
-from itertools import accumulate
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-from _common import Case, start, tests_models
+from _common import Case, start
+from _quality_models import cnn_case, gpt_case, mlp_case
+from _quality_splits import names, parameter_starts, uniform_starts
 from rich.console import Console
 from rich.table import Table
 
@@ -90,150 +87,6 @@ import stagewise as sw
 from stagewise.ir.instructions import COMPUTES, HostUpdate
 from stagewise.passes.simulate import simulate
 from stagewise.runtime.executor import StreamExecutor
-
-
-# ---- models -----------------------------------------------------------------------------------------
-def gpt_case(args) -> Case:
-    gpt = tests_models()
-    torch.manual_seed(0)
-    model = gpt.TinyGPT(vocab=args.vocab, dim=args.dim, heads=4, layers=args.blocks, context=args.seq, tie=False)
-    ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1))
-    title = (f"gpt: TinyGPT {args.blocks} blocks, d={args.dim}, vocab {args.vocab} (untied head), seq {args.seq}, "
-             f"batch {args.batch}")
-    return Case("gpt", title, model, (ids[:, :-1],), ids[:, 1:], gpt.lm_loss)
-
-
-class MLPBlock(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.up = nn.Linear(dim, hidden)
-        self.down = nn.Linear(hidden, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.gelu(self.up(x)))
-
-
-def mlp_widths(args) -> list[int]:
-    g = torch.Generator().manual_seed(0)
-    return [round(args.hidden * 10 ** float(torch.rand((), generator=g))) for _ in range(args.mlp_blocks)]
-
-
-def mlp_case(args) -> Case:
-    torch.manual_seed(0)
-    widths = mlp_widths(args)
-    model = nn.Sequential(*[MLPBlock(args.mlp_dim, h) for h in widths], nn.Linear(args.mlp_dim, 10))
-    x = torch.randn(args.mlp_batch, args.mlp_dim)
-    y = torch.randint(0, 10, (args.mlp_batch,))
-    title = (f"mlp: {args.mlp_blocks} blocks Linear({args.mlp_dim}, h) -> GELU -> Linear(h, {args.mlp_dim}), "
-             f"h in [{min(widths)}, {max(widths)}] (FLOPs {max(widths) / min(widths):.1f}x apart), batch {args.mlp_batch}")
-    return Case("mlp", title, model, (x,), y, F.cross_entropy)
-
-
-class ConvBlock(nn.Module):
-    """3x3 convolution + ReLU (VGG without BatchNorm); stride 2 halves the resolution."""
-
-    def __init__(self, cin: int, cout: int, stride: int):
-        super().__init__()
-        self.conv = nn.Conv2d(cin, cout, 3, stride=stride, padding=1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.relu(self.conv(x))
-
-
-def cnn_shapes(args) -> list[tuple[int, int, int]]:
-    """(in channels, out channels, output resolution) of every conv block, the stem first: level l
-    runs at size / 2^l with round(width * growth^l) channels, and its first block does the halving."""
-    shapes, cin = [], 3
-    for level, blocks in enumerate(int(b) for b in args.cnn_blocks.split(",")):
-        cout, res = round(args.cnn_width * args.cnn_growth**level), args.cnn_size >> level
-        for _ in range(blocks):
-            shapes.append((cin, cout, res))
-            cin = cout
-    return shapes
-
-
-def cnn_case(args) -> Case:
-    torch.manual_seed(0)
-    shapes = cnn_shapes(args)
-    strides = [2 if i and res < shapes[i - 1][2] else 1 for i, (_, _, res) in enumerate(shapes)]
-    _, last, res = shapes[-1]
-    head = nn.Sequential(nn.Flatten(), nn.Linear(last * res * res, args.cnn_fc), nn.ReLU(), nn.Linear(args.cnn_fc, 10))
-    model = nn.Sequential(*[ConvBlock(cin, cout, s) for (cin, cout, _), s in zip(shapes, strides, strict=True)], head)
-    x = torch.randn(args.cnn_batch, 3, args.cnn_size, args.cnn_size)
-    y = torch.randint(0, 10, (args.cnn_batch,))
-    # multiply-adds per sample and parameters per layer (the conv blocks, then the head)
-    macs = [cin * cout * 9 * r * r for cin, cout, r in shapes] + [sum(p.numel() for p in head.parameters())]
-    params = [sum(p.numel() for p in layer.parameters()) for layer in model]
-    top = int(args.cnn_blocks.split(",")[0])  # the blocks at full resolution, the stem included
-
-    def spread(xs: list[int]) -> float:
-        return max(xs) / min(xs)
-
-    def share(xs: list[int], part: slice) -> str:
-        return f"{sum(xs[part]) / sum(xs):.0%}"
-
-    channels = "/".join(dict.fromkeys(str(cout) for _, cout, _ in shapes))
-    title = (f"cnn: VGG-style, {args.cnn_blocks} blocks 3x3 conv + ReLU per level, {args.cnn_size}->{res} px, channels "
-             f"{channels} (x{args.cnn_growth:.3g} per halving), FC {last * res * res}->{args.cnn_fc}->10, batch "
-             f"{args.cnn_batch}. Blocks after the stem: FLOPs {spread(macs[1:-1]):.0f}x apart (max/min), params "
-             f"{spread(params[1:-1]):.0f}x apart the other way; {args.cnn_size} px level: {share(macs, slice(top))} of "
-             f"FLOPs, {share(params, slice(top))} of params; FC head: {share(macs, slice(-1, None))} of FLOPs, "
-             f"{share(params, slice(-1, None))} of params")
-    return Case("cnn", title, model, (x,), y, F.cross_entropy)
-
-
-# ---- the baseline splits ----------------------------------------------------------------------------
-def legal_starts(plan) -> list[int]:
-    """Layers a stage may begin at (after a legal cut)."""
-    return [c.after + 1 for c in plan.cuts if c.legal]
-
-
-def uniform_starts(plan, stages: int) -> list[int]:
-    """Equal layer counts per stage (round(i L / n)), each start moved to the nearest legal one."""
-    legal, n_layers = legal_starts(plan), len(plan.layers)
-    starts = [0]
-    for s in range(1, stages):
-        wanted = round(s * n_layers / stages)
-        later = [a for a in legal if a > starts[-1] and len(legal) - legal.index(a) >= stages - s]
-        starts.append(min(later, key=lambda a: (abs(a - wanted), a)))
-    return starts
-
-
-def parameter_starts(plan, stages: int) -> list[int]:
-    """DeepSpeed's partition_balanced on parameter counts: binary search on the largest stage's
-    parameter count, then fill stages greedily from the left (only at legal cuts)."""
-    weights = [layer.param_bytes for layer in plan.layers]
-    legal = set(legal_starts(plan))
-    prefix = [0, *accumulate(weights)]
-
-    def probe(limit: float) -> list[int] | None:
-        starts = [0]
-        while True:
-            begin = starts[-1]
-            end = bisect.bisect_right(prefix, prefix[begin] + limit) - 1  # layers begin..end-1 fit
-            if end >= len(weights):
-                return starts
-            choices = [a for a in legal if begin < a <= end]
-            if not choices or len(starts) == stages:
-                return None
-            starts.append(max(choices))
-
-    lo, hi = max(weights) - 1, float(sum(weights))
-    while hi - lo > max(1.0, 1e-6 * hi):
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if probe(mid) is not None else (mid, hi)
-    starts = probe(hi)
-    for a in sorted(legal, reverse=True):  # use every device, as DeepSpeed does with empty-tail parts
-        if len(starts) == stages:
-            break
-        if a not in starts:
-            starts = sorted([*starts, a])
-    return starts
-
-
-def names(plan, starts: list[int]) -> list[str]:
-    return [plan.layers[s].name for s in starts[1:]]
-
 
 # ---- running ------------------------------------------------------------------------------------------
 BUSY: dict[int, float] = collections.defaultdict(float)  # device -> compute seconds in the current step
