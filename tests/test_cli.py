@@ -126,15 +126,15 @@ def test_inspect_names_a_damaged_file(checkpoint: Path, tmp_path: Path, capsys: 
     assert "programs.txt is truncated" in capsys.readouterr().err
 
 
-PROCESS_ERRORS = {  # run as a user runs them: a fresh process that prints one line and no traceback
+PROCESS_ERRORS = {  # run as a user runs it: a fresh process that prints one line and no traceback
     "unknown-device": (["plan", "tests.cli_factories:hf_gpt2", "--devices", "4xH999"],
                        "'H999' is neither an accelerator nor an instance type of the catalogue; accelerators: "),
+}
+ERRORS = {  # the same path in this process (no torch import per case)
     "bad-model-spec": (["plan", "no-such-spec", "--devices", "4xH100"],
                        "is neither a file nor module:factory; give a Hugging Face config.json"),
     "missing-config": (["plan", "missing/config.json", "--devices", "4xH100"],
                        "missing/config.json does not exist; give"),
-}
-ERRORS = {  # the same path in this process (no torch import per case)
     "no-such-factory": (["plan", "tests.cli_factories:nothing", "--devices", "4xH100"],
                         "has no function 'nothing'; it has"),
     "failing-factory": (["plan", "tests.cli_factories:broken", "--devices", "4xH100"],

@@ -16,6 +16,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import stagewise as sw
+import stagewise.compiler.recommend as recommend_module
 from stagewise.compiler.recommend import default_requests
 from stagewise.ir.catalogue_file import shipped_catalogue
 
@@ -61,6 +62,24 @@ def _batch() -> dict:
 
 
 CANDIDATES = ["1xslow.1", "2xslow.1", "1xfast.1"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def plans_once():
+    """Every test plans the same model on the same few device sets: each set is planned once (keyed by
+    its devices and links) and the plan handed back after; ranking and judging still run each time."""
+    memo: dict = {}
+    original = recommend_module.planned
+
+    def planned(request, analysis=None):
+        key = (tuple(d.spec() for d in request.devices), request.options.topology, request.options.precision)
+        if key not in memo:
+            memo[key] = original(request, analysis)
+        return memo[key]
+
+    recommend_module.planned = planned
+    yield
+    recommend_module.planned = original
 
 
 @pytest.fixture(scope="module")
