@@ -13,7 +13,7 @@ from stagewise.compiler.checkpoint_write import save
 from stagewise.compiler.evaluation import Evaluation
 from stagewise.compiler.loss_reduction import LossReduction, check_loss_reduction
 from stagewise.compiler.optimizer_view import PipelineOptimizer
-from stagewise.compiler.prediction import predict
+from stagewise.compiler.prediction import fill_unread_inputs, predict
 from stagewise.compiler.runtime_setup import Runtime
 from stagewise.compiler.state_dict import IncompatibleKeys, aliases_of, check_state_dict
 from stagewise.compiler.step_inputs import prepare_batch
@@ -219,8 +219,8 @@ class Pipeline:
         """The model's outputs (logits) of a forward-only pass in eval mode, the same inputs as `step`
         without target=: every microbatch's, concatenated along dim 0, on the CPU. Nothing is updated
         or counted. Known for a model compiled with loss_fn, or returning .logits beside its own loss
-        (compiler/prediction.py), else PredictError."""
-        inputs = self._inputs(args, kwargs)
+        (compiler/prediction.py), else PredictError. Inputs only its loss reads (labels) may be left out."""
+        inputs = self._inputs(args, fill_unread_inputs(self.plan, self.step_shapes.modules, kwargs))
         check_step_tensors(inputs, self.plan.input_specs[:len(inputs)], self.plan.microbatches,
                            self.plan.microbatch_size, self.plan.smallest_microbatch or self.plan.microbatch_size)
         pieces = [{n: v for n, v in zip(self.plan.graph_inputs, piece.values(), strict=False)}

@@ -11,12 +11,15 @@ every rank, which returns the whole batch's.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 
 from stagewise.compiler.evaluation import Evaluation
 from stagewise.ir.errors import PredictError
+from stagewise.ir.plan import Plan
 from stagewise.passes.capture import MODEL_OUTPUT
 from stagewise.runtime.distributed import DistributedTransport
 from stagewise.runtime.executor import StreamExecutor
@@ -52,6 +55,50 @@ def predict(evaluation: Evaluation, microbatches: int, feed, training_executor: 
     return torch.cat([pieces[mb] for mb in range(microbatches)])
 
 
+def fill_unread_inputs(plan: Plan, modules: Sequence[fx.GraphModule | None], kwargs: dict) -> dict:
+    """`kwargs` with each keyword input predict does not read (labels, which only the loss took) that
+    the caller left out filled in: zeros like a given input the example shaped alike (input_ids for
+    labels), so `pipe.predict(input_ids=ids)` works for a model that computes its own loss."""
+    if plan.input_kind != "keyword" or not kwargs:
+        return kwargs
+    unread = _unread_inputs(plan, modules)
+    specs = dict(zip(plan.input_names, plan.input_specs, strict=False))
+    filled = dict(kwargs)
+    for name in plan.input_names:
+        if name in kwargs or name not in unread:
+            continue
+        like = next((given for given, value in kwargs.items()
+                     if specs.get(given) == specs[name] and isinstance(value, torch.Tensor)), None)
+        if like is not None:
+            filled[name] = torch.zeros_like(kwargs[like])
+    return filled
+
+
+def _unread_inputs(plan: Plan, modules: Sequence[fx.GraphModule | None]) -> set[str]:
+    """The inputs (by the model's names) no stage's predict module reads; none when a module is unknown."""
+    last = max(stage.position for stage in plan.stages)
+    read: set[str] = set()
+    for stage, module in zip(plan.stages, modules, strict=True):
+        if module is None:
+            return set()
+        copy, _ = _predict_module(module, stage.position == last)
+        read |= {str(n.target) for n in copy.graph.nodes
+                 if n.op == "placeholder" and any(not _reads_metadata(user) for user in n.users)}
+    user_names = dict(zip(plan.graph_inputs, plan.input_names, strict=False))
+    return {user_names[g] for g in plan.graph_inputs if g in user_names and g not in read}
+
+
+_ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
+_METADATA_OPS = {torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default, torch.ops.aten.sym_stride.int,
+                 torch.ops.aten._assert_tensor_metadata.default, getattr}  # sizes, dtype, device: no values
+
+
+def _reads_metadata(node: fx.Node) -> bool:
+    """Whether `node` reads only a tensor's sizes, dtype or device (a zero-filled stand-in of the same
+    shape gives it the same answer), not its values."""
+    return node.op == "call_function" and node.target in _METADATA_OPS
+
+
 def _gathered(pieces: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
     """Every rank's outputs by microbatch, on every rank (each rank computed those of its stages);
     PredictError on every rank when no rank knows the model's output."""
@@ -75,7 +122,8 @@ def _predict_module(module: fx.GraphModule, last: bool) -> tuple[fx.GraphModule,
         outputs[0] = graph.call_function(torch.zeros, ((),))  # the loss, which needs the target
     graph.output(tuple(outputs + [env[n] for n in marked]))
     copy = fx.GraphModule(module, graph, class_name=type(module).__name__)
-    copy.graph.eliminate_dead_code()
+    # export's metadata asserts on values only the loss used would keep that part (and its inputs) alive
+    copy.graph.eliminate_dead_code(lambda n: n.is_impure() and n.target is not _ASSERT_METADATA)
     copy.recompile()
     copy.training = module.training
     return copy, bool(marked)

@@ -205,8 +205,22 @@ def test_predict_gives_the_logits_of_a_model_returning_its_own_loss(build, devic
         with torch.no_grad():
             want = eager.eval()(input_ids=batch).logits
         torch.testing.assert_close(pipe.predict(input_ids=batch, labels=batch), want, rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(pipe.predict(input_ids=batch), want, rtol=RTOL, atol=ATOL)  # labels unread
     assert_state_equal(_snapshot(pipe)[0], before[0])
     assert pipe.executor.iteration == before[2]
+
+
+def test_predict_fills_in_only_inputs_it_does_not_read():
+    """Labels only the loss reads may be left out; an attention mask, shaped like input_ids too, is
+    read for its values: leaving it out is an error, never a silent mask of zeros."""
+    torch.manual_seed(0)
+    ids = torch.randint(1, 100, (8, 12))
+    mask = torch.ones_like(ids)
+    pipe = sw.compile(gpt2(2), 2, {"input_ids": ids, "attention_mask": mask, "labels": ids}, microbatches=4,
+                      cost="analytic")
+    assert pipe.predict(input_ids=ids, attention_mask=mask).shape == (8, 12, 128)
+    with pytest.raises(sw.ExampleInputsError, match="attention_mask"):
+        pipe.predict(input_ids=ids, labels=ids)
 
 
 def test_predict_without_a_known_output_is_refused():
