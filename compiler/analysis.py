@@ -60,6 +60,11 @@ class Analysis:
         self.capture: Capture = capture(model, split_batch(inputs, example_m)[0], first_microbatch(target, example_m),
                                         loss_fn, dynamic=True)
 
+    def trainable_per_layer(self) -> list[list[torch.nn.Parameter]]:
+        """Each layer's trainable parameters: the optimizer steps those only (a frozen one has no gradient)."""
+        first = self.first
+        return [[p for p in map(first.graph.get_parameter, layer.params) if p.requires_grad] for layer in first.layers]
+
     @property
     def tracer(self) -> str:
         return self.capture.tracer

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.utils._pytree import tree_map
 
 from stagewise.ir.errors import BatchSizeError, ExampleInputsError
 from stagewise.ir.plan import InputSpec
@@ -151,10 +152,4 @@ def on_model_device(model: torch.nn.Module, value):
     state = next(iter(model.parameters()), None)
     state = state if state is not None else next(iter(model.buffers()), None)
     device = state.device if state is not None else torch.device("cpu")
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, dict):
-        return {key: on_model_device(model, item) for key, item in value.items()}
-    if isinstance(value, tuple | list):
-        return type(value)(on_model_device(model, item) for item in value)
-    return value
+    return tree_map(lambda item: item.to(device) if isinstance(item, torch.Tensor) else item, value)

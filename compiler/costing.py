@@ -104,8 +104,7 @@ def runtime_costs(request: CompileRequest, analysis: Analysis, layer_costs: Laye
     elif sharing > 1:
         concurrency = tuple(min(1.0, request.cores_at_full_speed / k) for k in range(1, sharing + 1))
     step = optimizer_cost(optimizer, request.devices[0])
-    # the optimizer steps a layer's trainable parameters only (a frozen one has no gradient)
-    trainable = [[p for p in map(first.graph.get_parameter, layer.params) if p.requires_grad] for layer in first.layers]
-    update = tuple(step.seconds(len(params), sum(p.numel() * p.element_size() for p in params)) for params in trainable)
+    update = tuple(step.seconds(len(params), sum(p.numel() * p.element_size() for p in params))
+                   for params in analysis.trainable_per_layer())
     return RuntimeCosts(instruction_s=handoff_seconds(), concurrency=concurrency, update_s=update, wake_s=wake_s,
                         update_concurrency=update_concurrency)

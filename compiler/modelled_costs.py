@@ -16,8 +16,6 @@ Layers are costed by passes/analytic.py; this module models the rest:
 
 from __future__ import annotations
 
-import torch
-
 from stagewise.compiler.analysis import Analysis
 from stagewise.compiler.calibrate import optimizer_state_ratio
 from stagewise.compiler.options import CompileRequest
@@ -48,15 +46,7 @@ def modelled_runtime_costs(request: CompileRequest, analysis: Analysis) -> Runti
     each device's relative speed), a modelled instruction overhead, no CPU contention."""
     _, bandwidth = device_rates(request.devices[0].spec())
     ratio = 0.0 if request.options.optimizer_on_host else optimizer_state_ratio(request.options.optimizer)
-    first = analysis.first
-    update = []
-    for layer in first.layers:
-        params = [p for p in map(first.graph.get_parameter, layer.params) if p.requires_grad]
-        nbytes = sum(p.numel() * _element_size(p) for p in params)
-        update.append(len(params) * KERNEL_S + nbytes * update_traffic(ratio) / bandwidth)
-    return RuntimeCosts(instruction_s=INSTRUCTION_S, concurrency=(), update_s=tuple(update), wake_s=0.0,
+    update = tuple(len(params) * KERNEL_S + sum(p.numel() * p.element_size() for p in params)
+                   * update_traffic(ratio) / bandwidth for params in analysis.trainable_per_layer())
+    return RuntimeCosts(instruction_s=INSTRUCTION_S, concurrency=(), update_s=update, wake_s=0.0,
                         update_concurrency=())
-
-
-def _element_size(tensor: torch.Tensor) -> int:
-    return torch.empty((), dtype=tensor.dtype).element_size()
