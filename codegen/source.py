@@ -1,14 +1,13 @@
-"""Stage modules as importable Python source files, and back.
+"""Stage modules as Python source files, for people to read.
 
 `stage_source` writes a module with one class whose forward is the stage's generated code
-and whose imports are exactly the globals that code uses. `load_stage` imports such a file,
-attaches the saved submodules and tensors under their FQNs and re-traces it into a
-GraphModule: the saved file, not the original model class, defines what runs.
+and whose imports are exactly the globals that code uses: a checkpoint's stage_<i>.py, which
+`stagewise inspect` shows and plain Python can import. Loading never runs it: a checkpoint
+rebuilds its stages from their data (codegen/graph_data.py).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import textwrap
 import types
 
@@ -44,33 +43,3 @@ def _import_line(name: str, obj) -> str:
             "use a module-level function (not a lambda or closure) as loss_fn to save the pipeline"
         )
     return f"from {module} import {qualname} as {name}" if qualname != name else f"from {module} import {name}"
-
-
-def load_stage(path: str, class_name: str, attrs: dict[str, object]) -> fx.GraphModule:
-    spec = importlib.util.spec_from_file_location(f"stagewise_saved_{class_name.lower()}_{id(attrs)}", path)
-    if spec is None or spec.loader is None:
-        raise PlanError(f"cannot import stage source {path}")
-    source = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(source)
-    instance = getattr(source, class_name)()
-    for target, value in attrs.items():
-        _assign(instance, target, value)
-    tracer = fx.Tracer()
-    tracer.proxy_buffer_attributes = True  # buffers stay get_attr of their FQN, not anonymous constants
-    graph = tracer.trace(instance)
-    return fx.GraphModule(instance, graph, class_name=class_name)
-
-
-def _assign(root: torch.nn.Module, target: str, value) -> None:
-    *path, leaf = target.split(".")
-    module = root
-    for part in path:
-        if not hasattr(module, part):
-            module.add_module(part, torch.nn.Module())
-        module = getattr(module, part)
-    if isinstance(value, torch.nn.Module):
-        module.add_module(leaf, value)
-    elif isinstance(value, torch.nn.Parameter):
-        module.register_parameter(leaf, value)
-    else:
-        module.register_buffer(leaf, value)

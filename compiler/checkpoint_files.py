@@ -20,8 +20,11 @@ from stagewise.ir.errors import CheckpointError
 
 MARKER = "stagewise.json"
 FORMAT = "stagewise-checkpoint"
-VERSION = 1
-_OWN_FILE = re.compile(r"plan\.json|programs\.txt|runtime\.pt|stage_\d+\.(py|pt)|stagewise\.json")
+VERSION = 2  # 1: pickled stages and optimizer factory, executed on load; 2: DCP weights, no code
+_OWN_FILE = re.compile(r"plan\.json|programs\.txt|training\.pt|runtime\.pt|stage_\d+\.(py|pt|json)|stagewise\.json")
+WEIGHTS_DIR = "weights"  # a DCP checkpoint: rank shards and DCP's metadata
+_OWN_WEIGHTS = re.compile(r"__\d+_\d+\.distcp|\.metadata(\.tmp)?")  # .tmp: DCP before its rename
+_CHUNK = 1 << 24
 _BYTECODE = "__pycache__"  # where importing a stage's source may cache its bytecode
 _OWN_BYTECODE = re.compile(r"stage_\d+\..*\.pyc")
 _DAMAGED = "save the pipeline again, or restore the directory from a copy"
@@ -37,6 +40,21 @@ class FileRecord:
     @staticmethod
     def of(data: bytes) -> FileRecord:
         return FileRecord(len(data), hashlib.sha256(data).hexdigest())
+
+    @staticmethod
+    def of_file(path: Path) -> FileRecord:
+        """The record of a file read in chunks (a weights shard may not fit in memory twice)."""
+        digest, size = hashlib.sha256(), 0
+        with open(path, "rb") as file:
+            while chunk := file.read(_CHUNK):
+                digest.update(chunk)
+                size += len(chunk)
+        return FileRecord(size, digest.hexdigest())
+
+
+def folder_records(root: Path, folder: str) -> dict[str, FileRecord]:
+    """The records of every file in `root / folder`, by their names relative to `root`."""
+    return {f"{folder}/{p.name}": FileRecord.of_file(p) for p in sorted((root / folder).iterdir()) if p.is_file()}
 
 
 def marker_text(files: dict[str, FileRecord]) -> str:
@@ -71,6 +89,12 @@ def read_marker(root: Path) -> dict[str, FileRecord]:
         files = {str(n): FileRecord(int(r["bytes"]), str(r["sha256"])) for n, r in data["files"].items()}
     except (ValueError, KeyError, TypeError, AttributeError) as error:
         raise CheckpointError(f"{path} is corrupted ({type(error).__name__}: {error}); {_DAMAGED}") from error
+    if version < VERSION:
+        raise CheckpointError(
+            f"{root} is in checkpoint format {version} of an earlier stagewise, which stored code that loading "
+            f"would run; this one reads format {VERSION} only: load it with the stagewise that wrote it, restore "
+            "it into a compiled pipeline there and save it again with this one, or train from the weights"
+        )
     if version > VERSION:
         raise CheckpointError(
             f"{root} was written by a newer stagewise (checkpoint format {version}, this one reads up to "
@@ -101,12 +125,31 @@ def read_checked(root: Path, name: str, files: dict[str, FileRecord]) -> bytes:
     return data
 
 
+def check_file(root: Path, name: str, files: dict[str, FileRecord]) -> None:
+    """`read_checked` for a file another reader opens (a weights shard), read in chunks."""
+    path = root / name
+    if name not in files:
+        raise CheckpointError(f"{root / MARKER} does not list {name}; {_DAMAGED}")
+    try:
+        got = FileRecord.of_file(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing from the checkpoint; {_DAMAGED}") from None
+    want = files[name]
+    if got.size != want.size:
+        raise CheckpointError(f"{path} is {'truncated' if got.size < want.size else 'too long'}: {got.size} bytes "
+                              f"where {want.size} were saved; {_DAMAGED}")
+    if got != want:
+        raise CheckpointError(f"{path} is corrupted: its contents differ from what was saved (SHA-256); {_DAMAGED}")
+
+
 def foreign_entries(path: Path) -> list[str]:
     """The entries of directory `path` that no checkpoint writes (a user's files)."""
     foreign = []
     for entry in os.scandir(path):
         if entry.name == _BYTECODE and entry.is_dir(follow_symlinks=False):
             foreign += [f"{_BYTECODE}/{n}" for n in os.listdir(entry.path) if not _OWN_BYTECODE.fullmatch(n)]
+        elif entry.name == WEIGHTS_DIR and entry.is_dir(follow_symlinks=False):
+            foreign += [f"{WEIGHTS_DIR}/{n}" for n in os.listdir(entry.path) if not _OWN_WEIGHTS.fullmatch(n)]
         elif not (_OWN_FILE.fullmatch(entry.name) and entry.is_file(follow_symlinks=False)):
             foreign.append(entry.name)
     return sorted(foreign)
@@ -118,11 +161,11 @@ def remove_own_folder(path: Path) -> None:
     foreign = foreign_entries(path)
     if foreign:
         raise CheckpointError(f"{path} holds files stagewise did not write ({', '.join(foreign)}); it was left as it is")
-    bytecode = path / _BYTECODE
-    if bytecode.is_dir():
-        for name in os.listdir(bytecode):
-            os.unlink(bytecode / name)
-        os.rmdir(bytecode)
+    for inner in (path / _BYTECODE, path / WEIGHTS_DIR):
+        if inner.is_dir():
+            for name in os.listdir(inner):
+                os.unlink(inner / name)
+            os.rmdir(inner)
     for name in sorted(os.listdir(path), key=lambda n: n == MARKER):
         os.unlink(path / name)
     os.rmdir(path)

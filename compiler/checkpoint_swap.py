@@ -41,22 +41,40 @@ def previous_path(target: Path) -> Path:
 def publish(target: Path, fill: Callable[[Path], dict[str, FileRecord]]) -> None:
     """Write a checkpoint with `fill` (which writes the files into the folder it is given and says
     what it wrote) and put it at `target`; refuses a target that is not a checkpoint or empty."""
+    staging, replacing = begin(target)
+    try:
+        complete(staging, target, replacing, fill(staging))
+    except BaseException:
+        abandon(staging)
+        raise
+
+
+def begin(target: Path) -> tuple[Path, bool]:
+    """A new staging folder for a checkpoint at `target`, and whether one is there to replace
+    (CheckpointError where `target` holds anything else); finish with `complete` or `abandon`."""
     target.parent.mkdir(parents=True, exist_ok=True)
     replacing = _check_target(target)
     _remove_dead_staging(target)
     staging = _new_staging(target)
     _IN_USE.add(staging)
+    return staging, replacing
+
+
+def complete(staging: Path, target: Path, replacing: bool, files: dict[str, FileRecord]) -> None:
+    """Mark the staging folder complete (`files`: everything written into it) and swap it in."""
     try:
-        files = fill(staging)
         put(staging / MARKER, marker_text(files))
         sync_directory(staging)
         _swap(staging, target, replacing)
-    except BaseException:
-        with contextlib.suppress(OSError, CheckpointError):
-            remove_own_folder(staging)
-        raise
     finally:
         _IN_USE.discard(staging)
+
+
+def abandon(staging: Path) -> None:
+    """Remove a staging folder whose save failed."""
+    _IN_USE.discard(staging)
+    with contextlib.suppress(OSError, CheckpointError):
+        remove_own_folder(staging)
 
 
 def put(path: Path, data: str | bytes) -> FileRecord:

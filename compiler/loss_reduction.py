@@ -10,7 +10,7 @@ the reported loss use that weight instead of 1 / microbatches.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -45,6 +45,21 @@ class SampleMean:
 
 
 LossReduction = TokenMean | SampleMean
+
+
+def reduction_to_data(reduction: LossReduction | None) -> dict | None:
+    """The reduction as plain values (a checkpoint holds no classes)."""
+    if reduction is None:
+        return None
+    return {"kind": type(reduction).__name__, **asdict(reduction)}
+
+
+def reduction_from_data(data: dict | None) -> LossReduction | None:
+    """What `reduction_to_data` wrote."""
+    if data is None:
+        return None
+    fields = {k: v for k, v in data.items() if k != "kind"}
+    return TokenMean(**fields) if data["kind"] == "TokenMean" else SampleMean(**fields)
 
 
 def check_loss_reduction(reduction: object, has_loss_fn: bool, inputs: list[str]) -> None:

@@ -28,7 +28,7 @@ class ParamGroups:
     """`optimizer=ParamGroups(torch.optim.AdamW, no_decay_groups, lr=1e-3)`: the stages' optimizers
     are `optimizer_class(groups(named_parameters), **defaults)`; `groups` gets (name, parameter)
     pairs under the original model's names and returns torch parameter groups whose 'params' list
-    parameters or names. It must be a module-level function (a checkpoint pickles it)."""
+    parameters or names. (A checkpoint records the groups by name, not the function.)"""
 
     optimizer_class: type[torch.optim.Optimizer]
     groups: Callable[[NamedParameters], Sequence[dict]]

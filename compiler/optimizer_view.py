@@ -110,6 +110,7 @@ class PipelineOptimizer(torch.optim.Optimizer):
                 for name, values in part_state.items():
                     state.setdefault(name, values)
             names = self._merged([part_names for _, part_names in parts])
+        state = {name: state[name] for name in sorted(state, key=self._ordered)}  # the model's order, however made
         groups = [{**{k: copy.deepcopy(v) for k, v in g.items() if k not in _OWN_KEYS}, "param_names": group_names}
                   for g, group_names in zip(self.param_groups, names, strict=True)]
         return {"state": state, "param_groups": groups}

@@ -11,7 +11,8 @@ import torch.fx as fx
 from stagewise.compiler.batches import check_step_tensors, split_batch
 from stagewise.compiler.checkpoint_write import save
 from stagewise.compiler.evaluation import Evaluation
-from stagewise.compiler.loss_reduction import LossReduction, check_loss_reduction
+from stagewise.compiler.loss_reduction import LossReduction, check_loss_reduction, reduction_to_data
+from stagewise.compiler.morph import Move, restore_into
 from stagewise.compiler.optimizer_view import PipelineOptimizer
 from stagewise.compiler.prediction import fill_unread_inputs, predict
 from stagewise.compiler.runtime_setup import Runtime
@@ -297,27 +298,32 @@ class Pipeline:
         return simulate(self.plan.programs, plan_charges(self.plan, peak_flops, bandwidth))  # as sw.simulate
 
     def save(self, directory, scheduler=None, extra: dict | None = None) -> None:
-        """Write the pipeline to `directory` for `sw.load`: plan.json, programs.txt, stage_<i>.py (the
-        generated source), each stage's weights and optimizer state, the optimizer factory, and the
-        state no stage holds (unused.pt); `scheduler`'s state and `extra` (metadata, `pipe.extra` after
-        `sw.load`) if given: re-attach the scheduler after load with `pipe.load_scheduler`.
+        """Write a checkpoint to `directory` (layout: compiler/checkpoint.py): the weights and the
+        optimizer state by the model's names in torch.distributed.checkpoint, the plan and each
+        stage's code as data; `scheduler`'s state and `extra` (metadata) if given. `sw.load` reads it
+        back on this plan, `pipe.restore` into a pipeline of the same model on any devices.
 
-        The checkpoint is complete or absent: it is written beside `directory` and renamed into
-        place, replacing an earlier one only once finished. Under torch.distributed every rank
-        must call save (each holds only its own stages' weights and optimizer state): the ranks
-        gather their stages to rank 0, which writes the same checkpoint a single process would, and
-        every rank returns once it is in place (or raises the same failure, leaving an earlier
-        checkpoint intact). Rank 0's machine holds the files: a single process loads them as they
-        are; `sw.load` under torchrun reads them on every rank, so across machines put
-        `directory` on a shared filesystem (or copy it to each machine first).
-
-        A pipeline whose failed step could not be undone raises PipelineBrokenError instead.
+        Complete or absent: written beside `directory` and renamed into place, replacing an earlier
+        checkpoint only once finished. Under torch.distributed every rank calls save and writes its
+        own stages' tensors in parallel; every rank returns once the checkpoint is in place (or
+        raises the same failure, leaving an earlier one intact). Across machines `directory` must be
+        on a filesystem every rank shares. A pipeline whose failed step could not be undone raises
+        PipelineBrokenError instead.
         """
         self.executor.settle()
         training = training_state(scheduler, extra)
         if self._optimizer is not None:
             self._optimizer.push_hyperparameters()  # the learning rates the scheduler set since the last step
-        save(self.plan, self.runtime, directory, self.unheld, {**training.settings(), "loss_reduction": self.loss_reduction})
+        save(self.plan, self.runtime, directory, self.unheld,
+             {**training.settings(), "loss_reduction": reduction_to_data(self.loss_reduction)})
+
+    def restore(self, directory, report: bool = True) -> Move:
+        """Train on from the checkpoint at `directory`, saved by a pipeline of this model on any
+        devices and split (Varuna's job morphing): weights, optimizer state, step count, and the
+        scheduler state and `extra` for `pipe.load_scheduler` / `pipe.resumed`. Returns what moved,
+        printed (on rank 0) where the plan differs, unless not `report`. A collective under
+        torch.distributed."""
+        return restore_into(self, directory, report)
 
     # ---- helpers --------------------------------------------------------------------------
     def _inputs(self, args, kwargs) -> dict:

@@ -11,9 +11,9 @@ groups reach them only at the next step).
 
 from __future__ import annotations
 
-import pickle
 from dataclasses import dataclass, field
 
+from stagewise.compiler.checkpoint_write import serialised
 from stagewise.compiler.optimizer_view import PipelineOptimizer
 from stagewise.ir.errors import CheckpointError, OptionError
 
@@ -37,7 +37,7 @@ class TrainingState:
 
 def training_state(scheduler: object, extra: object) -> TrainingState:
     """What `pipe.save(directory, scheduler=, extra=)` stores, checked: a scheduler with
-    state_dict(), metadata a dict that pickles."""
+    state_dict(), metadata a dict of plain values (a safe load reads them back)."""
     if extra is not None and not isinstance(extra, dict):
         raise OptionError(f"pipe.save(extra=...) takes a dict of metadata, got {type(extra).__name__}")
     state = None
@@ -47,10 +47,10 @@ def training_state(scheduler: object, extra: object) -> TrainingState:
                               f"got {type(scheduler).__name__}")
         state = scheduler.state_dict()
     try:
-        pickle.dumps((state, extra))
-    except (pickle.PicklingError, AttributeError, TypeError) as err:
-        raise OptionError(f"pipe.save could not store the scheduler's state or extra= ({err}): give plain values "
-                          "(numbers, strings, tensors, lists and dicts of them)") from None
+        serialised((state, extra))
+    except CheckpointError as err:
+        raise OptionError(f"pipe.save could not store the scheduler's state or extra= ({err.__cause__}): give plain "
+                          "values (numbers, strings, tensors, lists and dicts of them)") from None
     return TrainingState(state, dict(extra or {}))
 
 

@@ -8,7 +8,9 @@ these methods (its parameters' values: `StageWorker.state_tensors`).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 
 import torch
 
@@ -21,6 +23,22 @@ class CheckpointAccess:
     host: dict[tuple[str, str], torch.Tensor]  # (what, name) -> host copy
     device: torch.device
     swapped: bool
+
+    @contextlib.contextmanager
+    def weights_in_place(self) -> Iterator[None]:
+        """While inside, a swapped-out parameter's data is its host copy (so its shape and values can
+        be read through the module, e.g. to describe it); afterwards empty on the device again."""
+        parked = {}
+        for name, param in self.params.items():
+            host = self.host.get(("weights", name))
+            if param.numel() == 0 and host is not None and host.numel() > 0:
+                parked[name] = param.data
+                param.data = host
+        try:
+            yield
+        finally:
+            for name, empty in parked.items():
+                self.params[name].data = empty
 
     def optimizer_state(self) -> dict | None:
         """The optimizer's state_dict with CPU tensors, state parked in host memory read from there;

@@ -79,6 +79,7 @@ class DistributedTransport(EndOfStep):
         self.issue_lock = threading.Lock()  # one thread at a time starts an op (receives come from two threads)
         # dist.new_group is collective: every rank creates the same groups in the same order.
         self.world = dist.new_group(list(range(len(plan.devices))))
+        self.checkpoints = dist.new_group(list(range(len(plan.devices))), backend="gloo")  # DCP's CPU collectives
         self.groups = {group: dist.new_group(sorted(group)) for group in reduction_groups(plan)}
         self.links = {pair: dist.new_group(sorted(pair)) for pair in directed_links(plan)}
         self.notice = FailureNotice(self.world.group_name)  # the same name on every rank

@@ -307,9 +307,11 @@ class StageWorker(CheckpointAccess):
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The stage's state under its names, host copies standing in for swapped-out parameters."""
         state = self.module.state_dict()
-        for name in self.params:
-            if state[name].numel() == 0 and ("weights", name) in self.host:
-                state[name] = self.host[("weights", name)]
+        canonical = {id(p): n for n, p in self.params.items()}
+        for name, param in self.aliases.items():  # a tied parameter under each of its names
+            key = ("weights", canonical[id(param)])
+            if name in state and state[name].numel() == 0 and key in self.host:
+                state[name] = self.host[key]
         return state
 
     def update(self, instruction: str, on_host: bool = False, clip: bool = False) -> None:

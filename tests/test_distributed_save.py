@@ -88,11 +88,11 @@ def _failing_save(pipe, rank: int, out: str, how: str) -> dict:
     """Save the first case's pipeline again, over its checkpoint, and fail: rank 1 cannot snapshot
     its stages ("snapshot"), or rank 0 cannot write where it is asked to ("write")."""
     directory = _case_dir(out, CASES[0])
-    before = {p.name: p.read_bytes() for p in directory.iterdir()}
+    before = {str(p.relative_to(directory)): p.read_bytes() for p in directory.rglob("*") if p.is_file()}
     target = directory
-    snapshot = checkpoint_write._snapshot
+    local_part = checkpoint_write._local_part
     if how == "snapshot" and rank == 1:
-        checkpoint_write._snapshot = _failing
+        checkpoint_write._local_part = _failing
     if how == "write":
         target = Path(out) / "a-file" / "ck"
         if rank == 0:
@@ -104,19 +104,19 @@ def _failing_save(pipe, rank: int, out: str, how: str) -> dict:
     except Exception as raised:  # noqa: BLE001 - the parent checks what it was
         error = (type(raised).__name__, str(raised))
     finally:
-        checkpoint_write._snapshot = snapshot
+        checkpoint_write._local_part = local_part
     seconds = time.monotonic() - start
     dist.barrier()  # both ranks are past the failed save before rank 0 lists the directory
     return {
         "error": error,
         "seconds": seconds,
-        "intact": {p.name: p.read_bytes() for p in directory.iterdir()} == before,
+        "intact": {str(p.relative_to(directory)): p.read_bytes() for p in directory.rglob("*") if p.is_file()} == before,
         "hidden": sorted(p.name for p in Path(out).iterdir() if p.name.startswith(".")),
     }
 
 
-def _failing(pipe, worker):
-    raise RuntimeError(f"stage {worker.stage.index} cannot be saved, on purpose")
+def _failing(plan, workers, unheld):
+    raise RuntimeError(f"stage {workers[0].stage.index} cannot be saved, on purpose")
 
 
 def _save_on_rank_0_only(pipe, rank: int, out: str) -> dict | None:
@@ -175,9 +175,11 @@ def test_every_rank_returns_once_the_checkpoint_is_complete(ranks, case):
     out, results = ranks
     written = sorted(p.name for p in _case_dir(out, case).iterdir())
     stages = results[0][case]["all_stages"]
-    assert {"plan.json", "programs.txt", "runtime.pt", "stagewise.json"} | {
-        f"stage_{i}.{x}" for i in stages for x in ("py", "pt")
+    assert {"plan.json", "programs.txt", "training.pt", "stagewise.json", "weights"} | {
+        f"stage_{i}.{x}" for i in stages for x in ("py", "json")
     } == set(written)
+    shards = sorted(p.name for p in (_case_dir(out, case) / "weights").iterdir())
+    assert shards == [".metadata"] + [f"__{rank}_0.distcp" for rank in range(len(results))]  # each rank wrote its own
     plan = sw.Plan.from_json((_case_dir(out, case) / "plan.json").read_text())
     for rank, result in enumerate(results):
         assert result[case]["seen"] == written

@@ -92,7 +92,7 @@ def test_saved_stage_files_are_importable_python(tmp_path):
     pipe = sw.compile(gpt2(), 2, batches[0][0], microbatches=2)
     pipe.save(tmp_path / "ck")
     files = sorted(p.name for p in (tmp_path / "ck").iterdir())
-    assert {"plan.json", "programs.txt", "stage_0.py", "stage_1.py", "runtime.pt"} <= set(files)
+    assert {"plan.json", "programs.txt", "stage_0.py", "stage_1.py", "stage_0.json", "training.pt", "weights"} <= set(files)
     source = (tmp_path / "ck" / "stage_1.py").read_text()
     assert "class Stage1(torch.nn.Module)" in source and "transformer_h_" in source
     # importable by plain Python in a fresh interpreter, without transformers

@@ -1,0 +1,128 @@
+"""A checkpoint's tensors in torch.distributed.checkpoint (DCP), the ecosystem's format.
+
+The folder `weights/` of a checkpoint is a DCP checkpoint of a nested dict: `model` holds the
+original model's `state_dict()` under its own names (so plain PyTorch reads it into the model
+with `dcp.load({"model": model.state_dict()}, checkpoint_id=...)`), `optimizer.state` every
+parameter's optimizer tensors keyed by that parameter's name (as torch's
+`get_optimizer_state_dict` does), `constants` the tensors the stage code reads that are not in
+`state_dict()` (non-persistent buffers, constants torch.export lifted). Only tensors: DCP reads
+non-tensor entries with an unrestricted pickle, so those go in the checkpoint's `training.pt`.
+
+Under torch.distributed every rank writes its own stages' tensors into one DCP checkpoint in
+parallel (DCP's coordinator writes its `.metadata`; a tensor two ranks hold is written once).
+Loading reads, on each rank, only the keys its stages hold (Varuna §4.2, per-layer checkpoints),
+whatever plan saved them. DCP reads `.metadata` with `pickle.load`: `SafeReader` reads it with an
+unpickler that builds only DCP's metadata classes, so a checkpoint cannot run code on load.
+"""
+
+from __future__ import annotations
+
+import io
+import pathlib
+import pickle
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+
+from stagewise.ir.errors import CheckpointError
+
+MODEL, OPTIMIZER_STATE, CONSTANTS = "model", "optimizer.state", "constants"
+_METADATA = ".metadata"
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+_PATHS = {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP's metadata dataclasses, torch dtypes, sizes and paths, nothing else."""
+
+    def find_class(self, module: str, name: str):  # noqa: ANN201 - pickle's signature
+        if module in _METADATA_MODULES and not name.startswith("__"):
+            found = getattr(__import__(module, fromlist=[name]), name, None)
+            if isinstance(found, type):
+                return found
+        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
+            return getattr(torch, name)
+        if (module, name) == ("torch.serialization", "_get_layout"):
+            return torch.serialization._get_layout
+        if module == "pathlib" and name in _PATHS:
+            return getattr(pathlib, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP checkpoint's metadata")
+
+
+def read_metadata(folder: Path) -> Metadata:
+    """The DCP metadata of `folder`, unpickled with only DCP's own classes (CheckpointError if not)."""
+    path = folder / _METADATA
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing: {folder} is not a complete checkpoint") from None
+    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as error:
+        raise CheckpointError(f"{path} is not the metadata of a torch.distributed.checkpoint ({error}); stagewise "
+                              "refuses to load it, as reading it could run code") from error
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP metadata")
+    return metadata
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's file reader, whose metadata is read by `read_metadata` instead of a plain unpickle."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:  # noqa: ANN002, ANN003 - torch's signature varies
+        metadata = read_metadata(Path(self.path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def saved_tensors(folder: Path) -> dict[str, TensorStorageMetadata]:
+    """Every tensor the DCP checkpoint `folder` holds, by its flattened key (`model.<name>`, ...)."""
+    return {k: v for k, v in read_metadata(folder).state_dict_metadata.items()
+            if isinstance(v, TensorStorageMetadata)}
+
+
+def write_tensors(folder: Path, tensors: Mapping[str, Mapping], group: dist.ProcessGroup | None) -> None:
+    """Write this process's part of the nested `tensors` dict into `folder` (a collective over
+    `group` under torch.distributed: every rank calls it, with the keys it holds)."""
+    writer = dcp.FileSystemWriter(str(folder), sync_files=True)
+    if group is None:
+        dcp.save(dict(tensors), storage_writer=writer, no_dist=True)
+    else:
+        dcp.save(dict(tensors), storage_writer=writer, process_group=group)
+
+
+def read_tensors(folder: Path, wanted: Mapping[str, torch.Tensor], group: dist.ProcessGroup | None) -> None:
+    """Fill `wanted` (flattened key -> tensor of the saved shape) in place from `folder`; every
+    key must be saved with that shape (CheckpointError naming the first that is not)."""
+    saved = saved_tensors(folder)
+    for key, tensor in wanted.items():
+        if key not in saved:
+            raise CheckpointError(f"{folder} holds no {key!r}: the checkpoint is not of this model (or lacks that "
+                                  "state); load it into the model it was saved from")
+        if tuple(saved[key].size) != tuple(tensor.shape):
+            raise CheckpointError(f"{folder} holds {key!r} of shape {tuple(saved[key].size)}, but this pipeline's is "
+                                  f"{tuple(tensor.shape)}: the checkpoint is of another model configuration")
+    sections = nested(wanted)
+    reader = SafeReader(str(folder))
+    if group is None:
+        dcp.load(sections, storage_reader=reader, no_dist=True)
+    else:
+        dcp.load(sections, storage_reader=reader, process_group=group)
+
+
+def nested(flat: Mapping[str, torch.Tensor]) -> dict:
+    """{'model.a.b': t} as {'model': {'a.b': t}}: DCP flattens one level of our dicts per section."""
+    sections: dict[str, dict] = {}
+    for key, tensor in flat.items():
+        section = next(s for s in (OPTIMIZER_STATE, MODEL, CONSTANTS) if key.startswith(s + "."))
+        rest = key[len(section) + 1:]
+        if section == OPTIMIZER_STATE:
+            name, state_key = rest.rsplit(".", 1)
+            sections.setdefault("optimizer", {}).setdefault("state", {}).setdefault(name, {})[state_key] = tensor
+        else:
+            sections.setdefault(section, {})[rest] = tensor
+    return sections

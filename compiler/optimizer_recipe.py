@@ -1,0 +1,90 @@
+"""The optimizer as a checkpoint records it: a class by its import path and its defaults, not a pickle.
+
+A pickled factory makes a checkpoint run code when it is read, and one defined in the training
+script cannot be unpickled from any other script. What the stages' optimizers are made of is
+data: their class (`torch.optim.AdamW`, or any importable `torch.optim.Optimizer` subclass), its
+`defaults` (every constructor argument torch optimizers keep), and which parameters, by name,
+each group holds with its hyper-parameters (the groups come with the optimizer state). `sw.load`
+rebuilds the factory from that (`recorded_optimizer`); a class that is not importable by its
+name, or whose defaults do not rebuild it, is recorded as such and loading without the model
+says so.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Sequence
+
+import torch
+
+from stagewise.compiler.optimizer_groups import NamedParameters, ParamGroups
+from stagewise.ir.errors import CheckpointError
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def optimizer_recipe(optimizer: torch.optim.Optimizer | None) -> dict | None:
+    """{'class': import path, 'defaults': {...}} of a stage's optimizer, or {'unrecorded': why}."""
+    if optimizer is None:
+        return None
+    cls = type(optimizer)
+    path = f"{cls.__module__}.{cls.__qualname__}"
+    defaults = dict(optimizer.defaults)
+    if "<" in cls.__qualname__ or not all(_plain(v) for v in defaults.values()):
+        return {"unrecorded": f"{path} with defaults {defaults!r} cannot be recorded by name and plain values"}
+    accepted = inspect.signature(cls.__init__).parameters  # AdamW keeps Adam's decoupled_weight_decay
+    arguments = {k: v for k, v in defaults.items() if k in accepted}
+    try:
+        rebuilt = _import_class(path)([torch.nn.Parameter(torch.zeros(1))], **arguments)
+    except (CheckpointError, TypeError, ValueError) as error:
+        return {"unrecorded": f"{path}(params, **defaults) does not rebuild it ({error})"}
+    if rebuilt.defaults != defaults:
+        return {"unrecorded": f"{path}(params, **{arguments!r}) makes other defaults ({rebuilt.defaults!r})"}
+    return {"class": path, "defaults": arguments}
+
+
+def _plain(value: object) -> bool:
+    if isinstance(value, (tuple, list)):
+        return all(_plain(v) for v in value)
+    return isinstance(value, _PLAIN)
+
+
+def _import_class(path: str) -> type[torch.optim.Optimizer]:
+    module_name, _, name = path.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise CheckpointError(f"the checkpoint's optimizer {path} cannot be imported ({error}); install the package "
+                              "that defines it") from error
+    if not (isinstance(found, type) and issubclass(found, torch.optim.Optimizer)):
+        raise CheckpointError(f"the checkpoint names {path} as its optimizer, which is not a torch.optim.Optimizer")
+    return found
+
+
+class _SavedGroups:
+    """The saved groups as a `ParamGroups` function: each group takes the parameters it held by name."""
+
+    def __init__(self, groups: Sequence[dict]):
+        self.groups = [(list(g["param_names"]), {k: v for k, v in g.items() if k != "param_names"}) for g in groups]
+
+    def __call__(self, named: NamedParameters) -> list[dict]:
+        present = {n for n, _ in named}
+        made = [{"params": [n for n in names if n in present], **hyper} for names, hyper in self.groups]
+        placed = {n for names, _ in self.groups for n in names}
+        unplaced = [n for n in present if n not in placed]
+        if unplaced and made:
+            made[0]["params"] += unplaced  # not in the saved groups (no state yet): the first group's defaults
+        return made
+
+
+def recorded_optimizer(recipe: dict | None, groups: Sequence[dict]) -> ParamGroups:
+    """The factory the stages of a loaded pipeline make their optimizers with: the recorded class
+    and defaults, grouped by the saved names with each group's saved hyper-parameters."""
+    if recipe is None:
+        raise CheckpointError("the checkpoint holds no optimizer (no stage had a trainable parameter)")
+    if "unrecorded" in recipe:
+        raise CheckpointError(f"the checkpoint's optimizer could not be recorded: {recipe['unrecorded']}; load it "
+                              "into the model instead: compile the model again with its optimizer, then "
+                              "pipe.restore(directory)")
+    return ParamGroups(_import_class(recipe["class"]), _SavedGroups(groups), **recipe["defaults"])
