@@ -33,31 +33,35 @@ from stagewise.compiler.optimizer_recipe import recorded_optimizer
 from stagewise.compiler.pipeline import Pipeline
 from stagewise.compiler.runtime_setup import start_runtime
 from stagewise.compiler.training_state import TrainingState
+from stagewise.compiler.virtual_devices import remapped
 from stagewise.ir.errors import CheckpointError
 from stagewise.runtime.launch import distributed_context
 
 
 @releasing_fx_sources
-def load(directory, trusted_functions: Sequence[Callable] = ()) -> Pipeline:
+def load(directory, trusted_functions: Sequence[Callable] = (), devices=None) -> Pipeline:
     """A Pipeline from `pipe.save(directory)`, on the plan it was saved with; trains on from where
     it was saved. `trusted_functions`: functions of yours the stage code calls (a `loss_fn`), which
     a checkpoint names but never holds; torch's, Python's and stagewise's are found by name.
+    `devices`: physical devices to run the saved plan's devices on, as `pipe.resize` places them
+    (virtual devices, compiler/virtual_devices.py); by default the devices it was saved on.
 
     In one process it holds every stage. Under torch.distributed (torchrun, one process per
     device of the plan) each rank builds every stage's code and reads only its own stages' state;
     the ranks agree that every one of them could read its part before any starts. To go on with
-    other devices, compile the model for them and call `pipe.restore(directory)`.
+    another plan, compile the model for it and call `pipe.restore(directory)`.
     """
     context = distributed_context()
     saved = read_checkpoint(directory, context)
+    plan = saved.plan if devices is None else remapped(saved.plan, devices)
     modules = _stage_modules(saved, trusted_functions, None if context is None else context.rank)
     training = saved.training
     optimizer = recorded_optimizer(training.get("optimizer"), training.get("optimizer_groups", []))
-    runtime = start_runtime(saved.plan, modules, optimizer, training.get("clip_grad_norm"),
+    runtime = start_runtime(plan, modules, optimizer, training.get("clip_grad_norm"),
                             frozenset(training.get("swapped", ())))
     unheld = _unheld(saved)
-    restore_state(saved.plan, runtime, unheld, saved, constants=True)
-    pipe = Pipeline(saved.plan, runtime, unheld=unheld)
+    restore_state(plan, runtime, unheld, saved, constants=True)
+    pipe = Pipeline(plan, runtime, unheld=unheld)
     pipe.resumed = TrainingState.from_settings(training)
     pipe.loss_reduction = reduction_from_data(training.get("loss_reduction"))  # checked against the plan
     return pipe

@@ -8,20 +8,30 @@ staging folder, every rank writes its own stages' tensors into its DCP folder in
 training state) it gathers, then swaps the folder in; every rank returns only after that rename
 (or raises the same failure). The staging folder must be one every rank can write: across
 machines, a shared filesystem.
+
+A save is two halves (`prepare`): what must happen now (the target checked, the staging folder
+opened, this process's state taken, the ranks agreeing that each could) and what may happen on a
+thread while training goes on (the tensors written, the small files, the swap). For the latter
+(compiler/checkpoint_async.py) the state is copied, so later steps cannot change what is written,
+and the second half's collectives run over the checkpoints' own gloo group, never the runtime's.
 """
 
 from __future__ import annotations
 
+import copy
 import io
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from stagewise.codegen.graph_data import stage_structure, stage_tensors
 from stagewise.codegen.source import stage_source
-from stagewise.compiler.checkpoint_dcp import nested, write_tensors
+from stagewise.compiler.checkpoint_dcp import OPTIMIZER_STATE, nested, write_tensors
 from stagewise.compiler.checkpoint_files import WEIGHTS_DIR, FileRecord, folder_records
 from stagewise.compiler.checkpoint_state import SavedState, merged_groups, saved_state
 from stagewise.compiler.checkpoint_swap import abandon, begin, complete, put
@@ -44,27 +54,72 @@ class _Part:
     groups: list[dict]
 
 
+T = TypeVar("T")
+
+
+class _Collectives(Protocol):
+    """Object collectives among the ranks: the transport's (over its world group) or `_Checkpoints`'."""
+
+    def gather_to_first(self, value: object) -> list | None: ...
+
+    def from_first(self, value: T) -> T: ...
+
+
+class _Checkpoints:
+    """Object collectives over the transport's gloo group for checkpoints, which only saves and
+    restores use: a save's second half may run on a thread while steps use the runtime's groups."""
+
+    def __init__(self, group: dist.ProcessGroup, rank: int):
+        self.group, self.rank = group, rank
+
+    def gather_to_first(self, value: object) -> list | None:
+        gathered = [None] * dist.get_world_size(self.group) if self.rank == 0 else None
+        dist.gather_object(value, gathered, dst=0, group=self.group)  # every rank is in the group: global 0
+        return gathered
+
+    def from_first(self, value: T) -> T:
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+
 def save(plan: Plan, runtime: Runtime, directory, unheld: dict[str, torch.Tensor], training: dict) -> None:
     """Write the pipeline of `plan`, the state no stage holds (`unheld`, every rank's alike) and the
     training loop's state (`training`: the scheduler's state, user metadata; rank 0's) to
     `directory`, atomically; under torch.distributed every rank must call it."""
+    prepare(plan, runtime, directory, unheld, training, snapshot=False)()
+
+
+def prepare(plan: Plan, runtime: Runtime, directory, unheld: dict[str, torch.Tensor], training: dict,
+            snapshot: bool) -> Callable[[], None]:
+    """The first half of a save, done now (raising here if it cannot start; under torch.distributed
+    every rank must call it); returns the second half, which writes and swaps the checkpoint in.
+    With `snapshot` this process's state is copied first, so the second half may run while training
+    goes on."""
     target = Path(directory)
-    if runtime.context is None:
-        state, part = _local_part(plan, runtime.workers, unheld)
-        staging, replacing = begin(target)
+    if runtime.context is not None:
+        return _prepare_distributed(plan, runtime, target, unheld, training, snapshot)
+    state, part = _local_part(plan, runtime.workers, unheld)
+    settings = _loop_settings(runtime, training)
+    if snapshot:
+        state, part, settings = _snapshot(state, runtime.workers, unheld), _copied(part), _copied(settings)
+    staging, replacing = begin(target)
+
+    def finish() -> None:
         try:
             write_tensors(staging / WEIGHTS_DIR, nested(state.tensors), None)
-            complete(staging, target, replacing, _write_small(plan, runtime, staging, [part], training))
+            complete(staging, target, replacing, _write_small(plan, staging, [part], settings))
         except BaseException:
             abandon(staging)
             raise
-        return
-    _save_distributed(plan, runtime, target, unheld, training)
+
+    return finish
 
 
-def _save_distributed(plan: Plan, runtime: Runtime, target: Path, unheld: dict[str, torch.Tensor],
-                      training: dict) -> None:
-    """Every rank writes its tensors into rank 0's staging folder; rank 0 writes the rest and swaps."""
+def _prepare_distributed(plan: Plan, runtime: Runtime, target: Path, unheld: dict[str, torch.Tensor],
+                         training: dict, snapshot: bool) -> Callable[[], None]:
+    """Rank 0 opens the staging folder, every rank takes its state, and all agree each could; the
+    second half: every rank writes its tensors into that folder, rank 0 the rest, and swaps it in."""
     transport = runtime.transport
     if not isinstance(transport, DistributedTransport):
         raise PlanError("saving across ranks needs the torch.distributed transport")
@@ -83,6 +138,9 @@ def _save_distributed(plan: Plan, runtime: Runtime, target: Path, unheld: dict[s
     staging_name = transport.from_first(None if opened is None else str(opened[0]))
     try:
         state, part = _local_part(plan, runtime.workers, unheld)
+        settings = _loop_settings(runtime, training)
+        if snapshot:
+            state, part, settings = _snapshot(state, runtime.workers, unheld), _copied(part), _copied(settings)
     except Exception as error:  # noqa: BLE001 - told to the other ranks, then re-raised
         failure = failure or error
     try:
@@ -92,26 +150,34 @@ def _save_distributed(plan: Plan, runtime: Runtime, target: Path, unheld: dict[s
             abandon(opened[0])
         raise
     assert staging_name is not None
-    staging = Path(staging_name)
+    staging, group = Path(staging_name), _Checkpoints(transport.checkpoints, transport.rank)
+    return lambda: _finish_distributed(plan, group, target, staging, opened, state, part, settings)
+
+
+def _finish_distributed(plan: Plan, group: _Checkpoints, target: Path, staging: Path, opened: tuple[Path, bool] | None,
+                        state: SavedState, part: _Part, settings: dict) -> None:
+    """Every rank writes its tensors; rank 0 gathers the rest, writes it and swaps the folder in;
+    all raise if any failed. Collectives over the checkpoints' group only."""
+    failure: BaseException | None = None
     try:
-        write_tensors(staging / WEIGHTS_DIR, nested(state.tensors), transport.checkpoints)
+        write_tensors(staging / WEIGHTS_DIR, nested(state.tensors), group.group)
     except Exception as error:  # noqa: BLE001 - DCP raises on every rank alike
         failure = error
-    parts = transport.gather_to_first(part)
+    parts = group.gather_to_first(part)
     outcome = None
     if opened is not None:
         try:
             if failure is None:
-                complete(staging, target, opened[1], _write_small(plan, runtime, staging, parts or [], training))
+                complete(staging, target, opened[1], _write_small(plan, staging, parts or [], settings))
         except Exception as error:  # noqa: BLE001 - told to the other ranks, then re-raised
             failure = error
             outcome = f"rank 0 could not write {target} ({type(error).__name__}: {error})"
         if failure is not None:
             abandon(staging)
-    _agree(transport, failure, target, outcome or "failed")
+    _agree(group, failure, target, outcome or "failed")
 
 
-def _agree(transport: DistributedTransport, failure: BaseException | None, target: Path, what: str) -> None:
+def _agree(transport: _Collectives, failure: BaseException | None, target: Path, what: str) -> None:
     """Raise on every rank if any failed: its own error where it has one, else a PlanError naming the ranks."""
     parts = transport.gather_to_first(None if failure is None else f"{type(failure).__name__}: {failure}")
     failed = None if parts is None else [f"rank {r}: {p}" for r, p in enumerate(parts) if p is not None]
@@ -140,8 +206,9 @@ def _local_part(plan: Plan, workers: list[StageWorker], unheld: dict[str, torch.
     return state, part
 
 
-def _write_small(plan: Plan, runtime: Runtime, staging: Path, parts: list[_Part], training: dict) -> dict[str, FileRecord]:
-    """Everything but the tensors, into `staging`; the records of every file there, DCP's included."""
+def _write_small(plan: Plan, staging: Path, parts: list[_Part], loop: dict) -> dict[str, FileRecord]:
+    """Everything but the tensors, into `staging` (`loop`: the training loop's state at the save, from
+    `_loop_settings`); the records of every file there, DCP's included."""
     files = folder_records(staging, WEIGHTS_DIR)
     files["plan.json"] = put(staging / "plan.json", plan.to_json())
     files["programs.txt"] = put(staging / "programs.txt", "\n\n".join(str(p) for p in plan.programs) + "\n")
@@ -157,14 +224,40 @@ def _write_small(plan: Plan, runtime: Runtime, staging: Path, parts: list[_Part]
         for name, entry in part.optimizer_values.items():
             values.setdefault(name, entry)
     settings = {
-        **training, "step": runtime.executor.iteration, "clip_grad_norm": runtime.clip_grad_norm,
-        "swapped": sorted(i for part in parts for i in part.swapped),
+        **loop, "swapped": sorted(i for part in parts for i in part.swapped),
         "optimizer": next((p.optimizer for p in parts if p.optimizer is not None), None),
         "optimizer_groups": merged_groups([p.groups for p in parts], plan), "optimizer_values": values,
-        "loss_scaler": None if runtime.executor.scaler is None else runtime.executor.scaler.state_dict(),
     }
     files["training.pt"] = put(staging / "training.pt", serialised(settings))
     return files
+
+
+def _loop_settings(runtime: Runtime, training: dict) -> dict:
+    """The training loop's state now (`training` and the runtime's step, clipping and loss scale)."""
+    scaler = runtime.executor.scaler
+    return {**training, "step": runtime.executor.iteration, "clip_grad_norm": runtime.clip_grad_norm,
+            "loss_scaler": None if scaler is None else scaler.state_dict()}
+
+
+def _snapshot(state: SavedState, workers: list[StageWorker], unheld: dict[str, torch.Tensor]) -> SavedState:
+    """`state` with every tensor that shares memory with the live training state copied to the CPU
+    (`saved_state` shares a CPU tensor's storage; a device tensor's `.cpu()` is a copy already, not
+    copied twice), and the optimizer's tensors (kept live) always."""
+    live = {t.untyped_storage().data_ptr() for t in unheld.values()}
+    for worker in workers:
+        for tensors in (worker.state_tensors(), stage_tensors(worker.module), worker.host,
+                        dict(worker.module.named_parameters()), dict(worker.module.named_buffers())):
+            live.update(t.untyped_storage().data_ptr() for t in tensors.values() if t.device.type == "cpu")
+    copied = {}
+    for key, tensor in state.tensors.items():
+        shared = tensor.device.type != "cpu" or tensor.untyped_storage().data_ptr() in live
+        copied[key] = tensor.detach().to("cpu", copy=True) if shared or key.startswith(OPTIMIZER_STATE + ".") else tensor
+    return SavedState(copied, copy.deepcopy(state.optimizer_values), copy.deepcopy(state.groups))
+
+
+def _copied(value: T) -> T:
+    """A deep copy of a save's small values (optimizer hyper-parameters, scheduler state, `extra`)."""
+    return copy.deepcopy(value)
 
 
 def serialised(value: object) -> bytes:

@@ -14,6 +14,7 @@ from stagewise.compiler.options import DEFAULT_OPTIMIZER, CompileOptions, Compil
 from stagewise.compiler.phases import PHASES, analyse, run_phases
 from stagewise.compiler.phases import plan as plan_phase
 from stagewise.compiler.pipeline import Compiled, Pipeline
+from stagewise.compiler.virtual_devices import virtual_layout
 from stagewise.ir.devices import format_bytes
 from stagewise.ir.errors import CapacityError, ExampleInputsError, LossError, OptionError
 from stagewise.ir.plan import Plan
@@ -46,6 +47,7 @@ def compile(  # noqa: A001 - the public name of the API
     optimizer_on_host: bool = False,
     seed: int | None = None,
     precision: str | LossScaling = "fp32",
+    virtual_devices: int | None = None,
 ) -> Pipeline:
     """Compile `model` into a pipeline over `devices` that trains exactly like eager training.
 
@@ -68,9 +70,12 @@ def compile(  # noqa: A001 - the public name of the API
     draw from streams keyed by (seed, step, op, microbatch); None takes `torch.initial_seed()`.
     `precision`: "fp32", "bf16" (stage forwards under torch.autocast, fp32 weights, gradients,
     optimizer state and reductions) or "fp16" (the same with dynamic loss scaling, sw.LossScaling:
-    a step whose gradients overflow on any stage is skipped on every stage). README has the rest.
+    a step whose gradients overflow on any stage is skipped on every stage). `virtual_devices`: plan
+    for that many devices placed on `devices` in proportion to their speed, so training is bitwise
+    the same on any physical count (`pipe.resize`, compiler/virtual_devices.py). README has the rest.
     """
     _check_arguments(model, split_points, example_inputs, loss_fn, loss_reduction)
+    devices = virtual_layout(devices, virtual_devices)
     options = make_options(loss_fn=loss_fn, example_target=example_target, optimizer=optimizer,
                            microbatches=microbatches, schedule=schedule, cost=cost, split_points=split_points,
                            clip_grad_norm=clip_grad_norm, swap=swap, replicas=replicas, stages=stages,

@@ -64,6 +64,11 @@ class PipelineOptimizer(torch.optim.Optimizer):
         super().__init__(groups, {})
         self.state = _StageStates(self._stages)  # type: ignore[assignment]
 
+    def rebind(self, plan: Plan, workers: list[StageWorker], settle: Callable[..., None]) -> None:
+        """Stand for the stages of another runtime of the same plan (`pipe.resize`), staying the object
+        a scheduler holds; the groups' hyper-parameters come from those stages' optimizers."""
+        self.__init__(plan, workers, settle, self._distributed)  # type: ignore[misc]
+
     def push_hyperparameters(self) -> None:
         """Copy every group's hyper-parameters (lr, weight_decay, initial_lr, ...) to the group of
         the same index of every stage's optimizer."""

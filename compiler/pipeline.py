@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 
 from stagewise.compiler.batches import check_step_tensors, split_batch
-from stagewise.compiler.checkpoint_write import save
+from stagewise.compiler.checkpoint_async import SaveHandle, SaveSlot
 from stagewise.compiler.evaluation import Evaluation
 from stagewise.compiler.loss_reduction import LossReduction, check_loss_reduction, reduction_to_data
 from stagewise.compiler.morph import Move, restore_into
@@ -20,6 +20,7 @@ from stagewise.compiler.state_dict import IncompatibleKeys, aliases_of, check_st
 from stagewise.compiler.step_inputs import prepare_batch
 from stagewise.compiler.step_shapes import StepShapes, TransferSpecs
 from stagewise.compiler.training_state import TrainingState, resume_scheduler, training_state
+from stagewise.compiler.virtual_devices import resize
 from stagewise.ir.errors import ExampleInputsError, ModeError, PrecisionError
 from stagewise.ir.instructions import Stream
 from stagewise.ir.plan import Plan, SharedTensor
@@ -65,6 +66,7 @@ class Pipeline:
         self.step_shapes = StepShapes(plan, runtime.stage_modules, runtime.stage_states,
                                       [pool.device for pool in runtime.pools])
         self._loss_reduction: LossReduction | None = None
+        self._saves = SaveSlot()  # the save in flight (compiler/checkpoint_async.py)
         self.loss_reduction = compiled.loss_reduction if compiled is not None else None  # checked
 
     # ---- the runtime's parts ---------------------------------------------------------------
@@ -297,7 +299,7 @@ class Pipeline:
         bound), links of `bandwidth` bytes/s (passes/costs.py `plan_charges`)."""
         return simulate(self.plan.programs, plan_charges(self.plan, peak_flops, bandwidth))  # as sw.simulate
 
-    def save(self, directory, scheduler=None, extra: dict | None = None) -> None:
+    def save(self, directory, scheduler=None, extra: dict | None = None, asynchronous: bool = False) -> SaveHandle:
         """Write a checkpoint to `directory` (layout: compiler/checkpoint.py): the weights and the
         optimizer state by the model's names in torch.distributed.checkpoint, the plan and each
         stage's code as data; `scheduler`'s state and `extra` (metadata) if given. `sw.load` reads it
@@ -308,14 +310,30 @@ class Pipeline:
         own stages' tensors in parallel; every rank returns once the checkpoint is in place (or
         raises the same failure, leaving an earlier one intact). Across machines `directory` must be
         on a filesystem every rank shares. A pipeline whose failed step could not be undone raises
-        PipelineBrokenError instead.
-        """
+        PipelineBrokenError instead. `asynchronous=True` returns once this process's state is copied to
+        CPU memory and writes on a thread while `step` goes on (rules: compiler/checkpoint_async.py)."""
+        self._saves.settle()  # before the step count and the learning rates are read
         self.executor.settle()
         training = training_state(scheduler, extra)
         if self._optimizer is not None:
             self._optimizer.push_hyperparameters()  # the learning rates the scheduler set since the last step
-        save(self.plan, self.runtime, directory, self.unheld,
-             {**training.settings(), "loss_reduction": reduction_to_data(self.loss_reduction)})
+        return self._saves.save(self.plan, self.runtime, directory, self.unheld,
+                                {**training.settings(), "loss_reduction": reduction_to_data(self.loss_reduction)},
+                                asynchronous)
+
+    def wait_for_save(self) -> None:
+        """Until the save in flight is in place (under torch.distributed: before destroying the group)."""
+        self._saves.settle()
+
+    def resize(self, devices) -> None:
+        """Run the same plan (its virtual devices, `compile(virtual_devices=V)`) on the physical
+        `devices` from the next step on, bitwise as before; one process (compiler/virtual_devices.py)."""
+        resize(self, devices)
+
+    def rebuild(self, plan: Plan, runtime: Runtime, unheld: dict[str, torch.Tensor]) -> None:
+        """Go on with another runtime of this pipeline's plan (what `resize` made)."""
+        compiled = Compiled(self.sim_cost, self.compile_times) if self.sim_cost is not None else None
+        self.__init__(plan, runtime, compiled, unheld)  # type: ignore[misc]
 
     def restore(self, directory, report: bool = True) -> Move:
         """Train on from the checkpoint at `directory`, saved by a pipeline of this model on any
@@ -323,6 +341,7 @@ class Pipeline:
         scheduler state and `extra` for `pipe.load_scheduler` / `pipe.resumed`. Returns what moved,
         printed (on rank 0) where the plan differs, unless not `report`. A collective under
         torch.distributed."""
+        self._saves.settle()  # a save in flight uses the same collectives (and may write `directory`)
         return restore_into(self, directory, report)
 
     # ---- helpers --------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from stagewise.compiler.checkpoint import load
 from stagewise.compiler.driver import compile, plan, simulate  # noqa: A004 - the public name of the API
 from stagewise.compiler.loss_reduction import SampleMean, TokenMean
 from stagewise.compiler.optimizer_groups import ParamGroups
+from stagewise.compiler.periodic_checkpoint import Checkpoints
 from stagewise.compiler.pipeline import Pipeline
 from stagewise.compiler.probe import probe_accelerator
 from stagewise.compiler.recommend import recommend
@@ -47,6 +48,7 @@ __all__ = [
     "CapacityError",
     "Catalogue",
     "CheckpointError",
+    "Checkpoints",
     "Cluster",
     "Device",
     "DeviceError",

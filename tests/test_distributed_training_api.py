@@ -126,6 +126,19 @@ def run_resume(name: str, schedule: str, directory: Path) -> dict:
             "optimizer": pipe.optimizer.state_dict(), "resumed_optimizer": loaded.optimizer.state_dict()}
 
 
+def run_morph(name: str, schedule: str, out: Path) -> dict:
+    """Restore the checkpoint a 4-device run in one process saved (the parent's `four_devices`) into
+    this 2-rank pipeline with its scheduler, save it again from the 2 ranks, and train on."""
+    batches = batches_of(name, SAVED_AFTER + RESUMED_FOR)
+    pipe = compiled(name, batches, schedule, optimizer=GROUPED, clip_grad_norm=0.5, dropout=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(pipe.optimizer, warmup_cosine)
+    move = pipe.restore(out / "four-devices", report=False)
+    pipe.load_scheduler(sched)
+    pipe.save(out / "two-ranks", scheduler=sched)
+    return {"resumed": train_scheduled(pipe, sched, batches[SAVED_AFTER:]), "state": state_of(pipe),
+            "read": move.read_bytes, "moved": move.moved_bytes}
+
+
 RUNNERS: dict[str, Callable[..., dict]] = {"evaluate": run_evaluate, "optimizer": run_optimizer,
                                            "token-mean": run_token_mean}
 CASES = (
@@ -141,6 +154,7 @@ CASES = (
     ("resume", "tied-gpt", "1f1b"),
     ("resume", "hf-gpt2", "interleaved"),
     ("resume", "hf-llama", "gpipe"),
+    ("morph", "hf-gpt2", "1f1b"),
 )
 
 
@@ -152,13 +166,37 @@ def _run_case(out: Path, case) -> dict:
     kind, name, schedule = case
     if kind == "resume":
         return run_resume(name, schedule, out / "-".join(case))
+    if kind == "morph":
+        return run_morph(name, schedule, out)
     return RUNNERS[kind](name, schedule)
 
 
 # ---- the parent ------------------------------------------------------------------------------
+def _morph_run(devices: int, checkpoint: Path | None, out: Path | None = None) -> dict:
+    """GPT-2 with dropout, groups, warmup-cosine and clipping in one process on `devices`: trained
+    for SAVED_AFTER steps and saved to `out` (or restored from `checkpoint`), then trained on."""
+    batches = batches_of("hf-gpt2", SAVED_AFTER + RESUMED_FOR)
+    pipe = compiled("hf-gpt2", batches, "1f1b", optimizer=GROUPED, clip_grad_norm=0.5, dropout=0.1, devices=devices)
+    sched = torch.optim.lr_scheduler.LambdaLR(pipe.optimizer, warmup_cosine)
+    if checkpoint is None:
+        train_scheduled(pipe, sched, batches[:SAVED_AFTER])
+        pipe.save(out, scheduler=sched)
+    else:
+        pipe.restore(checkpoint, report=False)
+        pipe.load_scheduler(sched)
+    return {"resumed": train_scheduled(pipe, sched, batches[SAVED_AFTER:]), "state": state_of(pipe)}
+
+
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
-    results = _spawn(_run_cases, tmp_path_factory.mktemp("training-api"), CASES, limit_s=LIMIT_S, fail_on_hang=False)
+def four_devices(tmp_path_factory) -> tuple[Path, dict]:
+    """The run the morph case goes on from: saved on 4 devices in one process, then uninterrupted."""
+    out = tmp_path_factory.mktemp("training-api")
+    return out, _morph_run(4, None, out / "four-devices")
+
+
+@pytest.fixture(scope="module")
+def ranks(four_devices) -> list[dict]:
+    results = _spawn(_run_cases, four_devices[0], CASES, limit_s=LIMIT_S, fail_on_hang=False)
     return [result or {} for result in results]
 
 
@@ -322,3 +360,25 @@ def test_training_with_dropout_under_two_ranks_equals_one_process(ranks):
     want = [loss for loss, _, _ in train_scheduled(pipe, sched, batches)]
     _close([loss for loss, _, _ in results[0]["saved"] + results[0]["original"]], want)
     assert_state_equal(results[0]["state"], pipe.state_dict())
+
+
+def _close_runs(got: dict, want: dict) -> None:
+    """Two continuations of one checkpoint on other splits: equal within fp32 tolerance."""
+    _close([loss for loss, _, _ in got["resumed"]], [loss for loss, _, _ in want["resumed"]])
+    assert [lrs for _, _, lrs in got["resumed"]] == [lrs for _, _, lrs in want["resumed"]]
+    for key, tensor in want["state"].items():
+        torch.testing.assert_close(got["state"][key], tensor, rtol=1e-4, atol=1e-6, msg=key)
+
+
+def test_a_run_saved_on_four_devices_goes_on_under_two_ranks(ranks, four_devices):
+    """Varuna's morphing: 4 devices in one process -> 2 gloo ranks, each reading only its stages' names."""
+    results = _results(ranks, ("morph", "hf-gpt2", "1f1b"))
+    for rank, result in enumerate(results):
+        _close_runs(result, four_devices[1])
+        assert result["read"][rank] > 0 and result["moved"][rank] <= result["read"][rank]
+
+
+@pytest.mark.parametrize("devices", [1, 3])
+def test_a_checkpoint_saved_under_two_ranks_goes_on_in_one_process(ranks, four_devices, devices):
+    _results(ranks, ("morph", "hf-gpt2", "1f1b"))
+    _close_runs(_morph_run(devices, four_devices[0] / "two-ranks"), four_devices[1])

@@ -1,0 +1,266 @@
+"""Surviving a lost machine: `sw.Checkpoints` and examples/elastic.py under torchrun.
+
+In one process: checkpoints every N steps (or T seconds) keep the newest `keep`, a failed save
+removes nothing, a damaged newest one is passed over with a warning for the one before, and a
+checkpoint of 2 devices resumes on 1 with its scheduler, bitwise.
+
+Under torchrun (gloo): two agents on localhost play two machines in one elastic job (c10d
+rendezvous, `--nnodes=1:2`); rank 1's worker kills its agent and exits at step 5, so that machine
+is gone; the survivor's agent restarts its worker alone (WORLD_SIZE=1), which compiles for one
+device, restores the newest checkpoint (saved by two ranks) and trains to the end: the losses and
+final parameters are the uninterrupted single-process run's. Then one agent with two workers,
+rank 1 dies, both restart at the same size. Every subprocess has a hard deadline, and what the
+test started is killed at the end, whatever happened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import io
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import stagewise as sw
+from tests.models.mlp import mlp
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "elastic.py"
+TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+DEADLINE_S = 90.0  # a torchrun job that outlives this is killed and the test fails (never a hung suite)
+STEPS, EVERY, KEEP, DIE_AT = 8, 2, 3, 5
+LINE = re.compile(r"step (\d+) loss ([0-9.]+) world (\d+)")
+needs_torchrun = pytest.mark.skipif(TORCHRUN is None, reason="torchrun is not installed")
+
+
+# ---- in one process ----------------------------------------------------------------------------
+def _pipe(devices: int):
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 8), torch.randint(0, 5, (8,))
+    pipe = sw.compile(mlp(), devices, (x,), loss_fn=F.cross_entropy, example_target=y, microbatches=2,
+                      optimizer=functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9), cost="analytic")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(pipe.optimizer, lambda s: 0.9 ** s)
+    return pipe, scheduler
+
+
+def _batch(step: int):
+    generator = torch.Generator().manual_seed(step)
+    return torch.randn(8, 8, generator=generator), torch.randint(0, 5, (8,), generator=generator)
+
+
+def _train(pipe, scheduler, checkpoints, steps: range) -> list[bool]:
+    saved = []
+    for step in steps:
+        x, y = _batch(step)
+        pipe.step(x, target=y)
+        scheduler.step()
+        saved.append(checkpoints.after_step(pipe, scheduler))
+    return saved
+
+
+def _flip_a_byte(checkpoint: Path) -> None:
+    shard = next((checkpoint / "weights").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x5A
+    shard.write_bytes(bytes(data))
+
+
+def test_checkpoints_rotate_resume_on_other_devices_and_pass_over_a_damaged_one(tmp_path, monkeypatch):
+    pipe, scheduler = _pipe(2)
+    checkpoints = sw.Checkpoints(tmp_path / "ck", every_steps=2, keep=2)
+    assert checkpoints.resume(pipe, scheduler) == 0  # nothing saved yet
+    assert _train(pipe, scheduler, checkpoints, range(4)) == [False, True, False, True]
+    at_4 = {k: v.clone() for k, v in pipe.state_dict().items()}
+    lr_at_4 = scheduler.get_last_lr()
+    monkeypatch.setattr(pipe, "save", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError, match="disk full"):
+        _train(pipe, scheduler, checkpoints, range(4, 6))  # step 6's save fails ...
+    assert checkpoints.saved_steps() == [2, 4]  # ... and nothing older is removed
+    monkeypatch.undo()
+    assert _train(pipe, scheduler, checkpoints, range(6, 8)) == [False, True]
+    assert checkpoints.saved_steps() == [4, 8]  # the newest 2, removed only once step_8 was in place
+    _flip_a_byte(tmp_path / "ck" / "step_8")
+
+    alone, alone_scheduler = _pipe(1)  # another plan: one device
+    again = sw.Checkpoints(tmp_path / "ck", every_steps=2, keep=2)
+    with pytest.warns(UserWarning, match="step_8 could not be restored"):
+        assert again.resume(alone, alone_scheduler) == 4
+    for name, tensor in alone.state_dict().items():
+        assert torch.equal(tensor, at_4[name]), name
+    assert alone.executor.iteration == 4 and alone_scheduler.last_epoch == 4
+    assert alone_scheduler.get_last_lr() == lr_at_4 == [g["lr"] for g in alone.optimizer.param_groups]
+    assert not again.after_step(alone, alone_scheduler)  # step 4 is saved already
+    assert _train(alone, alone_scheduler, again, range(4, 6)) == [False, True]
+    assert again.saved_steps() == [4, 6, 8]  # the damaged step_8 is left for the user to look at
+    assert sw.load(tmp_path / "ck" / "step_6").executor.iteration == 6
+
+    _flip_a_byte(tmp_path / "ck" / "step_6")
+    _flip_a_byte(tmp_path / "ck" / "step_4")
+    with pytest.warns(UserWarning), pytest.raises(sw.CheckpointError, match="no checkpoint under"):
+        sw.Checkpoints(tmp_path / "ck", every_steps=2).resume(_pipe(1)[0])
+
+
+def test_every_seconds_saves_when_the_time_is_up(tmp_path):
+    pipe, scheduler = _pipe(1)
+    checkpoints = sw.Checkpoints(tmp_path, every_seconds=0.2)
+    checkpoints.resume(pipe)
+    assert _train(pipe, scheduler, checkpoints, range(1)) == [False]
+    time.sleep(0.25)
+    assert _train(pipe, scheduler, checkpoints, range(1, 3)) == [True, False]
+    assert checkpoints.saved_steps() == [2]
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"every_steps": 0}, {"every_steps": 1.5}, {"every_seconds": -1},
+                                    {"every_steps": 2, "keep": 0}, {"every_seconds": True}])
+def test_settings_that_would_never_save_or_keep_nothing_are_refused(kwargs):
+    with pytest.raises(sw.OptionError, match="sw.Checkpoints"):
+        sw.Checkpoints("ck", **kwargs)
+
+
+# ---- under torchrun ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> tuple[dict, list[tuple[str, str]]]:
+    """The example's run in this process, on one device, never interrupted: its final state and losses."""
+    where = tmp_path_factory.mktemp("uninterrupted")
+    spec = importlib.util.spec_from_file_location("elastic_example", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    printed = io.StringIO()
+    with torch.random.fork_rng(), contextlib.redirect_stdout(printed):
+        example.main(["--checkpoints", str(where / "ck"), "--final", str(where / "final.pt"), *_schedule()])
+    losses = [(step, loss) for step, loss, _ in LINE.findall(printed.getvalue())]
+    assert [int(step) for step, _ in losses] == list(range(STEPS))
+    return torch.load(where / "final.pt"), losses
+
+
+def _schedule() -> list[str]:
+    return ["--steps", str(STEPS), "--every", str(EVERY), "--keep", str(KEEP), "--timeout", "10"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _environment() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_",
+                                                                     "TORCHELASTIC", "GROUP_"))}
+    # torchrun >= 2.5 hands its store to the workers; a same-size restart then reads the last
+    # attempt's addresses (pytorch/pytorch#135712): the README's recipe turns that off.
+    return {**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
+@contextlib.contextmanager
+def _jobs(tag: str):
+    """Start commands (each in a session of its own, output to a log); kill whatever is left at the end:
+    the agents, and the workers they started (found by `tag`, a path only this test's commands name)."""
+    started: list[subprocess.Popen] = []
+
+    def start(command: list[str], log: Path) -> subprocess.Popen:
+        with open(log, "w") as out:
+            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=_environment(),
+                                       start_new_session=True, cwd=EXAMPLE.parent.parent)
+        started.append(process)
+        return process
+
+    try:
+        yield start
+    finally:
+        for process in started:
+            if process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=10)
+        for pid in _pids_naming(tag):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _pids_naming(tag: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            with contextlib.suppress(OSError):
+                if tag in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    pids.append(int(entry.name))
+    return pids
+
+
+def _finish(process: subprocess.Popen, log: Path, start: float) -> str:
+    try:
+        process.wait(timeout=max(1.0, DEADLINE_S - (time.monotonic() - start)))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"torchrun still running after {DEADLINE_S:g} s:\n{log.read_text()[-4000:]}")
+    return log.read_text()
+
+
+def _check_result(text: str, final: Path, uninterrupted, restarted_world: int) -> None:
+    """The restarted run resumed at step 4 and ended where the uninterrupted run did."""
+    want_state, want_losses = uninterrupted
+    assert "world 2: starting at step 0" in text, text[-4000:]
+    assert f"world {restarted_world}: starting at step 4" in text, text[-4000:]
+    printed = LINE.findall(text)
+    assert [s for s, _, w in printed] == [str(s) for s in [*range(DIE_AT), *range(4, STEPS)]], printed
+    assert [w for *_, w in printed] == ["2"] * DIE_AT + [str(restarted_world)] * (STEPS - 4), printed
+    losses = dict(want_losses)
+    for step, loss, _ in printed:  # printed to 6 decimals: fp32 rounding stays below
+        assert abs(float(loss) - float(losses[step])) <= 2e-6, (step, loss, losses[step])
+    got = torch.load(final)
+    assert got.keys() == want_state.keys()
+    for name, tensor in want_state.items():
+        torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@needs_torchrun
+def test_a_lost_machine_the_survivor_resumes_alone_from_the_checkpoint_both_saved(tmp_path, uninterrupted):
+    # A lost node is dead after 2 missed 1 s heartbeats; the survivor then waits last_call_timeout for
+    # others before it goes on alone (the same wait lets the second agent join at the start).
+    port, conf = _free_port(), ("join_timeout=30,last_call_timeout=5,close_timeout=5,"
+                                "keep_alive_interval=1,keep_alive_max_attempt=2")
+    common = [TORCHRUN, "--nnodes=1:2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+              f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=elastic-{port}", "--max-restarts=1",
+              "--monitor-interval=0.1"]
+    script = [str(EXAMPLE), "--checkpoints", str(tmp_path / "ck"), *_schedule()]
+    start = time.monotonic()
+    with _jobs(str(tmp_path)) as run:
+        # Machine A hosts the rendezvous store, and its address sorts first: it is rank 0.
+        survivor = run([*common, "--local-addr=127.0.0.1", f"--rdzv-conf=is_host=1,{conf}", *script,
+                        "--final", str(tmp_path / "final.pt")], tmp_path / "a.log")
+        lost = run([*common, "--local-addr=localhost", f"--rdzv-conf=is_host=0,{conf}", *script,
+                    "--die-at", str(DIE_AT), "--lose-machine"], tmp_path / "b.log")
+        text = _finish(survivor, tmp_path / "a.log", start)
+        lost_text = _finish(lost, tmp_path / "b.log", start)
+    assert survivor.returncode == 0, text[-4000:]
+    assert lost.returncode == -signal.SIGKILL and f"rank 1 dies at step {DIE_AT}" in lost_text, lost_text[-4000:]
+    assert "restored a checkpoint of 2 device(s) onto 1" in text, text[-4000:]
+    _check_result(text, tmp_path / "final.pt", uninterrupted, restarted_world=1)
+    assert sorted(p.name for p in (tmp_path / "ck").glob("step_*")) == ["step_4", "step_6", "step_8"]
+    before_failure = sw.load(tmp_path / "ck" / "step_4")  # the one the survivor resumed from, still whole
+    assert before_failure.executor.iteration == 4 and len(before_failure.plan.devices) == 2
+
+
+@needs_torchrun
+def test_a_dead_rank_restarts_both_at_the_same_size_from_the_checkpoint(tmp_path, uninterrupted):
+    command = [TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=1", "--monitor-interval=0.1",
+               str(EXAMPLE), "--checkpoints", str(tmp_path / "ck"), *_schedule(), "--final", str(tmp_path / "final.pt"),
+               "--die-at", str(DIE_AT), "--die-rank", "1"]
+    start = time.monotonic()
+    with _jobs(str(tmp_path)) as run:
+        job = run(command, tmp_path / "job.log")
+        text = _finish(job, tmp_path / "job.log", start)
+    assert job.returncode == 0, text[-4000:]
+    assert text.count(f"rank 1 dies at step {DIE_AT}") == 1, text[-4000:]  # once: the restart did not die again
+    _check_result(text, tmp_path / "final.pt", uninterrupted, restarted_world=2)
