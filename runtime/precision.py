@@ -12,6 +12,7 @@ The scale changes only when a step commits, so a step rolled back leaves it as i
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING
 
@@ -47,11 +48,12 @@ class LossScaler:
             self.clean_steps = 0
 
     def state_dict(self) -> dict:
-        """What a checkpoint keeps (runtime.pt) so a resumed run scales as an uninterrupted one."""
-        return {"scaling": self.scaling, "scale": self.scale, "clean_steps": self.clean_steps}
+        """What a checkpoint keeps (training.pt, plain values) so a resumed run scales as an uninterrupted one."""
+        return {"scaling": dataclasses.asdict(self.scaling), "scale": self.scale, "clean_steps": self.clean_steps}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scaling, self.scale, self.clean_steps = state["scaling"], float(state["scale"]), int(state["clean_steps"])
+        self.scaling = LossScaling(**state["scaling"])
+        self.scale, self.clean_steps = float(state["scale"]), int(state["clean_steps"])
 
 
 def grad_coefficient(norm: float, clip_grad_norm: float | None, scale: float) -> float:

@@ -1,6 +1,6 @@
 """Checkpoints any device set resumes (Varuna §4.5, job morphing), in torch.distributed.checkpoint.
 
-A run saved on 4 devices goes on, restored into the same model compiled for 1, 2 or 3, equal to
+A run saved on 4 devices goes on, restored into the same model compiled for 1 or 3, equal to
 the uninterrupted run within fp32 tolerance (the reductions are over other splits), dropout on:
 its masks are keyed by step, op and microbatch, not by the plan. Plain PyTorch reads the weights
 into the original model with `torch.distributed.checkpoint.load` alone. Loading runs nothing from
@@ -41,7 +41,7 @@ def four_device_run(tmp_path_factory):
     return directory, batches, saved, losses, state_of(pipe), pipe.optimizer.state_dict()
 
 
-@pytest.mark.parametrize("devices", [1, 2, 3])
+@pytest.mark.parametrize("devices", [1, 3])  # 2: under two gloo ranks (tests/test_distributed_training_api.py)
 def test_a_run_saved_on_four_devices_goes_on_on_fewer(four_device_run, devices, capsys):
     directory, batches, saved, want_losses, want_state, want_optimizer = four_device_run
     pipe = compiled("hf-gpt2", batches, "1f1b" if devices > 1 else "gpipe", optimizer=GROUPED, dropout=0.1,
