@@ -6,6 +6,7 @@
 """
 
 from stagewise.compiler.checkpoint import load
+from stagewise.compiler.checkpoint_async import SaveHandle
 from stagewise.compiler.driver import compile, plan, simulate  # noqa: A004 - the public name of the API
 from stagewise.compiler.loss_reduction import SampleMean, TokenMean
 from stagewise.compiler.optimizer_groups import ParamGroups
@@ -67,6 +68,7 @@ __all__ = [
     "PrecisionError",
     "Recommendation",
     "SampleMean",
+    "SaveHandle",
     "StagewiseError",
     "StateDictError",
     "StepFailedError",
