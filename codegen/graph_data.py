@@ -48,6 +48,7 @@ from stagewise.codegen.module_skeleton import (
     stage_tensors,
 )
 from stagewise.ir.errors import CheckpointError, PlanError
+from stagewise.ir.subgraph import MODEL_OUTPUT
 
 __all__ = ["FORMAT", "build_stage", "materialize", "resolve_function", "stage_structure", "stage_tensors"]
 
@@ -116,6 +117,8 @@ def _describe_node(node: fx.Node) -> dict:
               "kwargs": [[key, encode(value)] for key, value in node.kwargs.items()]}
     if node.type is not None:
         record["type"] = encode(node.type)
+    if node.meta.get(MODEL_OUTPUT):
+        record["model_output"] = True  # what pipe.predict returns (compiler/prediction.py)
     return record
 
 
@@ -292,6 +295,8 @@ def _rebuild_graph(records: object, trusted: Mapping[str, Callable]) -> fx.Graph
         node = graph.create_node(op, target, args, kwargs, name=name, type_expr=type_expr)
         if node.name != name:
             raise CheckpointError(f"the stage structure names two nodes {name!r} (or one that is not a name)")
+        if record.get("model_output") is True:
+            node.meta[MODEL_OUTPUT] = True
         nodes[name] = node
     try:
         graph.lint()

@@ -20,15 +20,14 @@ import torch.fx as fx
 from stagewise.compiler.evaluation import Evaluation
 from stagewise.ir.errors import PredictError
 from stagewise.ir.plan import Plan
-from stagewise.passes.capture import MODEL_OUTPUT
+from stagewise.ir.subgraph import MODEL_OUTPUT
 from stagewise.runtime.distributed import DistributedTransport
 from stagewise.runtime.executor import StreamExecutor
 
 UNKNOWN = ("pipe.predict needs the model's output as a value of the traced graph: it is known for a model "
-           "compiled in this process whose forward returns one tensor (loss_fn's first argument) or an object "
-           "with .logits beside its own .loss; this model returns neither, or the pipeline was loaded (its stage "
-           "code does not record the output). Compile it with loss_fn=(output, target) -> loss, or run the model "
-           "eagerly to predict")
+           "compiled (or saved and loaded) whose forward returns one tensor (loss_fn's first argument) or an "
+           "object with .logits beside its own .loss; this model returns neither. Compile it with "
+           "loss_fn=(output, target) -> loss, or run the model eagerly to predict")
 
 
 def predict(evaluation: Evaluation, microbatches: int, feed, training_executor: StreamExecutor) -> torch.Tensor:

@@ -19,6 +19,8 @@ from collections.abc import Iterable
 import torch
 import torch.fx as fx
 
+MODEL_OUTPUT = "stagewise_model_output"  # node meta: the model's output (loss_fn's first argument, or .logits)
+
 
 def extract(gm: fx.GraphModule, nodes: Iterable[str], inputs: Iterable[str], outputs: Iterable[str],
             class_name: str) -> fx.GraphModule:

@@ -19,6 +19,7 @@ from torch.fx.experimental import proxy_tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
 from stagewise.ir.errors import TraceError
+from stagewise.ir.subgraph import MODEL_OUTPUT
 from stagewise.passes.capture_functional import modifies_input
 
 
@@ -41,7 +42,6 @@ def trace_fx(objective, example_inputs, example_target, n_inputs, dynamic=False)
     return fx.GraphModule(tracer.root, graph, type(objective._stagewise_model).__name__), None
 
 
-MODEL_OUTPUT = "stagewise_model_output"  # node meta: the model's output (loss_fn's first argument, or .logits)
 
 
 def trace_export(objective, example_inputs, example_target, n_inputs, dynamic=False) -> tuple[fx.GraphModule, Exported]:
