@@ -23,9 +23,10 @@ from stagewise.runtime.distributed import DistributedTransport
 
 
 def restore_state(plan: Plan, runtime: Runtime, unheld: dict[str, torch.Tensor], saved: Checkpoint,
-                  constants: bool) -> None:
+                  constants: bool, training_state: bool = True) -> None:
     """Fill this process's weights (and, with `constants`, the stage code's other tensors), the
-    state no stage holds and the optimizer state from `saved`; a collective under torch.distributed."""
+    state no stage holds and, with `training_state`, the optimizer state, step count and loss
+    scale from `saved`; a collective under torch.distributed."""
     _check_same_model(plan, saved.plan, saved)
     shapes = {k: (tuple(v.size), v.properties.dtype) for k, v in saved_tensors(saved.weights).items()}
     stage_constants = {}
@@ -34,7 +35,7 @@ def restore_state(plan: Plan, runtime: Runtime, unheld: dict[str, torch.Tensor],
         stage_constants = {w.stage.index: {n: t for n, t in stage_tensors(w.module).items()
                                            if n not in state_names and n not in w.params} for w in runtime.workers}
     wanted, copies = wanted_tensors(plan, runtime.workers, unheld, stage_constants)
-    optimizer = {w.stage.index: optimizer_tensors(plan, w, shapes) for w in runtime.workers}
+    optimizer = {w.stage.index: optimizer_tensors(plan, w, shapes) if training_state else {} for w in runtime.workers}
     group = runtime.transport.checkpoints if isinstance(runtime.transport, DistributedTransport) else None
     for part in optimizer.values():  # a tied parameter two local stages step: each its own state, read once
         for key, tensor in part.items():
@@ -46,7 +47,13 @@ def restore_state(plan: Plan, runtime: Runtime, unheld: dict[str, torch.Tensor],
         read_tensors(saved.weights, wanted, group)
         for key, tensor in copies:
             tensor.copy_(wanted[key])
-    training = saved.training
+    if training_state:
+        _restore_training(plan, runtime, saved.training, optimizer)
+
+
+def _restore_training(plan: Plan, runtime: Runtime, training: dict, optimizer: dict[int, dict[str, torch.Tensor]]
+                      ) -> None:
+    """The stages' optimizer states from the tensors read and the saved groups; the step count, the loss scale."""
     for worker in runtime.workers:
         state = stage_optimizer_state(plan, worker, optimizer[worker.stage.index],
                                       training.get("optimizer_values", {}), training.get("optimizer_groups", []))

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from stagewise.compiler.checkpoint_dcp import MODEL, OPTIMIZER_STATE, saved_tensors
 from stagewise.compiler.checkpoint_read import read_checkpoint
 from stagewise.compiler.checkpoint_restore import restore_state
+from stagewise.compiler.optimizer_recipe import check_same_optimizer
 from stagewise.compiler.state_dict import aliases_of
 from stagewise.compiler.training_state import TrainingState
 from stagewise.ir.devices import format_bytes
@@ -54,13 +55,17 @@ class Move:
         return "\n".join(lines)
 
 
-def restore_into(pipe: Pipeline, directory: str | Path, report: bool) -> Move:
-    """Fill `pipe` from the checkpoint at `directory` (any plan of the same model) and say what moved."""
+def restore_into(pipe: Pipeline, directory: str | Path, report: bool, training_state: bool) -> Move:
+    """Fill `pipe` from the checkpoint at `directory` (any plan of the same model) and say what moved;
+    without `training_state` only the weights (the optimizer, step count and scheduler stay)."""
     pipe.executor.settle(broken_ok=True)
     saved = read_checkpoint(directory, pipe.context)
-    restore_state(pipe.plan, pipe.runtime, pipe.unheld, saved, constants=False)
-    pipe.resumed = TrainingState.from_settings(saved.training)
-    if pipe._optimizer is not None:
+    if training_state:
+        check_same_optimizer(saved.training.get("optimizer"), pipe.runtime.optimizer_factory)
+    restore_state(pipe.plan, pipe.runtime, pipe.unheld, saved, constants=False, training_state=training_state)
+    if training_state:
+        pipe.resumed = TrainingState.from_settings(saved.training)
+    if training_state and pipe._optimizer is not None:
         pipe._optimizer.pull_hyperparameters()  # the saved learning rates, now in the stages' optimizers
     move = _move(saved.plan, pipe.plan, {k: v.size.numel() * v.properties.dtype.itemsize
                                          for k, v in saved_tensors(saved.weights).items()})

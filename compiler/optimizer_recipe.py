@@ -88,3 +88,16 @@ def recorded_optimizer(recipe: dict | None, groups: Sequence[dict]) -> ParamGrou
                               "into the model instead: compile the model again with its optimizer, then "
                               "pipe.restore(directory)")
     return ParamGroups(_import_class(recipe["class"]), _SavedGroups(groups), **recipe["defaults"])
+
+
+def check_same_optimizer(recipe: dict | None, factory) -> None:
+    """CheckpointError where the checkpoint's optimizer state is another class's than the one this
+    pipeline's stages step (SGD would silently ignore Adam's moments and start without momentum)."""
+    if recipe is None or "class" not in recipe:
+        return
+    made = type(factory([torch.nn.Parameter(torch.zeros(1))]))
+    path = f"{made.__module__}.{made.__qualname__}"
+    if path != recipe["class"]:
+        raise CheckpointError(f"the checkpoint holds {recipe['class']}'s optimizer state but this pipeline steps "
+                              f"{path}: compile with the optimizer it was saved with, or take the weights alone "
+                              "with pipe.restore(directory, training_state=False)")

@@ -335,14 +335,13 @@ class Pipeline:
         compiled = Compiled(self.sim_cost, self.compile_times) if self.sim_cost is not None else None
         self.__init__(plan, runtime, compiled, unheld)  # type: ignore[misc]
 
-    def restore(self, directory, report: bool = True) -> Move:
-        """Train on from the checkpoint at `directory`, saved by a pipeline of this model on any
-        devices and split (Varuna's job morphing): weights, optimizer state, step count, and the
-        scheduler state and `extra` for `pipe.load_scheduler` / `pipe.resumed`. Returns what moved,
-        printed (on rank 0) where the plan differs, unless not `report`. A collective under
-        torch.distributed."""
+    def restore(self, directory, report: bool = True, training_state: bool = True) -> Move:
+        """Train on from the checkpoint at `directory`, saved by a pipeline of this model on any devices
+        and split (Varuna's job morphing): weights and, unless not `training_state` (fine-tuning from
+        it), optimizer state, step count, scheduler state and `extra` (`pipe.load_scheduler`). Returns
+        what moved, printed (rank 0) where the plan differs, unless not `report`. A collective."""
         self._saves.settle()  # a save in flight uses the same collectives (and may write `directory`)
-        return restore_into(self, directory, report)
+        return restore_into(self, directory, report, training_state)
 
     # ---- helpers --------------------------------------------------------------------------
     def _inputs(self, args, kwargs) -> dict:

@@ -10,6 +10,7 @@ the checkpoint: a DCP metadata or training state whose pickle would run code is 
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
@@ -145,3 +146,16 @@ def test_restoring_another_models_checkpoint_names_the_difference(four_device_ru
     pipe = compiled("tied-gpt", batches, "1f1b")
     with pytest.raises(sw.CheckpointError, match="state_dict keys differ"):
         pipe.restore(directory)
+
+
+def test_another_optimizer_takes_the_weights_alone_or_is_refused(four_device_run):
+    """Adam's moments restored into SGD would be dropped without a word: refused, unless only the
+    weights are asked for (fine-tuning from the checkpoint: no optimizer state, step count 0)."""
+    directory, batches, saved, *_ = four_device_run
+    pipe = compiled("hf-gpt2", batches, "1f1b", optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    with pytest.raises(sw.CheckpointError, match=r"AdamW's optimizer state but this pipeline steps .*SGD"):
+        pipe.restore(directory)
+    pipe.restore(directory, report=False, training_state=False)
+    assert_state_equal(state_of(pipe), saved)
+    assert pipe.executor.iteration == 0 and pipe.extra == {} and not pipe.optimizer.state_dict()["state"]
+    step(pipe, batches[0])
