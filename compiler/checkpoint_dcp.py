@@ -44,7 +44,8 @@ class _MetadataUnpickler(pickle.Unpickler):
             found = getattr(__import__(module, fromlist=[name]), name, None)
             if isinstance(found, type):
                 return found
-        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
+        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None),
+                                                               torch.dtype | torch.layout | torch.memory_format)):
             return getattr(torch, name)
         if (module, name) == ("torch.serialization", "_get_layout"):
             return torch.serialization._get_layout
