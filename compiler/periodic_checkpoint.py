@@ -34,6 +34,7 @@ from stagewise.ir.errors import CheckpointError, OptionError, PlanError
 from stagewise.runtime.distributed import DistributedTransport
 
 if TYPE_CHECKING:
+    from stagewise.compiler.checkpoint_async import SaveHandle
     from stagewise.compiler.pipeline import Pipeline
 
 _STEP_FOLDER = re.compile(r"step_(\d+)")
@@ -45,7 +46,9 @@ class Checkpoints:
     `every_seconds` seconds (whichever comes first), the newest `keep` kept."""
 
     def __init__(self, directory, every_steps: int | None = None, every_seconds: float | None = None,
-                 keep: int = 2):
+                 keep: int = 2, asynchronous: bool = False):
+        """`asynchronous`: each save returns once the state is copied to CPU memory and writes while
+        training goes on (`pipe.save(asynchronous=True)`); older checkpoints go once it is in place."""
         _check_options(every_steps, every_seconds, keep)
         self.directory = Path(directory)
         self.every_steps = every_steps
@@ -53,7 +56,10 @@ class Checkpoints:
         self.keep = keep
         self._last_step: int | None = None  # the step of the checkpoint saved or resumed last
         self._last_time = time.monotonic()
+        self._rank_0 = True  # whether this process removes old checkpoints (rank 0's job)
         self._damaged: set[int] = set()  # steps whose checkpoint failed to restore: never counted as kept
+        self.asynchronous = asynchronous
+        self._in_flight: tuple[int, SaveHandle] | None = None  # an asynchronous save not yet pruned after
 
     def path(self, step: int) -> Path:
         """Where the checkpoint after `step` completed steps goes."""
@@ -99,6 +105,7 @@ class Checkpoints:
     def after_step(self, pipe: Pipeline, scheduler=None, extra: dict | None = None) -> bool:
         """Call after every step (and `scheduler.step()`): saves a checkpoint when one is due and
         says whether it did. Every rank calls it under torch.distributed."""
+        self._prune_after_save(wait=False)
         step = pipe.executor.iteration
         if step == 0 or step == self._last_step:
             return False
@@ -110,15 +117,32 @@ class Checkpoints:
         return due
 
     def save(self, pipe: Pipeline, scheduler=None, extra: dict | None = None) -> Path:
-        """Save now (as `step_<steps so far>`), then remove all but the newest `keep`; returns the path."""
+        """Save now (as `step_<steps so far>`), then remove all but the newest `keep` (asynchronous:
+        once it is in place, seen by a later call or `wait`); returns the path."""
+        self._prune_after_save(wait=True)
         step = pipe.executor.iteration
         target = self.path(step)
-        pipe.save(target, scheduler=scheduler, extra=extra)  # in place on every rank when it returns
+        handle = pipe.save(target, scheduler=scheduler, extra=extra, asynchronous=self.asynchronous)
         self._last_step, self._last_time = step, time.monotonic()
         self._damaged.discard(step)
-        if pipe.context is None or pipe.context.rank == 0:
-            self._prune(step)
+        self._rank_0 = pipe.context is None or pipe.context.rank == 0
+        self._in_flight = (step, handle)
+        self._prune_after_save(wait=not self.asynchronous)
         return target
+
+    def wait(self) -> None:
+        """Wait for an asynchronous save in flight (raising its failure) and prune after it."""
+        self._prune_after_save(wait=True)
+
+    def _prune_after_save(self, wait: bool) -> None:
+        """Once the last save is in place (waiting for it with `wait`), remove what it makes surplus."""
+        if self._in_flight is None or not (wait or self._in_flight[1].done()):
+            return
+        step, handle = self._in_flight
+        self._in_flight = None
+        handle.wait()  # a failed save raises here: nothing older is removed
+        if self._rank_0:
+            self._prune(step)
 
     def _prune(self, newest: int) -> None:
         """Remove the checkpoints older than `newest` beyond the `keep - 1` most recent sound ones.

@@ -26,6 +26,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -34,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 import stagewise as sw
+from stagewise.compiler import checkpoint_write
 from tests.models.mlp import mlp
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "elastic.py"
@@ -109,6 +111,27 @@ def test_checkpoints_rotate_resume_on_other_devices_and_pass_over_a_damaged_one(
     _flip_a_byte(tmp_path / "ck" / "step_4")
     with pytest.warns(UserWarning), pytest.raises(sw.CheckpointError, match="no checkpoint under"):
         sw.Checkpoints(tmp_path / "ck", every_steps=2).resume(_pipe(1)[0])
+
+
+def test_asynchronous_checkpoints_remove_the_old_one_only_once_the_new_one_is_in_place(tmp_path, monkeypatch):
+    pipe, scheduler = _pipe(2)
+    checkpoints = sw.Checkpoints(tmp_path / "ck", every_steps=2, keep=1, asynchronous=True)
+    _train(pipe, scheduler, checkpoints, range(2))
+    checkpoints.wait()
+    assert checkpoints.saved_steps() == [2]
+    gate, write = threading.Event(), checkpoint_write.write_tensors
+
+    def held(*args, **kwargs):
+        gate.wait(30)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_write, "write_tensors", held)
+    _train(pipe, scheduler, checkpoints, range(2, 5))  # step 4's save is held: training went on past it
+    older = sw.load(tmp_path / "ck" / "step_2")  # the old one is still there, whole
+    assert older.executor.iteration == 2 and checkpoints.saved_steps() == [2]
+    gate.set()
+    checkpoints.wait()
+    assert checkpoints.saved_steps() == [4] and sw.load(tmp_path / "ck" / "step_4").executor.iteration == 4
 
 
 def test_every_seconds_saves_when_the_time_is_up(tmp_path):
