@@ -301,22 +301,16 @@ def test_a_whole_file_this_stagewise_cannot_use_names_itself(saved, tmp_path):
         sw.load(target)
 
 
-def test_a_checkpoint_of_a_newer_format_asks_for_an_upgrade(saved, tmp_path):
+@pytest.mark.parametrize(("version", "message"), [
+    (99, "newer stagewise .*upgrade stagewise"),
+    (1, "format 1 of an earlier stagewise, which stored code"),  # pickled stages and factory, run on load
+])
+def test_a_checkpoint_of_another_format_says_what_to_do(saved, tmp_path, version, message):
     target = tmp_path / "ck"
     shutil.copytree(saved, target)
     marker = target / "stagewise.json"
-    marker.write_text(marker.read_text().replace('"version": 2', '"version": 99'))
-    with pytest.raises(sw.CheckpointError, match="newer stagewise .*upgrade stagewise"):
-        sw.load(target)
-
-
-def test_a_checkpoint_of_the_pickled_format_is_refused_with_what_to_do(saved, tmp_path):
-    """Format 1 held pickled stages and an optimizer factory that loading ran: never read again."""
-    target = tmp_path / "ck"
-    shutil.copytree(saved, target)
-    marker = target / "stagewise.json"
-    marker.write_text(marker.read_text().replace('"version": 2', '"version": 1'))
-    with pytest.raises(sw.CheckpointError, match="format 1 of an earlier stagewise, which stored code"):
+    marker.write_text(marker.read_text().replace('"version": 2', f'"version": {version}'))
+    with pytest.raises(sw.CheckpointError, match=message):
         sw.load(target)
 
 
