@@ -117,3 +117,28 @@ def test_any_batch_shape_on_cuda_with_pinned_swaps():
     state = reference.state_dict()
     for name, tensor in pipe.state_dict().items():
         torch.testing.assert_close(tensor.cpu(), state[name], rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("swap", ["off", "on"])
+def test_a_gpu_checkpoint_restores_on_the_cpu_and_loads_back_on_the_gpu(tmp_path, swap):
+    """DCP shards of GPU (and pinned host) tensors: restored into a CPU plan of the same model, loaded
+    back on the GPU; the weights equal, and the GPU pipeline trains on as the original does."""
+    batches = token_batches()
+    inputs, target = batches[0]
+    torch.manual_seed(0)
+    pipe = sw.compile(TinyGPT(layers=4), gpus(2), inputs, loss_fn=lm_loss, example_target=target, optimizer=ADAMW,
+                      microbatches=4, schedule="harmony-pp", swap=swap, cost="analytic")
+    pipeline_train(pipe, batches[:2])
+    pipe.save(tmp_path / "ck")
+    want = {k: v.cpu() for k, v in pipe.state_dict().items()}
+    torch.manual_seed(1)
+    on_cpu = sw.compile(TinyGPT(layers=4), ["cpu", "cpu"], inputs, loss_fn=lm_loss, example_target=target,
+                        optimizer=ADAMW, microbatches=4, cost="analytic")
+    on_cpu.restore(tmp_path / "ck", report=False)
+    for name, tensor in on_cpu.state_dict().items():
+        assert torch.equal(tensor, want[name]), name
+    loaded = sw.load(tmp_path / "ck", trusted_functions=[lm_loss])
+    assert all(w.device.type == "cuda" for w in loaded.workers)
+    more = batches[2:]
+    torch.testing.assert_close(torch.stack([x.cpu() for x in pipeline_train(loaded, more)]),
+                               torch.stack([x.cpu() for x in pipeline_train(pipe, more)]), rtol=0, atol=0)
