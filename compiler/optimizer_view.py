@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
+from stagewise.compiler.optimizer_groups import ParamGroups
 from stagewise.compiler.state_dict import model_name
 from stagewise.ir.errors import OptionError, StateDictError
 from stagewise.ir.plan import Plan
@@ -33,15 +34,23 @@ _OWN_KEYS = ("params", "param_names")  # a group's keys that are not hyper-param
 class PipelineOptimizer(torch.optim.Optimizer):
     """The pipeline's optimizer over the whole model (built by `Pipeline.optimizer`)."""
 
-    def __init__(self, plan: Plan, workers: list[StageWorker], settle: Callable[..., None], distributed: bool):
-        """`settle`: the executor's, which finishes rolling back a stuck step before state is read."""
+    def __init__(self, plan: Plan, workers: list[StageWorker], settle: Callable[..., None], distributed: bool,
+                 factory: Callable | None = None):
+        """`settle`: the executor's, which finishes rolling back a stuck step before state is read;
+        `factory`: what the stages' optimizers are made with, for a rank that holds none of them."""
         self._stages = [w for w in workers if w.optimizer is not None]
         self._settle = settle
         self._distributed = distributed
-        if not self._stages:
-            raise OptionError("this pipeline (or this rank) holds no trainable parameter: there is no optimizer")
+        self._factory = factory
+        if not self._stages and not (distributed and factory is not None):
+            raise OptionError("this pipeline holds no trainable parameter: there is no optimizer")
         self._names = {id(p): model_name(plan, n) for w in self._stages for n, p in w.params.items()}
         self._position = {n: i for i, n in enumerate(plan.state_names)}  # the model's order
+        super().__init__(self._stage_groups() if self._stages else _idle_groups(factory), {})
+        self.state = _StageStates(self._stages)  # type: ignore[assignment]
+
+    def _stage_groups(self) -> list[dict]:
+        """One group per group of the stages' optimizers: their parameters in the model's order."""
         counts = {len(_optimizer(w).param_groups) for w in self._stages}
         if len(counts) != 1:
             raise OptionError(f"the stages' optimizers have {sorted(counts)} parameter groups: the optimizer factory "
@@ -61,13 +70,12 @@ class PipelineOptimizer(torch.optim.Optimizer):
             params, names = [params[i] for i in order], [names[i] for i in order]
             hyper = {k: v for k, v in _optimizer(self._stages[0]).param_groups[index].items() if k not in _OWN_KEYS}
             groups.append({"params": params, "param_names": names, **hyper})
-        super().__init__(groups, {})
-        self.state = _StageStates(self._stages)  # type: ignore[assignment]
+        return groups
 
     def rebind(self, plan: Plan, workers: list[StageWorker], settle: Callable[..., None]) -> None:
         """Stand for the stages of another runtime of the same plan (`pipe.resize`), staying the object
         a scheduler holds; the groups' hyper-parameters come from those stages' optimizers."""
-        self.__init__(plan, workers, settle, self._distributed)  # type: ignore[misc]
+        self.__init__(plan, workers, settle, self._distributed, self._factory)  # type: ignore[misc]
 
     def push_hyperparameters(self) -> None:
         """Copy every group's hyper-parameters (lr, weight_decay, initial_lr, ...) to the group of
@@ -80,6 +88,8 @@ class PipelineOptimizer(torch.optim.Optimizer):
     def pull_hyperparameters(self) -> None:
         """Set every group's hyper-parameters from the stages' optimizers (where a loaded
         checkpoint put them)."""
+        if not self._stages:
+            return  # a rank without trainable parameters: its scheduler sets the groups as every rank's does
         for index, group in enumerate(self.param_groups):
             stage_group = _optimizer(self._stages[0]).param_groups[index]
             group.update({k: v for k, v in stage_group.items() if k not in _OWN_KEYS})
@@ -182,6 +192,16 @@ class _StageStates(Mapping):
 def _optimizer(worker: StageWorker) -> torch.optim.Optimizer:
     assert worker.optimizer is not None  # the view keeps only stages with an optimizer
     return worker.optimizer
+
+
+def _idle_groups(factory: Callable) -> list[dict]:
+    """For a rank that holds no trainable parameter (under torch.distributed), the groups every
+    stage's optimizer has, empty, with their hyper-parameters: a scheduler every rank makes over
+    `pipe.optimizer` then steps alike everywhere."""
+    defaults = factory([torch.nn.Parameter(torch.zeros(1))]).defaults
+    made = factory.groups([]) if isinstance(factory, ParamGroups) else [{}]
+    return [{**defaults, **{k: v for k, v in g.items() if k != "params"}, "params": [], "param_names": []}
+            for g in made]
 
 
 def _checked_groups(state_dict: object, want: list[list[str]]) -> list[dict]:

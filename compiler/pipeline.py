@@ -109,7 +109,7 @@ class Pipeline:
         a torch.optim.lr_scheduler on it reaches every stage; state_dict() is keyed by the model's names."""
         if self._optimizer is None:
             self._optimizer = PipelineOptimizer(self.plan, self.workers, self.executor.settle,
-                                                distributed=self.context is not None)
+                                                self.context is not None, self.runtime.optimizer_factory)
         return self._optimizer
 
     @property

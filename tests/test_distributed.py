@@ -154,10 +154,16 @@ def _train_case(rank: int, case) -> dict:
     pipe, batches = _compile(*case)
     pipe.timeout_s = 20.0
     devices = {w.stage.device for w in pipe.workers}
-    losses = pipeline_train(pipe, batches)
+    # every rank makes its scheduler over pipe.optimizer, a rank without a trainable stage too
+    scheduler = torch.optim.lr_scheduler.LambdaLR(pipe.optimizer, lambda step: 1.0)  # eager keeps its lr
+    losses = pipeline_train(pipe, batches[:1])
+    scheduler.step()
+    losses += pipeline_train(pipe, batches[1:])
     state = {k: v.clone() for k, v in pipe.state_dict().items()}  # gathered from every rank
+    optimizer = pipe.optimizer.state_dict()  # gathered too
     return {"context": tuple(distributed_context()), "devices": devices, "losses": losses, "state": state,
-            "stats": pipe.stats[rank]}
+            "stats": pipe.stats[rank], "lrs": [g["lr"] for g in pipe.optimizer.param_groups],
+            "optimizer_names": sorted(optimizer["state"])}
 
 
 FAILURE_TIMEOUT_S = {"exits": 2.0, "silent": 2.0, "fails-locally": 10.0}
@@ -255,6 +261,7 @@ def test_two_ranks_train_like_eager(trained, case):
     assert all(torch.equal(a, b) for a, b in zip(results[0]["losses"], results[1]["losses"], strict=True))
     assert_state_equal(results[0]["state"], state)
     assert_state_equal(results[1]["state"], results[0]["state"])
+    assert results[0]["lrs"] == results[1]["lrs"] and results[0]["optimizer_names"] == results[1]["optimizer_names"]
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "varuna"])
