@@ -64,6 +64,8 @@ def load(directory, trusted_functions: Sequence[Callable] = (), devices=None) ->
     pipe = Pipeline(plan, runtime, unheld=unheld)
     pipe.resumed = TrainingState.from_settings(training)
     pipe.loss_reduction = reduction_from_data(training.get("loss_reduction"))  # checked against the plan
+    if training.get("mode_training", plan.training) != plan.training:
+        pipe.train(training["mode_training"])  # the mode it was saved in (pipe.eval() before pipe.save)
     return pipe
 
 

@@ -318,7 +318,8 @@ class Pipeline:
         if self._optimizer is not None:
             self._optimizer.push_hyperparameters()  # the learning rates the scheduler set since the last step
         return self._saves.save(self.plan, self.runtime, directory, self.unheld,
-                                {**training.settings(), "loss_reduction": reduction_to_data(self.loss_reduction)},
+                                {**training.settings(), "loss_reduction": reduction_to_data(self.loss_reduction),
+                                 "mode_training": self.training},
                                 asynchronous)
 
     def wait_for_save(self) -> None:

@@ -161,3 +161,20 @@ def test_a_loaded_pipeline_simulates_what_compile_predicted(tmp_path, schedule):
     assert loaded.plan.costs == pipe.plan.costs
     assert loaded.simulate().iteration_time == predicted
     assert loaded.simulate().peak_bytes == pipe.simulate().peak_bytes
+
+
+def test_a_pipeline_saved_in_eval_mode_loads_in_eval_mode(tmp_path):
+    """The mode is part of what was saved (as a pickled module keeps it): dropout stays off."""
+    from tests.models.dropout import DropoutGPT
+
+    batches = token_batches(2)
+    inputs, target = batches[0]
+    pipe = sw.compile(DropoutGPT(p=0.5, layers=2), 2, inputs, loss_fn=lm_loss, example_target=target,
+                      microbatches=2, cost="analytic")
+    pipe.eval()
+    pipe.save(tmp_path / "ck")
+    loaded = sw.load(tmp_path / "ck")
+    assert not loaded.training and all(not w.module.training for w in loaded.workers)
+    assert torch.equal(loaded.step(*inputs, target=target), pipe.step(*inputs, target=target))
+    loaded.train()
+    assert loaded.training
