@@ -24,7 +24,6 @@ import torch
 import torch.fx as fx
 
 from stagewise.codegen.graph_data import build_stage, materialize
-from stagewise.compiler.checkpoint_dcp import saved_tensors
 from stagewise.compiler.checkpoint_read import Checkpoint, read_checkpoint
 from stagewise.compiler.checkpoint_restore import restore_state, unheld_names
 from stagewise.compiler.fx_sources import releasing_fx_sources
@@ -88,6 +87,6 @@ def _stage_modules(saved: Checkpoint, trusted: Sequence[Callable], rank: int | N
 
 def _unheld(saved: Checkpoint) -> dict[str, torch.Tensor]:
     """Empty tensors, of the saved shapes, for the state no stage holds (the restore fills them)."""
-    shapes = saved_tensors(saved.weights)
+    shapes = saved.tensors
     return {n: torch.empty(tuple(shapes[f"model.{n}"].size), dtype=shapes[f"model.{n}"].properties.dtype)
             for n in unheld_names(saved.plan) if f"model.{n}" in shapes}

@@ -96,10 +96,11 @@ def write_tensors(folder: Path, tensors: Mapping[str, Mapping], group: dist.Proc
         dcp.save(dict(tensors), storage_writer=writer, process_group=group)
 
 
-def read_tensors(folder: Path, wanted: Mapping[str, torch.Tensor], group: dist.ProcessGroup | None) -> None:
-    """Fill `wanted` (flattened key -> tensor of the saved shape) in place from `folder`; every
-    key must be saved with that shape (CheckpointError naming the first that is not)."""
-    saved = saved_tensors(folder)
+def read_tensors(folder: Path, saved: Mapping[str, TensorStorageMetadata], wanted: Mapping[str, torch.Tensor],
+                 group: dist.ProcessGroup | None) -> None:
+    """Fill `wanted` (flattened key -> tensor of the saved shape) in place from `folder`, whose
+    tensors `saved` lists (`saved_tensors`); every key must be saved with that shape (CheckpointError
+    naming the first that is not)."""
     for key, tensor in wanted.items():
         if key not in saved:
             raise CheckpointError(f"{folder} holds no {key!r}: the checkpoint is not of this model (or lacks that "

@@ -10,6 +10,7 @@ agree, so a rank that cannot read the checkpoint is an error on every rank, not 
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import warnings
@@ -20,7 +21,9 @@ from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from stagewise.compiler.checkpoint_dcp import saved_tensors
 from stagewise.compiler.checkpoint_files import (
     MARKER,
     WEIGHTS_DIR,
@@ -49,6 +52,11 @@ class Checkpoint:
     @property
     def weights(self) -> Path:
         return self.root / WEIGHTS_DIR
+
+    @functools.cached_property
+    def tensors(self) -> dict[str, TensorStorageMetadata]:
+        """Every tensor the weights hold, by flattened key: DCP's metadata, read once."""
+        return saved_tensors(self.weights)
 
 
 def read_checkpoint(directory, context: DistributedContext | None) -> Checkpoint:

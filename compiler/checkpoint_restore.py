@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import torch
 
-from stagewise.codegen.graph_data import stage_tensors
-from stagewise.compiler.checkpoint_dcp import read_tensors, saved_tensors
+from stagewise.compiler.checkpoint_dcp import read_tensors
 from stagewise.compiler.checkpoint_read import Checkpoint
-from stagewise.compiler.checkpoint_state import optimizer_tensors, stage_optimizer_state, wanted_tensors
+from stagewise.compiler.checkpoint_state import (
+    optimizer_tensors,
+    stage_constants,
+    stage_optimizer_state,
+    wanted_tensors,
+)
 from stagewise.compiler.runtime_setup import Runtime
 from stagewise.compiler.state_dict import aliases_of
 from stagewise.ir.errors import CheckpointError
@@ -28,13 +32,9 @@ def restore_state(plan: Plan, runtime: Runtime, unheld: dict[str, torch.Tensor],
     state no stage holds and, with `training_state`, the optimizer state, step count and loss
     scale from `saved`; a collective under torch.distributed."""
     _check_same_model(plan, saved.plan, saved)
-    shapes = {k: (tuple(v.size), v.properties.dtype) for k, v in saved_tensors(saved.weights).items()}
-    stage_constants = {}
-    if constants:
-        state_names = set(plan.state_names)
-        stage_constants = {w.stage.index: {n: t for n, t in stage_tensors(w.module).items()
-                                           if n not in state_names and n not in w.params} for w in runtime.workers}
-    wanted, copies = wanted_tensors(plan, runtime.workers, unheld, stage_constants)
+    shapes = {k: (tuple(v.size), v.properties.dtype) for k, v in saved.tensors.items()}
+    read_constants = {w.stage.index: stage_constants(plan, w) for w in runtime.workers} if constants else {}
+    wanted, copies = wanted_tensors(plan, runtime.workers, unheld, read_constants)
     optimizer = {w.stage.index: optimizer_tensors(plan, w, shapes) if training_state else {} for w in runtime.workers}
     group = runtime.transport.checkpoints if isinstance(runtime.transport, DistributedTransport) else None
     for part in optimizer.values():  # a tied parameter two local stages step: each its own state, read once
@@ -44,7 +44,7 @@ def restore_state(plan: Plan, runtime: Runtime, unheld: dict[str, torch.Tensor],
             else:
                 wanted[key] = tensor
     with torch.no_grad():
-        read_tensors(saved.weights, wanted, group)
+        read_tensors(saved.weights, saved.tensors, wanted, group)
         for key, tensor in copies:
             tensor.copy_(wanted[key])
     if training_state:

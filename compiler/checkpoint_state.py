@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from stagewise.codegen.graph_data import stage_tensors
 from stagewise.compiler.checkpoint_dcp import CONSTANTS, MODEL, OPTIMIZER_STATE
 from stagewise.compiler.state_dict import aliases_of, model_name
 from stagewise.ir.errors import CheckpointError
@@ -31,6 +32,13 @@ class SavedState:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     optimizer_values: dict[str, dict[str, object]] = field(default_factory=dict)  # name -> non-tensor entries
     groups: list[dict] = field(default_factory=list)  # per group: hyper-parameters and this process's names
+
+
+def stage_constants(plan: Plan, worker: StageWorker) -> dict[str, torch.Tensor]:
+    """The tensors the stage code reads that are not in the model's state_dict (non-persistent
+    buffers, constants torch.export lifted): a checkpoint keeps them for loading without the model."""
+    state_names = set(plan.state_names)
+    return {n: t for n, t in stage_tensors(worker.module).items() if n not in state_names and n not in worker.params}
 
 
 def saved_state(plan: Plan, workers: list[StageWorker], unheld: dict[str, torch.Tensor],

@@ -24,7 +24,6 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -33,7 +32,7 @@ from stagewise.codegen.graph_data import stage_structure, stage_tensors
 from stagewise.codegen.source import stage_source
 from stagewise.compiler.checkpoint_dcp import OPTIMIZER_STATE, nested, write_tensors
 from stagewise.compiler.checkpoint_files import WEIGHTS_DIR, FileRecord, folder_records
-from stagewise.compiler.checkpoint_state import SavedState, merged_groups, saved_state
+from stagewise.compiler.checkpoint_state import SavedState, merged_groups, saved_state, stage_constants
 from stagewise.compiler.checkpoint_swap import abandon, begin, complete, put
 from stagewise.compiler.optimizer_recipe import optimizer_recipe
 from stagewise.compiler.runtime_setup import Runtime
@@ -52,35 +51,6 @@ class _Part:
     optimizer: dict | None  # the recipe of its first optimizer
     optimizer_values: dict[str, dict]
     groups: list[dict]
-
-
-T = TypeVar("T")
-
-
-class _Collectives(Protocol):
-    """Object collectives among the ranks: the transport's (over its world group) or `_Checkpoints`'."""
-
-    def gather_to_first(self, value: object) -> list | None: ...
-
-    def from_first(self, value: T) -> T: ...
-
-
-class _Checkpoints:
-    """Object collectives over the transport's gloo group for checkpoints, which only saves and
-    restores use: a save's second half may run on a thread while steps use the runtime's groups."""
-
-    def __init__(self, group: dist.ProcessGroup, rank: int):
-        self.group, self.rank = group, rank
-
-    def gather_to_first(self, value: object) -> list | None:
-        gathered = [None] * dist.get_world_size(self.group) if self.rank == 0 else None
-        dist.gather_object(value, gathered, dst=0, group=self.group)  # every rank is in the group: global 0
-        return gathered
-
-    def from_first(self, value: T) -> T:
-        box = [value]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
 
 
 def save(plan: Plan, runtime: Runtime, directory, unheld: dict[str, torch.Tensor], training: dict) -> None:
@@ -102,7 +72,7 @@ def prepare(plan: Plan, runtime: Runtime, directory, unheld: dict[str, torch.Ten
     state, part = _local_part(plan, runtime.workers, unheld)
     settings = _loop_settings(runtime, training)
     if snapshot:
-        state, part, settings = _snapshot(state, runtime.workers, unheld), _copied(part), _copied(settings)
+        state, part, settings = _snapshot(state, runtime.workers, unheld), copy.deepcopy(part), copy.deepcopy(settings)
     staging, replacing = begin(target)
 
     def finish() -> None:
@@ -140,7 +110,7 @@ def _prepare_distributed(plan: Plan, runtime: Runtime, target: Path, unheld: dic
         state, part = _local_part(plan, runtime.workers, unheld)
         settings = _loop_settings(runtime, training)
         if snapshot:
-            state, part, settings = _snapshot(state, runtime.workers, unheld), _copied(part), _copied(settings)
+            state, part, settings = _snapshot(state, runtime.workers, unheld), copy.deepcopy(part), copy.deepcopy(settings)
     except Exception as error:  # noqa: BLE001 - told to the other ranks, then re-raised
         failure = failure or error
     try:
@@ -150,20 +120,22 @@ def _prepare_distributed(plan: Plan, runtime: Runtime, target: Path, unheld: dic
             abandon(opened[0])
         raise
     assert staging_name is not None
-    staging, group = Path(staging_name), _Checkpoints(transport.checkpoints, transport.rank)
-    return lambda: _finish_distributed(plan, group, target, staging, opened, state, part, settings)
+    staging = Path(staging_name)
+    return lambda: _finish_distributed(plan, transport, target, staging, opened, state, part, settings)
 
 
-def _finish_distributed(plan: Plan, group: _Checkpoints, target: Path, staging: Path, opened: tuple[Path, bool] | None,
-                        state: SavedState, part: _Part, settings: dict) -> None:
+def _finish_distributed(plan: Plan, transport: DistributedTransport, target: Path, staging: Path,
+                        opened: tuple[Path, bool] | None, state: SavedState, part: _Part, settings: dict) -> None:
     """Every rank writes its tensors; rank 0 gathers the rest, writes it and swaps the folder in;
-    all raise if any failed. Collectives over the checkpoints' group only."""
+    all raise if any failed. Collectives over the checkpoints' group only (a save's thread may run
+    beside steps, which use the runtime's groups)."""
+    group = transport.checkpoints
     failure: BaseException | None = None
     try:
-        write_tensors(staging / WEIGHTS_DIR, nested(state.tensors), group.group)
+        write_tensors(staging / WEIGHTS_DIR, nested(state.tensors), group)
     except Exception as error:  # noqa: BLE001 - DCP raises on every rank alike
         failure = error
-    parts = group.gather_to_first(part)
+    parts = transport.gather_to_first(part, group)
     outcome = None
     if opened is not None:
         try:
@@ -174,14 +146,16 @@ def _finish_distributed(plan: Plan, group: _Checkpoints, target: Path, staging: 
             outcome = f"rank 0 could not write {target} ({type(error).__name__}: {error})"
         if failure is not None:
             abandon(staging)
-    _agree(group, failure, target, outcome or "failed")
+    _agree(transport, failure, target, outcome or "failed", group)
 
 
-def _agree(transport: _Collectives, failure: BaseException | None, target: Path, what: str) -> None:
-    """Raise on every rank if any failed: its own error where it has one, else a PlanError naming the ranks."""
-    parts = transport.gather_to_first(None if failure is None else f"{type(failure).__name__}: {failure}")
+def _agree(transport: DistributedTransport, failure: BaseException | None, target: Path, what: str,
+           group: dist.ProcessGroup | None = None) -> None:
+    """Raise on every rank if any failed: its own error where it has one, else a PlanError naming the
+    ranks (agreed over `group`, by default the transport's world)."""
+    parts = transport.gather_to_first(None if failure is None else f"{type(failure).__name__}: {failure}", group)
     failed = None if parts is None else [f"rank {r}: {p}" for r, p in enumerate(parts) if p is not None]
-    failed = transport.from_first(failed)
+    failed = transport.from_first(failed, group)
     if failure is not None:
         raise failure
     if failed:
@@ -191,15 +165,12 @@ def _agree(transport: _Collectives, failure: BaseException | None, target: Path,
 
 def _local_part(plan: Plan, workers: list[StageWorker], unheld: dict[str, torch.Tensor]) -> tuple[SavedState, _Part]:
     """This process's tensors (to DCP) and the rest (to rank 0)."""
-    stages, constants = {}, {}
-    state_names = set(plan.state_names)
+    stages = {}
     for worker in workers:
         with worker.weights_in_place():  # a swapped stage's parameters are empty on the device
             structure = stage_structure(worker.module)
         stages[worker.stage.index] = (stage_source(worker.module, _stage_doc(plan, worker)), structure)
-        constants[worker.stage.index] = {n: t for n, t in stage_tensors(worker.module).items() if n not in state_names
-                                         and n not in worker.params}
-    state = saved_state(plan, workers, unheld, constants)
+    state = saved_state(plan, workers, unheld, {w.stage.index: stage_constants(plan, w) for w in workers})
     recipe = next((optimizer_recipe(w.optimizer) for w in workers if w.optimizer is not None), None)
     part = _Part(stages, {w.stage.index for w in workers if w.swapped}, recipe, state.optimizer_values,
                  merged_groups([state.groups], plan))
@@ -253,11 +224,6 @@ def _snapshot(state: SavedState, workers: list[StageWorker], unheld: dict[str, t
         shared = tensor.device.type != "cpu" or tensor.untyped_storage().data_ptr() in live
         copied[key] = tensor.detach().to("cpu", copy=True) if shared or key.startswith(OPTIMIZER_STATE + ".") else tensor
     return SavedState(copied, copy.deepcopy(state.optimizer_values), copy.deepcopy(state.groups))
-
-
-def _copied(value: T) -> T:
-    """A deep copy of a save's small values (optimizer hyper-parameters, scheduler state, `extra`)."""
-    return copy.deepcopy(value)
 
 
 def serialised(value: object) -> bytes:

@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from stagewise.compiler.checkpoint_dcp import MODEL, OPTIMIZER_STATE, saved_tensors
+from stagewise.compiler.checkpoint_dcp import MODEL, OPTIMIZER_STATE
 from stagewise.compiler.checkpoint_read import read_checkpoint
 from stagewise.compiler.checkpoint_restore import restore_state
 from stagewise.compiler.optimizer_recipe import check_same_optimizer
@@ -68,7 +68,7 @@ def restore_into(pipe: Pipeline, directory: str | Path, report: bool, training_s
     if training_state and pipe._optimizer is not None:
         pipe._optimizer.pull_hyperparameters()  # the saved learning rates, now in the stages' optimizers
     move = _move(saved.plan, pipe.plan, {k: v.size.numel() * v.properties.dtype.itemsize
-                                         for k, v in saved_tensors(saved.weights).items()})
+                                         for k, v in saved.tensors.items()})
     if report and move.changed and (pipe.context is None or pipe.context.rank == 0):
         print(move)
     return move

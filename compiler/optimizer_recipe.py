@@ -29,7 +29,7 @@ def optimizer_recipe(optimizer: torch.optim.Optimizer | None) -> dict | None:
     if optimizer is None:
         return None
     cls = type(optimizer)
-    path = f"{cls.__module__}.{cls.__qualname__}"
+    path = _class_path(cls)
     defaults = dict(optimizer.defaults)
     if "<" in cls.__qualname__ or not all(_plain(v) for v in defaults.values()):
         return {"unrecorded": f"{path} with defaults {defaults!r} cannot be recorded by name and plain values"}
@@ -42,6 +42,11 @@ def optimizer_recipe(optimizer: torch.optim.Optimizer | None) -> dict | None:
     if rebuilt.defaults != defaults:
         return {"unrecorded": f"{path}(params, **{arguments!r}) makes other defaults ({rebuilt.defaults!r})"}
     return {"class": path, "defaults": arguments}
+
+
+def _class_path(cls: type) -> str:
+    """What the checkpoint names a class by: its module and qualified name."""
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _plain(value: object) -> bool:
@@ -95,8 +100,7 @@ def check_same_optimizer(recipe: dict | None, factory) -> None:
     pipeline's stages step (SGD would silently ignore Adam's moments and start without momentum)."""
     if recipe is None or "class" not in recipe:
         return
-    made = type(factory([torch.nn.Parameter(torch.zeros(1))]))
-    path = f"{made.__module__}.{made.__qualname__}"
+    path = _class_path(type(factory([torch.nn.Parameter(torch.zeros(1))])))
     if path != recipe["class"]:
         raise CheckpointError(f"the checkpoint holds {recipe['class']}'s optimizer state but this pipeline steps "
                               f"{path}: compile with the optimizer it was saved with, or take the weights alone "

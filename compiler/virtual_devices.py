@@ -42,8 +42,14 @@ def virtual_layout(devices, virtual: int | None) -> list[Device]:
         raise OptionError(f"virtual_devices={virtual} under torch.distributed with {context.world_size} processes: "
                           "each process runs one device of the plan, so give virtual_devices equal to the world "
                           "size; to go on with fewer processes, restore a checkpoint (pipe.restore)")
+    owners = _owners(physical, virtual)
+    return [_share(physical[owner], owners.count(owner)) for owner in owners]
+
+
+def _owners(physical: list[Device], virtual: int) -> list[int]:
+    """The physical device of each of `virtual` devices: runs of each, in proportion to speed."""
     counts = virtual_counts([d.speed for d in physical], virtual)
-    return [_share(device, count) for device, count in zip(physical, counts, strict=True) for _ in range(count)]
+    return [index for index, count in enumerate(counts) for _ in range(count)]
 
 
 def virtual_counts(speeds: list[float], virtual: int) -> list[int]:
@@ -69,8 +75,7 @@ def remapped(plan: Plan, devices) -> Plan:
     """`plan` with its devices placed on the physical `devices` (as `virtual_layout` places them);
     CapacityError where a physical device cannot hold the predicted peaks of the ones it takes."""
     physical = resolve_devices(devices)
-    counts = virtual_counts([d.speed for d in physical], len(plan.devices))
-    owners = [i for i, count in enumerate(counts) for _ in range(count)]
+    owners = _owners(physical, len(plan.devices))
     for index, device in enumerate(physical):
         mine = [v for v, owner in enumerate(owners) if owner == index]
         need = sum(plan.predicted_peak_bytes[v] for v in mine) if plan.predicted_peak_bytes else 0

@@ -262,16 +262,18 @@ class DistributedTransport(EndOfStep):
             if time.monotonic() - start > self.timeout_s:
                 raise PeerError(f"{what}: waited {self.timeout_s:g} s for the other ranks; {advice}")
 
-    def gather_to_first(self, value: object) -> list | None:
-        """Every rank's `value`, in rank order, on rank 0 (None on the others)."""
-        gathered = [None] * dist.get_world_size(self.world) if self.rank == 0 else None
-        dist.gather_object(value, gathered, dst=0, group=self.world)
+    def gather_to_first(self, value: object, group: dist.ProcessGroup | None = None) -> list | None:
+        """Every rank's `value`, in rank order, on rank 0 (None on the others); over `group` (one of
+        every rank: `checkpoints` for a save's thread), by default the world group."""
+        group = group or self.world
+        gathered = [None] * dist.get_world_size(group) if self.rank == 0 else None
+        dist.gather_object(value, gathered, dst=0, group=group)
         return gathered
 
-    def from_first(self, value: T) -> T:
-        """Rank 0's `value`, on every rank."""
+    def from_first(self, value: T, group: dist.ProcessGroup | None = None) -> T:
+        """Rank 0's `value`, on every rank (over `group`, as `gather_to_first`)."""
         box = [value]
-        dist.broadcast_object_list(box, src=0, group=self.world)
+        dist.broadcast_object_list(box, src=0, group=group or self.world)
         return box[0]
 
     # ---- naming ------------------------------------------------------------------------------
