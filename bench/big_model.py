@@ -70,19 +70,24 @@ def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 # ---- options -------------------------------------------------------------------------------------------
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="smoke run: a smaller model, fewer steps (~30 s)")
-    p.add_argument("--ratio", type=float, default=4.0, help="training footprint / sum of device capacities")
-    p.add_argument("--devices", type=int, default=2)
+def add_model_arguments(p: argparse.ArgumentParser, microbatches: int) -> None:
+    """The model's shape and its training batch (bench/checkpoint_io.py uses the same model)."""
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--dim", type=int, default=384)
     p.add_argument("--heads", type=int, default=6)
     p.add_argument("--seq", type=int, default=4, help="tokens per sequence (short: activations must fit)")
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--batch", type=int, default=16, help="sequences per minibatch")
-    p.add_argument("--microbatches", type=int, default=16)
+    p.add_argument("--microbatches", type=int, default=microbatches)
     p.add_argument("--lr", type=float, default=1e-3)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="smoke run: a smaller model, fewer steps (~30 s)")
+    p.add_argument("--ratio", type=float, default=4.0, help="training footprint / sum of device capacities")
+    p.add_argument("--devices", type=int, default=2)
+    add_model_arguments(p, microbatches=16)
     p.add_argument("--steps", type=int, default=3, help="steady-state steps measured after one warm-up step")
     p.add_argument("--schedules", default="harmony-pp,harmony-dp")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
