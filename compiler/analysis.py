@@ -43,10 +43,11 @@ class Analysed:
 
 
 class Analysis:
-    """One capture of the model (+ loss), evaluated at each microbatch count asked for, once."""
+    """One capture of the model (+ loss), evaluated at each microbatch count asked for, once
+    (`captured`: one made already, a checkpoint's saved graph: compiler/replan.py)."""
 
     def __init__(self, model: torch.nn.Module, inputs, target, loss_fn, batch: int, first_microbatches: int, *,
-                 dynamic: bool, precision: str = "fp32"):
+                 dynamic: bool, precision: str = "fp32", captured: Capture | None = None):
         inputs, target = on_model_device(model, inputs), on_model_device(model, target)
         self.model, self.inputs, self.target, self.batch = model, inputs, target, batch
         self.dynamic = dynamic
@@ -57,8 +58,8 @@ class Analysis:
         example_m = first_microbatches
         if batch // first_microbatches < 2 and batch > 1:
             example_m = max(m for m in range(1, batch) if batch % m == 0 and batch // m >= 2)
-        self.capture: Capture = capture(model, split_batch(inputs, example_m)[0], first_microbatch(target, example_m),
-                                        loss_fn, dynamic=True)
+        self.capture: Capture = captured or capture(model, split_batch(inputs, example_m)[0],
+                                                    first_microbatch(target, example_m), loss_fn, dynamic=True)
 
     def trainable_per_layer(self) -> list[list[torch.nn.Parameter]]:
         """Each layer's trainable parameters: the optimizer steps those only (a frozen one has no gradient)."""

@@ -4,7 +4,8 @@ Layout: plan.json (the whole IR, programs included), programs.txt and stage_<i>.
 the generated stage code, never run on load), stage_<i>.json (each stage module as data:
 codegen/graph_data.py), weights/ (a torch.distributed.checkpoint of the weights under the
 model's names, the optimizer state by parameter name and the stage code's other tensors:
-compiler/checkpoint_dcp.py), training.pt (step, optimizer class and groups, clipping, which
+compiler/checkpoint_dcp.py), graph.json (the whole graph compile planned, as data, to plan
+again for other devices: compiler/model_graph.py), training.pt (step, optimizer class and groups, clipping, which
 stages swap, scheduler state, the user's metadata; read with weights_only=True), stagewise.json
 (the marker: format version, size and SHA-256 of every other file; load checks each file it
 reads against it). Save never replaces anything but a stagewise checkpoint, and a crash at any
@@ -12,12 +13,14 @@ moment leaves the old or the new one loadable at the path (compiler/checkpoint_s
 
 Under torch.distributed every rank writes its own stages' weights into the one DCP folder, so a
 checkpoint across machines needs a filesystem they share (compiler/checkpoint_write.py). A
-checkpoint is read back by `sw.load` (the saved plan, rebuilt from data) or, into a pipeline
-compiled again on other devices, by `pipe.restore` (compiler/checkpoint_restore.py).
+checkpoint is read back by `sw.load` (the saved plan, rebuilt from data, or on other devices its
+graph planned again: compiler/replan.py) or, into a pipeline compiled again on other devices, by
+`pipe.restore` (compiler/checkpoint_restore.py).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -33,25 +36,34 @@ from stagewise.compiler.pipeline import Pipeline
 from stagewise.compiler.runtime_setup import start_runtime
 from stagewise.compiler.training_state import TrainingState
 from stagewise.compiler.virtual_devices import remapped
-from stagewise.ir.errors import CheckpointError
+from stagewise.ir.devices import resolve_devices
+from stagewise.ir.errors import CheckpointError, OptionError
 from stagewise.runtime.launch import distributed_context
 
 
 @releasing_fx_sources
-def load(directory, trusted_functions: Sequence[Callable] = (), devices=None) -> Pipeline:
-    """A Pipeline from `pipe.save(directory)`, on the plan it was saved with; trains on from where
-    it was saved. `trusted_functions`: functions of yours the stage code calls (a `loss_fn`), which
-    a checkpoint names but never holds; torch's, Python's and stagewise's are found by name.
-    `devices`: physical devices to run the saved plan's devices on, as `pipe.resize` places them
-    (virtual devices, compiler/virtual_devices.py); by default the devices it was saved on.
+def load(directory, trusted_functions: Sequence[Callable] = (), devices=None, replan: bool | None = None,
+         report: bool = True) -> Pipeline:
+    """A Pipeline from `pipe.save(directory)`, trained on from where it was saved. `trusted_functions`:
+    functions of yours the stage code calls (a `loss_fn`), which a checkpoint names but never holds;
+    torch's, Python's and stagewise's are found by name.
 
-    In one process it holds every stage. Under torch.distributed (torchrun, one process per
-    device of the plan) each rank builds every stage's code and reads only its own stages' state;
-    the ranks agree that every one of them could read its part before any starts. To go on with
-    another plan, compile the model for it and call `pipe.restore(directory)`.
+    `devices`: by default the devices it was saved on, with the saved plan. Other devices get a new
+    plan, made from the graph the checkpoint keeps, without the model (Varuna's job morphing,
+    compiler/replan.py; what moved is printed unless not `report`), except for a plan compiled with
+    `virtual_devices`, whose devices are placed on them as `pipe.resize` places them (bitwise the
+    same training, compiler/virtual_devices.py). `replan=True` / `False` asks for one or the other.
+
+    In one process it holds every stage. Under torch.distributed (torchrun, one process per device
+    of the plan) each rank builds every stage's code and reads only its own stages' state; the
+    ranks agree that every one of them could read its part before any starts.
     """
     context = distributed_context()
     saved = read_checkpoint(directory, context)
+    if _replans(saved, devices, replan):
+        from stagewise.compiler.replan import replan as plan_again  # the re-plan compiles: it sits above
+
+        return plan_again(saved, devices, trusted_functions, report)
     plan = saved.plan if devices is None else remapped(saved.plan, devices)
     modules = _stage_modules(saved, trusted_functions, None if context is None else context.rank)
     training = saved.training
@@ -65,7 +77,28 @@ def load(directory, trusted_functions: Sequence[Callable] = (), devices=None) ->
     pipe.loss_reduction = reduction_from_data(training.get("loss_reduction"))  # checked against the plan
     if training.get("mode_training", plan.training) != plan.training:
         pipe.train(training["mode_training"])  # the mode it was saved in (pipe.eval() before pipe.save)
+    pipe.model_graph = saved.model_graph  # its next checkpoint can be planned again as well
     return pipe
+
+
+def _replans(saved: Checkpoint, devices, replan: bool | None) -> bool:
+    """Whether `load` plans again for `devices` (its docstring): asked, or other devices than the
+    saved plan's and a plan not made for virtual devices."""
+    if replan is not None:
+        if replan and devices is None:
+            raise OptionError("sw.load(..., replan=True) plans for other devices: give them, devices=[...]")
+        return replan
+    if devices is None or [d.spec() for d in resolve_devices(devices)] == list(saved.plan.devices):
+        return False
+    graph = saved.model_graph or {}
+    if graph.get("options", {}).get("virtual_devices") is not None:
+        return False
+    if "graph" not in graph:
+        warnings.warn(f"{saved.root} keeps no graph to plan again from ({graph.get('unavailable', 'saved before')}"
+                      f"): its plan's {len(saved.plan.devices)} devices are placed on the {len(resolve_devices(devices))} given; "
+                      "for a plan made for them, compile the model and call pipe.restore(directory)", stacklevel=3)
+        return False
+    return True
 
 
 def _stage_modules(saved: Checkpoint, trusted: Sequence[Callable], rank: int | None) -> list[fx.GraphModule | None]:

@@ -21,7 +21,7 @@ from stagewise.ir.errors import CheckpointError
 MARKER = "stagewise.json"
 FORMAT = "stagewise-checkpoint"
 VERSION = 2  # 1: pickled stages and optimizer factory, executed on load; 2: DCP weights, no code
-_OWN_FILE = re.compile(r"plan\.json|programs\.txt|training\.pt|runtime\.pt|stage_\d+\.(py|pt|json)|stagewise\.json")
+_OWN_FILE = re.compile(r"plan\.json|graph\.json|programs\.txt|training\.pt|runtime\.pt|stage_\d+\.(py|pt|json)|stagewise\.json")
 WEIGHTS_DIR = "weights"  # a DCP checkpoint: rank shards and DCP's metadata
 _OWN_WEIGHTS = re.compile(r"__\d+_\d+\.distcp|\.metadata(\.tmp)?")  # .tmp: DCP before its rename
 _CHUNK = 1 << 24

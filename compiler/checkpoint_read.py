@@ -33,6 +33,7 @@ from stagewise.compiler.checkpoint_files import (
     read_marker,
 )
 from stagewise.compiler.checkpoint_swap import previous_path
+from stagewise.compiler.checkpoint_write import GRAPH_FILE
 from stagewise.ir.errors import CheckpointError, PlanError
 from stagewise.ir.plan import Plan
 from stagewise.runtime.launch import DistributedContext
@@ -48,6 +49,7 @@ class Checkpoint:
     plan: Plan
     training: dict  # training.pt: step, optimizer recipe and groups, scheduler, extra, ...
     structures: list[dict]  # per stage: codegen/graph_data.py's description of its module
+    model_graph: dict | None = None  # graph.json: the whole graph, to plan again (compiler/model_graph.py)
 
     @property
     def weights(self) -> Path:
@@ -94,7 +96,8 @@ def _read(root: Path, rank: int, ranks: int) -> Checkpoint:
         raise CheckpointError(f"{root / MARKER} lists no weights: {root} is not a complete checkpoint")
     for name in shards[rank::ranks]:
         check_file(root, name, files)
-    return Checkpoint(root, plan, training, structures)
+    graph = _parse(root, GRAPH_FILE, files, json.loads) if GRAPH_FILE in files else None
+    return Checkpoint(root, plan, training, structures, graph)
 
 
 def _safe_load(data: bytes) -> dict:

@@ -41,6 +41,9 @@ from stagewise.ir.plan import Plan
 from stagewise.runtime.distributed import DistributedTransport
 from stagewise.runtime.worker import StageWorker
 
+GRAPH_FILE = "graph.json"  # the whole graph, to plan again from (compiler/model_graph.py)
+MODEL_GRAPH = "model_graph"  # the save's `training` entry holding it (written to GRAPH_FILE, not training.pt)
+
 
 @dataclass
 class _Part:
@@ -190,6 +193,10 @@ def _write_small(plan: Plan, staging: Path, parts: list[_Part], loop: dict) -> d
     missing = sorted(s.index for s in plan.stages if f"stage_{s.index}.json" not in files)
     if missing:
         raise PlanError(f"no rank held stages {missing}; the checkpoint would be incomplete")
+    loop = dict(loop)
+    model_graph = loop.pop(MODEL_GRAPH, None)
+    if model_graph is not None:
+        files[GRAPH_FILE] = put(staging / GRAPH_FILE, json.dumps(model_graph, sort_keys=True))
     values: dict[str, dict] = {}
     for part in parts:
         for name, entry in part.optimizer_values.items():

@@ -10,6 +10,7 @@ from stagewise.compiler.analysis import Analysis
 from stagewise.compiler.context import CompileContext, after
 from stagewise.compiler.fx_sources import releasing_fx_sources
 from stagewise.compiler.loss_reduction import check_loss_reduction
+from stagewise.compiler.model_graph import describe_model
 from stagewise.compiler.options import DEFAULT_OPTIMIZER, CompileOptions, CompileRequest
 from stagewise.compiler.phases import PHASES, analyse, run_phases
 from stagewise.compiler.phases import plan as plan_phase
@@ -81,10 +82,18 @@ def compile(  # noqa: A001 - the public name of the API
                            clip_grad_norm=clip_grad_norm, swap=swap, replicas=replicas, stages=stages,
                            optimizer_on_host=optimizer_on_host, seed=seed, precision=precision)
     ctx = CompileContext(CompileRequest.make(model, devices, example_inputs, options))
-    _run_checked(ctx)
-    compiled = Compiled(after(ctx.choice, "plan").sim_cost, ctx.seconds, loss_reduction)
+    run_checked(ctx)
+    chosen = after(ctx.plan, "plan")
+    graph = after(ctx.analysis, "capture")
+    model_graph = describe_model(model, graph.at(chosen.microbatches), graph.tracer, options, virtual_devices)
+    return pipeline_of(ctx, loss_reduction, model_graph)
+
+
+def pipeline_of(ctx: CompileContext, loss_reduction, model_graph: dict) -> Pipeline:
+    """The pipeline the phases made in `ctx`; `model_graph` what its checkpoints keep to plan again."""
+    compiled = Compiled(after(ctx.choice, "plan").sim_cost, ctx.seconds, loss_reduction, model_graph)
     described = after(ctx.plan, "plan")
-    return Pipeline(described, after(ctx.runtime, "runtime"), compiled, unheld_state(model, described.stages))
+    return Pipeline(described, after(ctx.runtime, "runtime"), compiled, unheld_state(ctx.request.model, described.stages))
 
 
 @releasing_fx_sources
@@ -127,7 +136,7 @@ def planned(request: CompileRequest, analysis: Analysis | None = None) -> tuple[
     phases = PHASES[:PHASES.index(plan_phase) + 1]
     if analysis is not None and analysis.first_microbatches == request.first_microbatches:
         ctx.analysis, phases = analysis, phases[1:]
-    _run_checked(ctx, phases)
+    run_checked(ctx, phases)
     return after(ctx.plan, "plan"), after(ctx.analysis, "capture")
 
 
@@ -158,7 +167,7 @@ def _check_arguments(model: object, split_points: object, example_inputs, loss_f
         check_loss_reduction(reduction, loss_fn is not None, input_names(model, example_inputs)[0])
 
 
-def _run_checked(ctx: CompileContext, phases=PHASES) -> None:
+def run_checked(ctx: CompileContext, phases=PHASES) -> None:
     """The compile phases, with the checks that need a phase's result run right after it."""
     checks = {analyse: lambda: _check_loss_is_differentiable(ctx.request.model, after(ctx.first, "analyse").graph),
               plan_phase: lambda: _check_layers_fit(after(ctx.plan, "plan"))}

@@ -55,14 +55,16 @@ class Move:
         return "\n".join(lines)
 
 
-def restore_into(pipe: Pipeline, directory: str | Path, report: bool, training_state: bool) -> Move:
+def restore_into(pipe: Pipeline, directory: str | Path, report: bool, training_state: bool,
+                 constants: bool = False) -> Move:
     """Fill `pipe` from the checkpoint at `directory` (any plan of the same model) and say what moved;
-    without `training_state` only the weights (the optimizer, step count and scheduler stay)."""
+    without `training_state` only the weights (the optimizer, step count and scheduler stay); with
+    `constants` also the tensors the stage code reads beside the state_dict (a re-planned pipeline's)."""
     pipe.executor.settle(broken_ok=True)
     saved = read_checkpoint(directory, pipe.context)
     if training_state:
         check_same_optimizer(saved.training.get("optimizer"), pipe.runtime.optimizer_factory)
-    restore_state(pipe.plan, pipe.runtime, pipe.unheld, saved, constants=False, training_state=training_state)
+    restore_state(pipe.plan, pipe.runtime, pipe.unheld, saved, constants=constants, training_state=training_state)
     if training_state:
         pipe.resumed = TrainingState.from_settings(saved.training)
     if training_state and pipe._optimizer is not None:

@@ -10,6 +10,7 @@ import torch.fx as fx
 
 from stagewise.compiler.batches import check_step_tensors, split_batch
 from stagewise.compiler.checkpoint_async import SaveHandle, SaveSlot
+from stagewise.compiler.checkpoint_write import MODEL_GRAPH
 from stagewise.compiler.evaluation import Evaluation
 from stagewise.compiler.loss_reduction import LossReduction, check_loss_reduction, reduction_to_data
 from stagewise.compiler.morph import Move, restore_into
@@ -17,7 +18,7 @@ from stagewise.compiler.optimizer_view import PipelineOptimizer
 from stagewise.compiler.prediction import fill_unread_inputs, predict
 from stagewise.compiler.runtime_setup import Runtime
 from stagewise.compiler.state_dict import IncompatibleKeys, aliases_of, check_state_dict
-from stagewise.compiler.step_inputs import prepare_batch
+from stagewise.compiler.step_inputs import named_inputs, prepare_batch
 from stagewise.compiler.step_shapes import StepShapes, TransferSpecs
 from stagewise.compiler.training_state import TrainingState, resume_scheduler, training_state
 from stagewise.compiler.virtual_devices import resize
@@ -45,6 +46,7 @@ class Compiled:
     sim_cost: SimCost
     phase_seconds: dict[str, float] = field(default_factory=dict)
     loss_reduction: LossReduction | None = None
+    model_graph: dict | None = None  # what checkpoints keep to plan again (compiler/model_graph.py)
 
 
 class Pipeline:
@@ -68,6 +70,7 @@ class Pipeline:
         self._loss_reduction: LossReduction | None = None
         self._saves = SaveSlot()  # the save in flight (compiler/checkpoint_async.py)
         self.loss_reduction = compiled.loss_reduction if compiled is not None else None  # checked
+        self.model_graph = compiled.model_graph if compiled is not None else None  # sw.load sets a loaded one's
 
     # ---- the runtime's parts ---------------------------------------------------------------
     @property
@@ -223,7 +226,7 @@ class Pipeline:
         without target=: every microbatch's, concatenated along dim 0, on the CPU. Nothing is updated
         or counted. Known for a model compiled with loss_fn, or returning .logits beside its own loss
         (compiler/prediction.py), else PredictError. Inputs only its loss reads (labels) may be left out."""
-        inputs = self._inputs(args, fill_unread_inputs(self.plan, self.step_shapes.modules, kwargs))
+        inputs = named_inputs(self.plan, args, fill_unread_inputs(self.plan, self.step_shapes.modules, kwargs))
         check_step_tensors(inputs, self.plan.input_specs[:len(inputs)], self.plan.microbatches,
                            self.plan.microbatch_size, self.plan.smallest_microbatch or self.plan.microbatch_size)
         pieces = [{n: v for n, v in zip(self.plan.graph_inputs, piece.values(), strict=False)}
@@ -243,7 +246,7 @@ class Pipeline:
 
     def _feeder(self, args, target, kwargs):
         """What feeds the workers a minibatch's microbatches, its inputs checked as `step` takes them."""
-        inputs = self._inputs(args, kwargs)
+        inputs = named_inputs(self.plan, args, kwargs)
         if self.plan.target_name is not None:
             if target is None:
                 raise ExampleInputsError("this pipeline was compiled with loss_fn: call step(..., target=targets)")
@@ -319,7 +322,7 @@ class Pipeline:
             self._optimizer.push_hyperparameters()  # the learning rates the scheduler set since the last step
         return self._saves.save(self.plan, self.runtime, directory, self.unheld,
                                 {**training.settings(), "loss_reduction": reduction_to_data(self.loss_reduction),
-                                 "mode_training": self.training},
+                                 "mode_training": self.training, MODEL_GRAPH: self.model_graph},
                                 asynchronous)
 
     def wait_for_save(self) -> None:
@@ -334,7 +337,9 @@ class Pipeline:
     def rebuild(self, plan: Plan, runtime: Runtime, unheld: dict[str, torch.Tensor]) -> None:
         """Go on with another runtime of this pipeline's plan (what `resize` made)."""
         compiled = Compiled(self.sim_cost, self.compile_times) if self.sim_cost is not None else None
+        model_graph = self.model_graph
         self.__init__(plan, runtime, compiled, unheld)  # type: ignore[misc]
+        self.model_graph = model_graph
 
     def restore(self, directory, report: bool = True, training_state: bool = True) -> Move:
         """Train on from the checkpoint at `directory`, saved by a pipeline of this model on any devices
@@ -345,28 +350,6 @@ class Pipeline:
         return restore_into(self, directory, report, training_state)
 
     # ---- helpers --------------------------------------------------------------------------
-    def _inputs(self, args, kwargs) -> dict:
-        names = self.plan.input_names
-        if self.plan.input_kind == "positional":
-            if kwargs or len(args) != len(names):
-                raise ExampleInputsError(
-                    f"step takes {len(names)} positional inputs ({', '.join(names)}) as in example_inputs, "
-                    f"got {len(args)} positional and {sorted(kwargs)} keyword"
-                )
-            inputs = dict(zip(names, args, strict=True))
-        else:
-            if args or set(kwargs) != set(names):
-                raise ExampleInputsError(
-                    f"step takes keyword inputs {sorted(names)} as in example_inputs, got {len(args)} positional "
-                    f"and {sorted(kwargs)} keyword"
-                )
-            inputs = {n: kwargs[n] for n in names}
-        for name, value in inputs.items():
-            if not isinstance(value, torch.Tensor):
-                raise ExampleInputsError(f"every input to step must be a tensor, as in example_inputs; "
-                                         f"{name!r} is a {type(value).__name__}")
-        return inputs
-
     def _feed(self, pieces: list[dict[str, torch.Tensor]], weights: tuple[float, ...] | None = None,
               transfer_specs: TransferSpecs | None = None) -> None:
         """Give each worker its inputs of every microbatch it runs (a failed step clears them), the

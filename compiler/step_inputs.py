@@ -1,4 +1,4 @@
-"""A step's minibatch made ready for the workers: checked, split, weighed and its transfers sized.
+"""A step's minibatch made ready for the workers: named, checked, split, weighed and its transfers sized.
 
 One compiled pipeline takes any batch the stage code takes: a batch that does not divide into the
 microbatches is split unevenly (the first `batch % microbatches` one sample larger), non-batch sizes
@@ -18,6 +18,7 @@ import torch
 from stagewise.compiler.batches import check_step_tensors, split_batch
 from stagewise.compiler.loss_reduction import LossReduction, loss_weights
 from stagewise.compiler.step_shapes import StepShapes, TransferSpecs
+from stagewise.ir.errors import ExampleInputsError
 from stagewise.ir.plan import Plan
 
 
@@ -47,3 +48,27 @@ def prepare_batch(plan: Plan, shapes: StepShapes, inputs: dict[str, torch.Tensor
         weights = None
     pieces = [{node_names[k]: v for k, v in piece.items()} for piece in split]
     return PreparedBatch(pieces, weights, shapes.of_step(pieces))
+
+
+def named_inputs(plan: Plan, args, kwargs) -> dict:
+    """`step`'s arguments by input name, as the example gave them (positional or keyword), checked."""
+    names = plan.input_names
+    if plan.input_kind == "positional":
+        if kwargs or len(args) != len(names):
+            raise ExampleInputsError(
+                f"step takes {len(names)} positional inputs ({', '.join(names)}) as in example_inputs, "
+                f"got {len(args)} positional and {sorted(kwargs)} keyword"
+            )
+        inputs = dict(zip(names, args, strict=True))
+    else:
+        if args or set(kwargs) != set(names):
+            raise ExampleInputsError(
+                f"step takes keyword inputs {sorted(names)} as in example_inputs, got {len(args)} positional "
+                f"and {sorted(kwargs)} keyword"
+            )
+        inputs = {n: kwargs[n] for n in names}
+    for name, value in inputs.items():
+        if not isinstance(value, torch.Tensor):
+            raise ExampleInputsError(f"every input to step must be a tensor, as in example_inputs; "
+                                     f"{name!r} is a {type(value).__name__}")
+    return inputs

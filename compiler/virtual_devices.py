@@ -101,7 +101,7 @@ def resize(pipe: Pipeline, devices) -> None:
                if n.op == "call_function" and callable(n.target)]  # this process runs them already
     with tempfile.TemporaryDirectory() as folder:
         pipe.save(Path(folder) / "ck")
-        moved = load(Path(folder) / "ck", trusted_functions=trusted, devices=devices)
+        moved = load(Path(folder) / "ck", trusted_functions=trusted, devices=devices, replan=False)
     view, resumed, timeout, reduction = pipe._optimizer, pipe.resumed, pipe.timeout_s, pipe.loss_reduction
     pipe.executor.threads.close()
     pipe.rebuild(plan, moved.runtime, moved.unheld)

@@ -249,11 +249,7 @@ class Capture:
 
     def _graph_at(self, inputs, target) -> fx.GraphModule:
         if self.tracer == "fx":
-            gm = _copy(self.template)
-            annotate(gm, inputs, target)
-            functionalize(gm)
-            check_loss(gm)
-            return gm
+            return self.propagated(inputs, target)
         leaves = self._leaves(inputs, target)
         try:
             gm, verify = self._specialised(self.template, leaves, inputs, target)
@@ -266,6 +262,15 @@ class Capture:
         self.exports += 1
         normalise(template, self.input_names + ([self.target_name] if self.target_name else []))
         return self._specialised(template, leaves, inputs, target)[0]
+
+    def propagated(self, inputs, target) -> fx.GraphModule:
+        """A copy of the template with values and FLOPs from fake-tensor propagation at this size
+        (a graph that computes its own sizes: fx's, or one saved for re-planning)."""
+        gm = _copy(self.template)
+        annotate(gm, inputs, target)
+        functionalize(gm)
+        check_loss(gm)
+        return gm
 
     def _leaves(self, inputs, target) -> list:
         """The flat graph inputs, in placeholder order (as torch.export flattens its arguments)."""

@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 
 from stagewise.ir.plan import Layer
+from stagewise.ir.subgraph import LAYER_NAME
 
 _CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
@@ -36,7 +37,8 @@ def layer_runs(gm: fx.GraphModule, model: torch.nn.Module) -> list[tuple[str, li
     """The compute nodes in maximal runs of one layer key, in topological order: the layers to be."""
     modules = dict(model.named_modules())
     compute = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]
-    keys = [atomic_module(n.meta.get("module_path", ""), modules) for n in compute]
+    keys = [n.meta[LAYER_NAME] if LAYER_NAME in n.meta else atomic_module(n.meta.get("module_path", ""), modules)
+            for n in compute]  # a saved graph's nodes name their layer (no module tree to read)
     next_key = None
     for i in range(len(keys) - 1, -1, -1):  # glue joins the next layer
         keys[i] = keys[i] if keys[i] is not None else next_key

@@ -128,15 +128,23 @@ def run_resume(name: str, schedule: str, directory: Path) -> dict:
 
 def run_morph(name: str, schedule: str, out: Path) -> dict:
     """Restore the checkpoint a 4-device run in one process saved (the parent's `four_devices`) into
-    this 2-rank pipeline with its scheduler, save it again from the 2 ranks, and train on."""
+    this 2-rank pipeline with its scheduler, save it again from the 2 ranks, and train on; and
+    `sw.load` it onto the 2 ranks without the model (its graph planned again), and train on."""
     batches = batches_of(name, SAVED_AFTER + RESUMED_FOR)
     pipe = compiled(name, batches, schedule, optimizer=GROUPED, clip_grad_norm=0.5, dropout=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(pipe.optimizer, warmup_cosine)
     move = pipe.restore(out / "four-devices", report=False)
     pipe.load_scheduler(sched)
     pipe.save(out / "two-ranks", scheduler=sched)
-    return {"resumed": train_scheduled(pipe, sched, batches[SAVED_AFTER:]), "state": state_of(pipe),
-            "read": move.read_bytes, "moved": move.moved_bytes}
+    result = {"resumed": train_scheduled(pipe, sched, batches[SAVED_AFTER:]), "state": state_of(pipe),
+              "read": move.read_bytes, "moved": move.moved_bytes}
+    replanned = sw.load(out / "four-devices", devices=dist.get_world_size(), report=False)
+    replanned.timeout_s = TIMEOUT_S
+    sched = torch.optim.lr_scheduler.LambdaLR(replanned.optimizer, warmup_cosine)
+    replanned.load_scheduler(sched)
+    result["replanned"] = {"resumed": train_scheduled(replanned, sched, batches[SAVED_AFTER:]),
+                           "state": state_of(replanned), "devices": len(replanned.plan.devices)}
+    return result
 
 
 RUNNERS: dict[str, Callable[..., dict]] = {"evaluate": run_evaluate, "optimizer": run_optimizer,
@@ -376,6 +384,8 @@ def test_a_run_saved_on_four_devices_goes_on_under_two_ranks(ranks, four_devices
     for rank, result in enumerate(results):
         _close_runs(result, four_devices[1])
         assert result["read"][rank] > 0 and result["moved"][rank] <= result["read"][rank]
+        assert result["replanned"]["devices"] == 2
+        _close_runs(result["replanned"], four_devices[1])
 
 
 @pytest.mark.parametrize("devices", [1, 3])

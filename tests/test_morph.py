@@ -44,14 +44,34 @@ def four_device_run(tmp_path_factory):
 
 @pytest.mark.parametrize("devices", [1, 3])  # 2: under two gloo ranks (tests/test_distributed_training_api.py)
 def test_a_run_saved_on_four_devices_goes_on_on_fewer(four_device_run, devices, capsys):
-    directory, batches, saved, want_losses, want_state, want_optimizer = four_device_run
+    directory, batches = four_device_run[:2]
     pipe = compiled("hf-gpt2", batches, "1f1b" if devices > 1 else "gpipe", optimizer=GROUPED, dropout=0.1,
                     devices=devices, clip_grad_norm=0.5)
     move = pipe.restore(directory)
     assert move.changed and len(move.before.devices) == 4 and len(move.after.devices) == devices
     printed = capsys.readouterr().out
     assert "onto" in printed and "read" in printed
-    assert sum(move.read_bytes) > 0 and pipe.extra == {"epoch": 1} and pipe.executor.iteration == SAVED_AFTER
+    assert sum(move.read_bytes) > 0
+    _goes_on_as_uninterrupted(pipe, four_device_run)
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_sw_load_plans_again_for_other_devices_without_the_model(four_device_run, devices, capsys):
+    """Varuna §4.5 from the checkpoint alone: its graph planned for the new devices (no model class,
+    no compile call), each device reading its own stages' names."""
+    directory = four_device_run[0]
+    pipe = sw.load(directory, devices=["cpu"] * devices)
+    pipe.timeout_s = 20.0
+    assert len(pipe.plan.devices) == devices and pipe.plan.microbatches == 4  # an export graph keeps its count
+    printed = capsys.readouterr().out
+    assert f"onto {devices}:" in printed and "device 1 read" in printed
+    _goes_on_as_uninterrupted(pipe, four_device_run)
+
+
+def _goes_on_as_uninterrupted(pipe, four_device_run) -> None:
+    """`pipe` holds the saved state and trains on as the 4-device run did, within fp32 rounding."""
+    _, batches, saved, want_losses, want_state, want_optimizer = four_device_run
+    assert pipe.extra == {"epoch": 1} and pipe.executor.iteration == SAVED_AFTER
     assert_state_equal(state_of(pipe), saved)
     losses = [step(pipe, batch) for batch in batches[SAVED_AFTER:]]
     torch.testing.assert_close(torch.stack(losses), torch.stack(want_losses), rtol=1e-5, atol=1e-6)
@@ -138,6 +158,20 @@ def test_a_stage_structure_naming_a_function_outside_the_allowlist_is_refused(tm
     _replace(tmp_path / "ck", "stage_0.json", json.dumps(structure).encode())
     with pytest.raises(sw.CheckpointError, match=function[1]):
         sw.load(tmp_path / "ck")
+
+
+def test_a_graph_naming_a_function_outside_the_allowlist_is_refused(tmp_path, monkeypatch):
+    """graph.json, which planning again rebuilds, is held to the stages' allowlist."""
+    batches = batches_of("tied-gpt", 1)
+    compiled("tied-gpt", batches, "1f1b").save(tmp_path / "ck")
+    structure = json.loads((tmp_path / "ck" / "graph.json").read_text())
+    call = next(n for n in structure["graph"]["nodes"] if n["op"] == "call_function")
+    call["target"] = {"function": ["os", "system"]}
+    _replace(tmp_path / "ck", "graph.json", json.dumps(structure).encode())
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(sw.CheckpointError, match="system"):
+        sw.load(tmp_path / "ck", devices=["cpu"])
+    assert len(sw.load(tmp_path / "ck").plan.devices) == 2  # its own plan does not read the graph
 
 
 def test_restoring_another_models_checkpoint_names_the_difference(four_device_run):

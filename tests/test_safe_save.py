@@ -20,7 +20,7 @@ from tests.models.mlp import mlp
 from tests.reference import SGD, assert_state_equal
 
 X, Y = torch.randn(4, 8), torch.randint(0, 5, (4,))
-STAGE_FILES = ["plan.json", "programs.txt", "training.pt", "stage_0.py", "stage_0.json", "stage_1.py", "stage_1.json",
+STAGE_FILES = ["plan.json", "graph.json", "programs.txt", "training.pt", "stage_0.py", "stage_0.json", "stage_1.py", "stage_1.json",
                "weights/__0_0.distcp", "weights/.metadata"]
 FILES = [*STAGE_FILES, "stagewise.json"]
 TOP_LEVEL = sorted({name.split("/")[0] for name in FILES})

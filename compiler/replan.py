@@ -1,0 +1,126 @@
+"""`sw.load(directory, devices=...)` on other devices: the saved graph planned again (Varuna §4.5).
+
+The checkpoint's graph.json (compiler/model_graph.py) becomes a stand-in for the model, which the
+compile phases after capture plan for the new devices as they would the model: profiled (or
+analytic) costs, the planner's search over schedules, depths and replicas, code generation. The
+state then comes from the checkpoint, each process reading only its own stages' names
+(compiler/checkpoint_restore.py), and what moved is printed as `pipe.restore` prints it.
+
+The saved graph is the one the saved stages ran, at the saved microbatch size, and the stage
+code takes what that size's code took: smaller microbatches and shorter sequences down to the
+saved plan's lowest sizes. An fx graph computes its sizes at any size, so the planner may choose
+any microbatch count; a torch.export graph was checked only at the sizes the saved plan covered,
+so its plan keeps the saved microbatch count (the global batch is the saved one either way).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+import torch
+import torch.fx as fx
+
+from stagewise.compiler.analysis import Analysis
+from stagewise.compiler.checkpoint_read import Checkpoint
+from stagewise.compiler.context import CompileContext
+from stagewise.compiler.loss_reduction import reduction_from_data
+from stagewise.compiler.model_graph import stand_in, usable
+from stagewise.compiler.morph import restore_into
+from stagewise.compiler.optimizer_recipe import recorded_optimizer
+from stagewise.compiler.options import CompileOptions, CompileRequest
+from stagewise.compiler.pipeline import Pipeline
+from stagewise.ir.errors import PlanError
+from stagewise.ir.plan import InputSpec, Plan
+from stagewise.ir.precision import LossScaling
+from stagewise.passes.capture import Capture, Objective
+
+
+def replan(saved: Checkpoint, devices, trusted: Sequence[Callable], report: bool) -> Pipeline:
+    """A pipeline planned for `devices` from `saved`'s graph, holding its state; trains on from it."""
+    from stagewise.compiler import driver  # the driver sits above the checkpoint
+
+    model_graph = usable(saved.model_graph, saved.root)
+    by_name = {f"{f.__module__}.{f.__qualname__}": f for f in trusted}
+    model = stand_in(model_graph, saved, by_name)
+    plan, training = saved.plan, saved.training
+    inputs, target = _example_batch(plan)
+    options = _options(model_graph, plan, training, target)
+    request = CompileRequest.make(model, devices, inputs, options)
+    request = replace(request, input_names=plan.input_names, input_kind=plan.input_kind)
+    captured = SavedGraph(model, plan, str(model_graph.get("tracer", "fx")))
+    ctx = CompileContext(request)
+    ctx.analysis = Analysis(model, inputs, target, options.loss_fn, request.batch, request.first_microbatches,
+                            dynamic=options.dynamic, precision=options.precision, captured=captured)
+    driver.run_checked(ctx, driver.PHASES[1:])
+    pipe = driver.pipeline_of(ctx, reduction_from_data(training.get("loss_reduction")), model_graph)
+    restore_into(pipe, saved.root, report, training_state=True, constants=True)
+    if training.get("mode_training", plan.training) != pipe.training:
+        pipe.train(training["mode_training"])
+    return pipe
+
+
+class SavedGraph(Capture):
+    """The saved graph as the capture: at each size its values come from fake-tensor propagation
+    (its code reads its sizes from its inputs), and the sizes a step may give are the saved plan's."""
+
+    def __init__(self, model: fx.GraphModule, saved: Plan, tracer: str):
+        keyword = saved.input_kind == "keyword"
+        super().__init__(Objective(model, None, keyword), tracer, list(saved.input_names), saved.input_kind,
+                         saved.target_name, model, None)
+        self.saved = saved
+
+    def _graph_at(self, inputs, target) -> fx.GraphModule:
+        return self.propagated(inputs, target)
+
+    def lowest_sizes(self) -> list[tuple[int, ...]] | None:
+        return None if self.tracer == "fx" else [spec.lowest or spec.shape for spec in self.saved.input_specs]
+
+    def smallest_microbatch(self, inputs, target, planned: int) -> int:
+        return 1 if self.tracer == "fx" else self.saved.smallest_microbatch
+
+
+def loss_in_saved_graph(output, target):
+    """Stands for the loss function of a re-planned pipeline: the saved graph computes the loss
+    itself, so planning never calls it."""
+    raise PlanError("the loss of a re-planned pipeline is computed by its saved graph, not by a loss function")
+
+
+def _options(model_graph: dict, plan: Plan, training: dict, target: torch.Tensor | None) -> CompileOptions:
+    """compile's options for the new plan: the saved ones (compiler/model_graph.py), the checkpoint's
+    optimizer, clipping and seed; an export graph's microbatch count (module docstring)."""
+    saved = dict(model_graph.get("options", {}))
+    microbatches = saved.get("microbatches")
+    if model_graph.get("tracer") != "fx":
+        microbatches = plan.microbatches
+    scaling = saved.get("loss_scaling")
+    return CompileOptions(
+        loss_fn=None if target is None else loss_in_saved_graph, example_target=target,
+        optimizer=recorded_optimizer(training.get("optimizer"), training.get("optimizer_groups", [])),
+        microbatches=microbatches, schedule=saved.get("schedule", "auto"), cost=saved.get("cost", "profile"),
+        clip_grad_norm=training.get("clip_grad_norm"), swap=saved.get("swap", "auto"),
+        replicas=saved.get("replicas", 1), stages=saved.get("stages"),
+        optimizer_on_host=bool(saved.get("optimizer_on_host", False)), seed=plan.seed, precision=plan.precision,
+        loss_scaling=None if scaling is None else LossScaling(**scaling))
+
+
+def _example_batch(plan: Plan) -> tuple[tuple | dict, torch.Tensor | None]:
+    """A batch of the saved example's shapes and dtypes (what memory was planned for): random
+    floats, integer ids 0, masks True. Only the profiler runs it."""
+    batch = plan.microbatches * plan.microbatch_size
+    generator = torch.Generator().manual_seed(0)  # the user's random stream stays as it was
+    tensors = [_example_tensor(spec, batch, generator) for spec in plan.input_specs]
+    inputs, target = tensors[:len(plan.input_names)], None
+    if plan.target_name is not None and len(tensors) > len(plan.input_names):
+        target = tensors[len(plan.input_names)]
+    if plan.input_kind == "keyword":
+        return dict(zip(plan.input_names, inputs, strict=True)), target
+    return tuple(inputs), target
+
+
+def _example_tensor(spec: InputSpec, batch: int, generator: torch.Generator) -> torch.Tensor:
+    dtype = getattr(torch, spec.dtype.removeprefix("torch."))
+    shape = (batch, *spec.shape) if spec.batched else spec.shape
+    if dtype.is_floating_point:
+        return torch.randn(shape, dtype=dtype, generator=generator)
+    return torch.ones(shape, dtype=dtype) if dtype == torch.bool else torch.zeros(shape, dtype=dtype)

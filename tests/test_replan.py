@@ -1,0 +1,113 @@
+"""`sw.load(directory, devices=...)` plans a checkpoint's graph again for other devices, without the
+model (compiler/replan.py, Varuna §4.5). Hugging Face GPT-2 (a torch.export graph) from 4 devices
+onto 2 and 3: tests/test_morph.py; under two gloo ranks: tests/test_distributed_training_api.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+import stagewise as sw
+from stagewise.compiler.checkpoint_read import read_checkpoint
+from stagewise.compiler.replan import _options
+from tests.models.dropout import DropoutGPT
+from tests.models.gpt import lm_loss
+from tests.reference import ADAMW
+
+STEPS = 3
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(5)
+    out = []
+    for _ in range(2 * STEPS):
+        ids = torch.randint(0, 64, (32, 9), generator=generator)
+        out.append((ids[:, :-1], ids[:, 1:]))
+    return out
+
+
+def _compiled(devices: int) -> sw.Pipeline:
+    """The tied GPT (fx-traced), no dropout: the planner chooses the microbatch count and schedule."""
+    torch.manual_seed(0)
+    ids, target = _batches()[0]
+    pipe = sw.compile(DropoutGPT(p=0.0, layers=2), devices, (ids,), loss_fn=lm_loss, example_target=target, cost="analytic",
+                      optimizer=ADAMW, clip_grad_norm=1.0)
+    pipe.timeout_s = 20.0
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """Trained STEPS steps on 4 devices, saved, then STEPS more: what a re-planned run must match."""
+    pipe = _compiled(4)
+    batches = _batches()
+    for ids, target in batches[:STEPS]:
+        pipe.step(ids, target=target)
+    directory = tmp_path_factory.mktemp("replan") / "ck"
+    pipe.save(directory)
+    losses = [pipe.step(ids, target=target) for ids, target in batches[STEPS:]]
+    return directory, losses, pipe.state_dict()
+
+
+def test_an_fx_graph_is_planned_again_at_any_microbatch_count_and_again_from_its_own_checkpoint(saved_run, tmp_path):
+    """Onto one device (the planner free to choose the microbatches: fx code takes any size), one
+    step there, saved, and onto two: each checkpoint keeps the graph, and the run ends as the
+    uninterrupted one within fp32 rounding."""
+    directory, want_losses, want_state = saved_run
+    batches = _batches()[STEPS:]
+    one = sw.load(directory, devices=["cpu"], report=False)
+    assert len(one.plan.devices) == 1 and one.plan.tracer == "fx"
+    assert one.plan.microbatches != read_checkpoint(directory, None).plan.microbatches  # the planner's 1 and 2
+    losses = [one.step(batches[0][0], target=batches[0][1])]
+    one.save(tmp_path / "one")
+    two = sw.load(tmp_path / "one", devices=["cpu", "cpu"], report=False)
+    assert len(two.plan.devices) == 2 and two.executor.iteration == STEPS + 1
+    losses += [two.step(ids, target=target) for ids, target in batches[1:]]
+    torch.testing.assert_close(torch.stack(losses), torch.stack(want_losses), rtol=1e-5, atol=1e-6)
+    got = two.state_dict()
+    assert list(got) == list(want_state)
+    for key, tensor in want_state.items():
+        torch.testing.assert_close(got[key], tensor, rtol=1e-4, atol=1e-6, msg=key)
+
+
+def test_an_export_graph_keeps_the_saved_microbatch_count(saved_run):
+    """An export graph was checked at the saved sizes only: its new plan keeps them."""
+    saved = read_checkpoint(saved_run[0], None)
+    graph = dict(saved.model_graph, tracer="export", options={**saved.model_graph["options"], "microbatches": None})
+    options = _options(graph, saved.plan, saved.training, None)
+    assert options.microbatches == saved.plan.microbatches
+    assert _options(saved.model_graph, saved.plan, saved.training, None).microbatches is None
+
+
+def test_a_checkpoint_without_a_graph_is_placed_as_saved_or_refused(tmp_path):
+    """A graph that could not be saved as data: the saved plan's devices go onto the new ones (told
+    in a warning), and asking for a new plan names the way through the model."""
+    pipe = _compiled(2)
+    pipe.model_graph = {"format": "stagewise.model/1", "unavailable": "a tensor subclass"}
+    pipe.save(tmp_path / "ck")
+    with pytest.warns(UserWarning, match="a tensor subclass"):
+        placed = sw.load(tmp_path / "ck", devices=["cpu"])
+    assert len(placed.plan.devices) == 2 and {d.name for d in placed.plan.devices} == {"cpu"}
+    with pytest.raises(sw.CheckpointError, match="a tensor subclass.*pipe.restore"):
+        sw.load(tmp_path / "ck", devices=["cpu"], replan=True)
+    with pytest.raises(sw.OptionError, match="give them"):
+        sw.load(tmp_path / "ck", replan=True)
+
+
+def test_the_same_devices_load_the_saved_plan_and_virtual_devices_are_placed(saved_run, tmp_path):
+    directory = saved_run[0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        same = sw.load(directory, devices=["cpu"] * 4)
+    assert same.plan == read_checkpoint(directory, None).plan  # not planned again
+    assert not [w for w in caught if "graph" in str(w.message)]
+    torch.manual_seed(0)
+    ids, target = _batches()[0]
+    virtual = sw.compile(DropoutGPT(p=0.0, layers=2), ["cpu"], (ids,), loss_fn=lm_loss, example_target=target,
+                         cost="analytic", virtual_devices=2, microbatches=2)
+    virtual.save(tmp_path / "virtual")
+    placed = sw.load(tmp_path / "virtual", devices=["cpu", "cpu"])
+    assert dataclasses.replace(placed.plan, devices=virtual.plan.devices) == virtual.plan
