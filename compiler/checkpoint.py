@@ -67,7 +67,7 @@ def load(directory, trusted_functions: Sequence[Callable] = (), devices=None, re
     plan = saved.plan if devices is None else remapped(saved.plan, devices)
     modules = _stage_modules(saved, trusted_functions, None if context is None else context.rank)
     training = saved.training
-    optimizer = recorded_optimizer(training.get("optimizer"), training.get("optimizer_groups", []))
+    optimizer = recorded_optimizer(training.get("optimizer"), training.get("optimizer_groups", []), plan.aliases)
     runtime = start_runtime(plan, modules, optimizer, training.get("clip_grad_norm"),
                             frozenset(training.get("swapped", ())))
     unheld = _unheld(saved)

@@ -68,31 +68,39 @@ def _import_class(path: str) -> type[torch.optim.Optimizer]:
 
 
 class _SavedGroups:
-    """The saved groups as a `ParamGroups` function: each group takes the parameters it held by name."""
+    """The saved groups as a `ParamGroups` function: each group takes the parameters it held by name
+    (a tied parameter under any of its names: the stages may know it by another one)."""
 
-    def __init__(self, groups: Sequence[dict]):
+    def __init__(self, groups: Sequence[dict], aliases: Sequence[Sequence[str]]):
         self.groups = [(list(g["param_names"]), {k: v for k, v in g.items() if k != "param_names"}) for g in groups]
+        self.group_of = {name: index for index, (names, _) in enumerate(self.groups) for name in names}
+        for tie in aliases:
+            placed = next((self.group_of[name] for name in tie if name in self.group_of), None)
+            for name in tie if placed is not None else ():
+                self.group_of.setdefault(name, placed)
 
     def __call__(self, named: NamedParameters) -> list[dict]:
-        present = {n for n, _ in named}
-        made = [{"params": [n for n in names if n in present], **hyper} for names, hyper in self.groups]
-        placed = {n for names, _ in self.groups for n in names}
-        unplaced = [n for n in present if n not in placed]
-        if unplaced and made:
-            made[0]["params"] += unplaced  # not in the saved groups (no state yet): the first group's defaults
+        made: list[dict] = [{"params": [], **hyper} for _, hyper in self.groups]
+        for name, _ in named:
+            if name not in self.group_of:
+                raise CheckpointError(f"the checkpoint's optimizer groups do not hold the parameter {name}: it was "
+                                      "saved from another model; load it into the model it was saved from")
+            made[self.group_of[name]]["params"].append(name)
         return made
 
 
-def recorded_optimizer(recipe: dict | None, groups: Sequence[dict]) -> ParamGroups:
+def recorded_optimizer(recipe: dict | None, groups: Sequence[dict], aliases: Sequence[Sequence[str]] = ()
+                       ) -> ParamGroups:
     """The factory the stages of a loaded pipeline make their optimizers with: the recorded class
-    and defaults, grouped by the saved names with each group's saved hyper-parameters."""
+    and defaults, grouped by the saved names (`aliases`: the plan's tied names) with each group's
+    saved hyper-parameters."""
     if recipe is None:
         raise CheckpointError("the checkpoint holds no optimizer (no stage had a trainable parameter)")
     if "unrecorded" in recipe:
         raise CheckpointError(f"the checkpoint's optimizer could not be recorded: {recipe['unrecorded']}; load it "
                               "into the model instead: compile the model again with its optimizer, then "
                               "pipe.restore(directory)")
-    return ParamGroups(_import_class(recipe["class"]), _SavedGroups(groups), **recipe["defaults"])
+    return ParamGroups(_import_class(recipe["class"]), _SavedGroups(groups, aliases), **recipe["defaults"])
 
 
 def check_same_optimizer(recipe: dict | None, factory) -> None:

@@ -96,7 +96,8 @@ def _options(model_graph: dict, plan: Plan, training: dict, target: torch.Tensor
     scaling = saved.get("loss_scaling")
     return CompileOptions(
         loss_fn=None if target is None else loss_in_saved_graph, example_target=target,
-        optimizer=recorded_optimizer(training.get("optimizer"), training.get("optimizer_groups", [])),
+        optimizer=recorded_optimizer(training.get("optimizer"), training.get("optimizer_groups", []),
+                                     plan.aliases),
         microbatches=microbatches, schedule=saved.get("schedule", "auto"), cost=saved.get("cost", "profile"),
         clip_grad_norm=training.get("clip_grad_norm"), swap=saved.get("swap", "auto"),
         replicas=saved.get("replicas", 1), stages=saved.get("stages"),

@@ -12,6 +12,7 @@ import torch
 
 import stagewise as sw
 from stagewise.compiler.checkpoint_read import read_checkpoint
+from stagewise.compiler.optimizer_recipe import recorded_optimizer
 from stagewise.compiler.replan import _options
 from tests.models.dropout import DropoutGPT
 from tests.models.gpt import lm_loss
@@ -111,3 +112,19 @@ def test_the_same_devices_load_the_saved_plan_and_virtual_devices_are_placed(sav
     virtual.save(tmp_path / "virtual")
     placed = sw.load(tmp_path / "virtual", devices=["cpu", "cpu"])
     assert dataclasses.replace(placed.plan, devices=virtual.plan.devices) == virtual.plan
+
+
+def test_saved_groups_place_a_tie_under_any_of_its_names_and_refuse_a_stranger():
+    """A stage may know a tied parameter by another name than the one saved (the canonical name is
+    the first the model registered): it takes that name's group. A parameter the saved groups never
+    held would otherwise land in some group silently: refused."""
+    groups = [{"param_names": ["h.bias"], "weight_decay": 0.0, "lr": 0.01},
+              {"param_names": ["wte.weight", "h.weight"], "weight_decay": 0.1, "lr": 0.01}]
+    factory = recorded_optimizer({"class": "torch.optim.AdamW", "defaults": {"lr": 0.01}}, groups,
+                                 (("wte.weight", "head.weight"),))
+    tied, bias = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    optimizer = factory.build([("head.weight", tied), ("h.bias", bias)])
+    assert [g["params"] for g in optimizer.param_groups] == [[bias], [tied]]
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.0, 0.1]
+    with pytest.raises(sw.CheckpointError, match="do not hold the parameter extra.weight"):
+        factory.build([("extra.weight", torch.nn.Parameter(torch.ones(1)))])
