@@ -218,7 +218,8 @@ def spawn(args, root: Path) -> list[dict]:
 # ---- the 2-rank checkpoints in one process ----------------------------------------------------------
 def one_process(args, root: Path) -> dict[str, list[tuple[float, int]]]:
     """Each checkpoint read back in this process (1 intra-op thread): restore into the model compiled
-    on 1 device, sw.load, torch.load of the gathered file."""
+    on 1 device, sw.load, torch.load of the gathered file; and going on on 1 device both ways: the
+    model compiled again and restored into, or the checkpoint's graph planned again without it."""
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # DCP in one process says so
     pipe, _ = compile_pipe(args, 1)
@@ -226,6 +227,10 @@ def one_process(args, root: Path) -> dict[str, list[tuple[float, int]]]:
         "stagewise: pipe.restore into 1 device": lambda: pipe.restore(root / SW_DIR, report=False),
         "stagewise: sw.load (both stages)": lambda: sw.load(root / SW_DIR),
         "gather: torch.load of the file": lambda: torch.load(root / GATHERED, weights_only=True),
+        "stagewise: compile the model for 1 device + pipe.restore":
+            lambda: compile_pipe(args, 1)[0].restore(root / SW_DIR, report=False),
+        "stagewise: sw.load(devices=1), its graph planned again without the model":
+            lambda: sw.load(root / SW_DIR, devices=1, report=False),
     }
     runs: dict[str, list[tuple[float, int]]] = {}
     for _ in range(args.repeats):
