@@ -226,15 +226,20 @@ class Pipeline:
         without target=: every microbatch's, concatenated along dim 0, on the CPU. Nothing is updated
         or counted. Known for a model compiled with loss_fn, or returning .logits beside its own loss
         (compiler/prediction.py), else PredictError. Inputs only its loss reads (labels) may be left out."""
-        inputs = named_inputs(self.plan, args, fill_unread_inputs(self.plan, self.step_shapes.modules, kwargs))
-        check_step_tensors(inputs, self.plan.input_specs[:len(inputs)], self.plan.microbatches,
-                           self.plan.microbatch_size, self.plan.smallest_microbatch or self.plan.microbatch_size)
-        pieces = [{n: v for n, v in zip(self.plan.graph_inputs, piece.values(), strict=False)}
-                  for piece in split_batch(inputs, self.plan.microbatches)]
-        if self.plan.target_name is not None:
-            for piece in pieces:
-                piece[self.plan.graph_inputs[len(inputs)]] = None  # the loss, left out, needed it
-        return predict(self.evaluation, self.plan.microbatches, lambda: self._feed(pieces), self.executor)
+        def feeder() -> Callable[[], None]:
+            inputs = named_inputs(self.plan, args, fill_unread_inputs(self.plan, self.step_shapes.modules, kwargs))
+            check_step_tensors(inputs, self.plan.input_specs[:len(inputs)], self.plan.microbatches,
+                               self.plan.microbatch_size, self.plan.smallest_microbatch or self.plan.microbatch_size)
+            pieces = [{n: v for n, v in zip(self.plan.graph_inputs, piece.values(), strict=False)}
+                      for piece in split_batch(inputs, self.plan.microbatches)]
+            if self.plan.target_name is not None:
+                for piece in pieces:
+                    piece[self.plan.graph_inputs[len(inputs)]] = None  # the loss, left out, needed it
+            return lambda: self._feed(pieces)
+
+        # checked now in one process; under torch.distributed when the pass begins (as `_checked_feed`)
+        feed = feeder() if self.context is None else lambda: feeder()()
+        return predict(self.evaluation, self.plan.microbatches, feed, self.executor)
 
     def _checked_feed(self, args, target, kwargs) -> Callable[[], None]:
         """The feed of a step or an evaluation. In one process its inputs are checked now; under

@@ -158,7 +158,9 @@ RECOMPUTE_FAULTS = (("recompute", 0, "first", "first"), ("recompute", 0, "first"
 CLIPPED = ("gpipe", "varuna", "harmony-pp")  # these clip: the gradient-norm all-reduce is in flight too
 # inputs one rank refuses (a target of another dtype): the step fails on both ranks at once
 INPUT_FAULTS = (("input", 1, "first", None),)
-CASES = {schedule: FAULTS + INPUT_FAULTS + (RECOMPUTE_FAULTS if schedule == "varuna" else ()) for schedule in SCHEDULES}
+PREDICT_FAULTS = (("predict-input", 1, "first", None),)  # pipe.predict the same way (it trains nothing)
+CASES = {schedule: FAULTS + INPUT_FAULTS + (RECOMPUTE_FAULTS if schedule == "varuna" else ())
+         + (PREDICT_FAULTS if schedule == "gpipe" else ()) for schedule in SCHEDULES}
 CASES_LIMIT_S = 240.0  # every case on one pair of ranks (about 40 s on an idle 2-core machine)
 
 
@@ -209,10 +211,15 @@ def _failed_step(pipe, rank: int, fault: tuple, bad: tuple) -> dict:
     restore = None
     if rank == failing_rank and kind == "input":
         target = target.float()
+    elif rank == failing_rank and kind == "predict-input":
+        inputs = tuple(x.float() for x in inputs)
     elif rank == failing_rank:
         restore = _inject(pipe, kind, stage, position)
     try:
-        pipe.step(*inputs, target=target)
+        if kind == "predict-input":
+            pipe.predict(*inputs)
+        else:
+            pipe.step(*inputs, target=target)
         raised = None
     except Exception as error:  # noqa: BLE001 - the parent checks what it was
         raised = (type(error).__name__, str(error))
@@ -282,7 +289,7 @@ def test_a_step_failed_on_one_rank_is_undone_on_both(faulted, schedule, fault):
         step = result[fault]
         assert step["raised"] is not None, f"rank {rank}: the step did not fail"
         name, message = step["raised"]
-        if rank == failing_rank and fault[0] == "input":
+        if rank == failing_rank and fault[0] in ("input", "predict-input"):
             assert name == "ExampleInputsError" and "dtype" in message, step["raised"]
         elif rank == failing_rank:
             assert name == InjectedFault.__name__ and "on purpose" in message, step["raised"]
