@@ -57,6 +57,9 @@ class CompileOptions:
     precision: str = "fp32"  # checked by ir/precision.py check_precision before
     loss_scaling: LossScaling | None = None  # fp16's (LossScaling() unless given)
     topology: Topology | None = None  # the links between the devices, given (else measured, or modelled by sw.plan)
+    # (fewest, most) samples per microbatch the graph may be planned at: a re-planned export graph's
+    # (compiler/replan.py); None: any
+    microbatch_sizes: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.replicas, list):  # replicas=[2, 1] reads as (2, 1)
@@ -243,7 +246,7 @@ class CompileRequest:
         batch = batch_size(example_inputs, options.example_target)
         if options.microbatches is not None:
             check_microbatches(batch, options.microbatches)
-        first = options.microbatches or max(d for d in range(1, len(resolved) + 1) if batch % d == 0)
+        first = options.microbatches or first_count(batch, len(resolved), options.microbatch_sizes)
         named = dict(zip(names, example_inputs.values() if isinstance(example_inputs, dict) else example_inputs,
                          strict=True))
         for name, tensor in named.items():
@@ -268,6 +271,13 @@ class CompileRequest:
     def sharing_cpu_devices(self) -> int:
         """In-process CPU devices computing side by side on this process's cores."""
         return _sharing_cpu_devices(self.devices, self.distributed)
+
+
+def first_count(batch: int, devices: int, sizes: tuple[int, int] | None) -> int:
+    """The microbatch count the first graph is cut at: the most, up to one per device, that divides
+    the batch (into microbatches of `sizes`, when given)."""
+    counts = [m for m in range(1, batch + 1) if batch % m == 0 and (sizes is None or sizes[0] <= batch // m <= sizes[1])]
+    return max((m for m in counts if m <= devices), default=min(counts))
 
 
 def _check_model(model: object, weights_needed: bool) -> None:

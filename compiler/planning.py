@@ -180,6 +180,9 @@ def _search(request: CompileRequest, builder: PlanBuilder, analysis: Analysis,
     options_to_try = candidates(options.schedule, options.microbatches, request.batch, len(request.devices),
                              analysis.first.legal_cuts, _needs_swap(request, analysis, costs), options.replicas,
                              options.stages, _stages_at_full_speed(request))
+    if options.microbatch_sizes is not None:
+        fewest, most = options.microbatch_sizes
+        options_to_try = [c for c in options_to_try if fewest <= request.batch // c.microbatches <= most]
     chosen, prediction, tried, verdict = choose_with_harmony(options_to_try, builder.build,
                                                              builder.pack_search(analysis.first, exact=False))
     notes = verdict.notes(tried)

@@ -9,8 +9,10 @@ state then comes from the checkpoint, each process reading only its own stages' 
 The saved graph is the one the saved stages ran, at the saved microbatch size, and the stage
 code takes what that size's code took: smaller microbatches and shorter sequences down to the
 saved plan's lowest sizes. An fx graph computes its sizes at any size, so the planner may choose
-any microbatch count; a torch.export graph was checked only at the sizes the saved plan covered,
-so its plan keeps the saved microbatch count (the global batch is the saved one either way).
+any microbatch count; a torch.export graph's symbolic sizes were checked only over the sizes the
+saved plan's steps may take (its guards are not kept), so its plan keeps to microbatches of those
+sizes: from the saved plan's smallest to its microbatch size (more microbatches, not fewer). The
+global batch is the saved one either way; a microbatch count the user fixed stays.
 """
 
 from __future__ import annotations
@@ -88,17 +90,18 @@ def loss_in_saved_graph(output, target):
 
 def _options(model_graph: dict, plan: Plan, training: dict, target: torch.Tensor | None) -> CompileOptions:
     """compile's options for the new plan: the saved ones (compiler/model_graph.py), the checkpoint's
-    optimizer, clipping and seed; an export graph's microbatch count (module docstring)."""
+    optimizer, clipping and seed; an export graph's microbatch sizes (module docstring)."""
     saved = dict(model_graph.get("options", {}))
-    microbatches = saved.get("microbatches")
+    sizes = None
     if model_graph.get("tracer") != "fx":
-        microbatches = plan.microbatches
+        sizes = (plan.smallest_microbatch or plan.microbatch_size, plan.microbatch_size)
     scaling = saved.get("loss_scaling")
     return CompileOptions(
         loss_fn=None if target is None else loss_in_saved_graph, example_target=target,
         optimizer=recorded_optimizer(training.get("optimizer"), training.get("optimizer_groups", []),
                                      plan.aliases),
-        microbatches=microbatches, schedule=saved.get("schedule", "auto"), cost=saved.get("cost", "profile"),
+        microbatches=saved.get("microbatches"), microbatch_sizes=sizes, schedule=saved.get("schedule", "auto"),
+        cost=saved.get("cost", "profile"),
         clip_grad_norm=training.get("clip_grad_norm"), swap=saved.get("swap", "auto"),
         replicas=saved.get("replicas", 1), stages=saved.get("stages"),
         optimizer_on_host=bool(saved.get("optimizer_on_host", False)), seed=plan.seed, precision=plan.precision,

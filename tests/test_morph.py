@@ -62,7 +62,7 @@ def test_sw_load_plans_again_for_other_devices_without_the_model(four_device_run
     directory = four_device_run[0]
     pipe = sw.load(directory, devices=["cpu"] * devices)
     pipe.timeout_s = 20.0
-    assert len(pipe.plan.devices) == devices and pipe.plan.microbatches == 4  # an export graph keeps its count
+    assert len(pipe.plan.devices) == devices and pipe.plan.microbatches == 4  # the count compile was given
     printed = capsys.readouterr().out
     assert f"onto {devices}:" in printed and "device 1 read" in printed
     _goes_on_as_uninterrupted(pipe, four_device_run)

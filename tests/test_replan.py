@@ -14,6 +14,7 @@ import stagewise as sw
 from stagewise.compiler.checkpoint_read import read_checkpoint
 from stagewise.compiler.optimizer_recipe import recorded_optimizer
 from stagewise.compiler.replan import _options
+from tests import hf
 from tests.models.dropout import DropoutGPT
 from tests.models.gpt import lm_loss
 from tests.reference import ADAMW
@@ -74,13 +75,29 @@ def test_an_fx_graph_is_planned_again_at_any_microbatch_count_and_again_from_its
         torch.testing.assert_close(got[key], tensor, rtol=1e-4, atol=1e-6, msg=key)
 
 
-def test_an_export_graph_keeps_the_saved_microbatch_count(saved_run):
-    """An export graph was checked at the saved sizes only: its new plan keeps them."""
+def test_an_export_graph_is_planned_at_microbatches_no_larger_than_saved(tmp_path):
+    """Hugging Face Llama (torch.export) saved as one microbatch of 16 on two devices, planned again
+    for three devices of too little memory for that: more, smaller microbatches (the saved code
+    takes any size down to its smallest), never larger ones; the loss is the saved run's."""
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 128, (16, 8), generator=generator)
+    torch.manual_seed(0)
+    pipe = sw.compile(hf.llama(2), 2, {"input_ids": ids, "labels": ids}, cost="analytic", optimizer=ADAMW)
+    pipe.step(input_ids=ids, labels=ids)
+    pipe.save(tmp_path / "ck")
+    assert (pipe.plan.microbatches, pipe.plan.microbatch_size) == (1, 16)
+    saved = read_checkpoint(tmp_path / "ck", None)
+    options = _options(saved.model_graph, saved.plan, saved.training, None)
+    assert options.microbatches is None and options.microbatch_sizes == (saved.plan.smallest_microbatch, 16)
+    moved = sw.load(tmp_path / "ck", devices=[sw.Device("cpu", memory="300KiB")] * 3, report=False)
+    assert moved.plan.microbatches > 1 and moved.plan.microbatch_size >= moved.plan.smallest_microbatch
+    torch.testing.assert_close(moved.step(input_ids=ids, labels=ids), pipe.step(input_ids=ids, labels=ids),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_an_fx_graph_takes_any_microbatch_size(saved_run):
     saved = read_checkpoint(saved_run[0], None)
-    graph = dict(saved.model_graph, tracer="export", options={**saved.model_graph["options"], "microbatches": None})
-    options = _options(graph, saved.plan, saved.training, None)
-    assert options.microbatches == saved.plan.microbatches
-    assert _options(saved.model_graph, saved.plan, saved.training, None).microbatches is None
+    assert _options(saved.model_graph, saved.plan, saved.training, None).microbatch_sizes is None
 
 
 def test_a_checkpoint_without_a_graph_is_placed_as_saved_or_refused(tmp_path):
