@@ -1,6 +1,8 @@
 """`pipe.save(directory, asynchronous=True)`: training overlaps the write, and the checkpoint holds
 the state at the save, not after; a failure in the background is raised, never lost, and leaves the
-earlier checkpoint intact; one save at a time; under two gloo ranks the same (compiler/checkpoint_async.py).
+earlier checkpoint intact; one save at a time; under two gloo ranks the same (compiler/checkpoint_async.py):
+that case runs on tests/test_distributed_save.py's pair of ranks (one process-group start for both
+files), with `save_on_this_rank` and `check_saved_on_two_ranks` from here.
 
 The write is held back deterministically (`write_tensors` waits on an event the test sets), so
 "the steps returned before the save completed" is a fact, not a timing.
@@ -8,15 +10,12 @@ The write is held back deterministically (`write_tensors` waits on an event the 
 
 from __future__ import annotations
 
-import os
 import threading
 import time
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import stagewise as sw
@@ -24,9 +23,6 @@ from stagewise.compiler import checkpoint_async, checkpoint_write
 from stagewise.ir.errors import CheckpointError
 from tests.models.mlp import mlp
 from tests.reference import ADAMW, pipeline_train
-from tests.test_distributed import _join, _save, _spawn
-
-SPAWN_LIMIT_S = 60.0
 
 
 def _problem(schedule: str = "1f1b", **options) -> tuple[sw.Pipeline, list]:
@@ -148,40 +144,40 @@ def test_a_save_waits_for_the_one_in_flight(tmp_path, monkeypatch):
     assert [sw.load(tmp_path / n).executor.iteration for n in ("a", "b")] == [1, 2]
 
 
-# ---- under two gloo ranks -------------------------------------------------------------------
-def _save_on_two_ranks(rank: int, init_file: str, out: str) -> None:
-    _join(init_file, rank, 30.0)
-    torch.set_num_threads(1)
-    result: dict = {}
+# ---- under two gloo ranks: tests/test_distributed_save.py's pair of ranks runs these ----------
+def save_on_this_rank(directory: Path) -> dict:
+    """On each of two gloo ranks: an asynchronous save, its write held back while a step runs, then
+    let go while the next step runs beside DCP's collectives on the checkpoints' group."""
+    pipe, batches = _problem()
+    pipeline_train(pipe, batches[:2])
+    result = {"state": {k: v.clone() for k, v in pipe.state_dict().items()}}  # gathered from both ranks
+    write = checkpoint_write.write_tensors
+    gate = _held()
     try:
-        pipe, batches = _problem()
-        pipeline_train(pipe, batches[:2])
-        result["state"] = {k: v.clone() for k, v in pipe.state_dict().items()}  # gathered from both ranks
-        gate = _held()
-        handle = pipe.save(Path(out) / "ck", asynchronous=True)
+        handle = pipe.save(directory, asynchronous=True)
         pipeline_train(pipe, batches[2:3])
         result["done after a step"] = handle.done()
-        gate.set()  # the second step runs beside DCP's collectives on the checkpoints' group
+        gate.set()
         pipeline_train(pipe, batches[3:])
         pipe.wait_for_save()
-        result["after"] = {k: v.clone() for k, v in pipe.state_dict().items()}
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - the parent shows it
-        result["error"] = traceback.format_exc()
-    _save(Path(out) / f"rank{rank}.pkl", result)
-    os._exit(0)
+    finally:
+        gate.set()
+        checkpoint_write.write_tensors = write  # the ranks go on to other saves
+    result["after"] = {k: v.clone() for k, v in pipe.state_dict().items()}
+    return result
 
 
-def test_an_asynchronous_save_under_two_ranks_holds_the_state_at_the_save(tmp_path):
-    results = _spawn(_save_on_two_ranks, tmp_path, limit_s=SPAWN_LIMIT_S)
+def check_saved_on_two_ranks(directory: Path, results: list[dict]) -> None:
+    """The checkpoint holds the state at the save, each rank wrote its own shard, and training the
+    loaded pipeline on ends where the ranks did."""
     for rank, result in enumerate(results):
-        assert result is not None and "error" not in result, f"rank {rank}: {result and result.get('error')}"
+        assert "error" not in result, f"rank {rank}: {result.get('error')}"
         assert not result["done after a step"]
-    loaded = sw.load(tmp_path / "ck")
+    loaded = sw.load(directory)
     _assert_exact(loaded.state_dict(), results[0]["state"])
     assert loaded.executor.iteration == 2
-    assert sorted(p.name for p in (tmp_path / "ck" / "weights").iterdir()) == [".metadata", "__0_0.distcp",
-                                                                               "__1_0.distcp"]
+    assert sorted(p.name for p in (directory / "weights").iterdir()) == [".metadata", "__0_0.distcp",
+                                                                          "__1_0.distcp"]
     _, batches = _problem()
     pipeline_train(loaded, batches[2:])
     _assert_exact(loaded.state_dict(), results[0]["after"])

@@ -7,6 +7,8 @@ with a single-process run of the same training: weights, optimizer state, and th
 training on. The same pair also shows the failures: a rank that cannot snapshot its stages, or
 a rank 0 that cannot write, fails the save on both ranks and leaves the earlier checkpoint
 intact; a save called on rank 0 only is a PeerError within the pipeline's timeout, not a hang.
+The same pair runs tests/test_async_save.py's asynchronous save under two ranks (one process-group
+start for both files).
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ import torch.distributed as dist
 import stagewise as sw
 from stagewise.compiler import checkpoint_write
 from tests.reference import ATOL, RTOL, assert_state_equal, pipeline_train, token_batches
+from tests.test_async_save import check_saved_on_two_ranks, save_on_this_rank
 from tests.test_distributed import _compile, _join, _save, _spawn
-from tests.test_save_load import assert_optimizer_state_equal, optimizer_state
 
 # (schedule, swap): the tied embedding and head on different ranks with clipping; two stages per
 # rank; Harmony's wrap-around packs with weights and optimizer state swapped to host memory.
@@ -32,6 +34,7 @@ CASES = (("1f1b", "off"), ("interleaved", "off"), ("harmony-pp", "on"))
 SAVED_AFTER = 2  # steps trained before the save (of the problem's 3 batches)
 LIMIT_S = 120.0  # the whole script on one pair of ranks (about 15 s on an idle 2-core machine)
 TIMEOUT_S = 20.0
+ALONE_TIMEOUT_S = 1.0  # the pipeline's timeout for the save called on rank 0 only (waited out in full)
 
 
 def _more() -> list:
@@ -76,6 +79,10 @@ def _save_and_load(rank: int, init_file: str, out: str, cases) -> None:
             _save(path, results)
         for how in ("write", "snapshot"):
             results[f"failing {how}"] = _failing_save(pipes[0], rank, out, how)
+        try:
+            results["asynchronous"] = save_on_this_rank(Path(out) / "asynchronous")
+        except Exception:  # noqa: BLE001 - its own test shows it
+            results["asynchronous"] = {"error": traceback.format_exc()}
         _save(path, results)
         results["rank 0 alone"] = _save_on_rank_0_only(pipes[0], rank, out)
     except Exception:  # noqa: BLE001 - the parent shows it
@@ -120,7 +127,7 @@ def _failing(plan, workers, unheld):
 
 
 def _save_on_rank_0_only(pipe, rank: int, out: str) -> dict | None:
-    pipe.timeout_s = 2.0
+    pipe.timeout_s = ALONE_TIMEOUT_S
     if rank == 1:
         flag = Path(out) / "rank0-done"
         deadline = time.monotonic() + 30.0
@@ -150,6 +157,9 @@ def ranks(tmp_path_factory) -> tuple[Path, list[dict]]:
 
 @pytest.mark.parametrize("case", CASES, ids="-".join)
 def test_distributed_save_loads_in_one_process_like_a_single_process_run(ranks, case):
+    # imported here, not at the top: it imports transformers, 1.5 s in each spawned rank
+    from tests.test_save_load import assert_optimizer_state_equal, optimizer_state
+
     out, results = ranks
     alone, batches = _compile("tied-gpt", *case)  # the same training in one process
     pipeline_train(alone, batches[:SAVED_AFTER])
@@ -175,7 +185,7 @@ def test_every_rank_returns_once_the_checkpoint_is_complete(ranks, case):
     out, results = ranks
     written = sorted(p.name for p in _case_dir(out, case).iterdir())
     stages = results[0][case]["all_stages"]
-    assert {"plan.json", "programs.txt", "training.pt", "stagewise.json", "weights"} | {
+    assert {"plan.json", "graph.json", "programs.txt", "training.pt", "stagewise.json", "weights"} | {
         f"stage_{i}.{x}" for i in stages for x in ("py", "json")
     } == set(written)
     shards = sorted(p.name for p in (_case_dir(out, case) / "weights").iterdir())
@@ -210,4 +220,11 @@ def test_save_on_rank_0_only_is_a_peer_error_not_a_hang(ranks):
     assert result["error"][0] == "PeerError" and "every rank must call pipe.save" in result["error"][1], (
         result
     )
-    assert result["seconds"] < 2.0 + 3.0 and not result["written"]
+    assert result["seconds"] < ALONE_TIMEOUT_S + 3.0 and not result["written"]
+
+
+def test_an_asynchronous_save_under_two_ranks_holds_the_state_at_the_save(ranks):
+    """tests/test_async_save.py's case under two gloo ranks, run by this pair: the write held back
+    while a step runs, let go beside the next step's collectives."""
+    out, results = ranks
+    check_saved_on_two_ranks(out / "asynchronous", [result["asynchronous"] for result in results])

@@ -8,9 +8,10 @@ Under torchrun (gloo): two agents on localhost play two machines in one elastic 
 rendezvous, `--nnodes=1:2`); rank 1's worker kills its agent and exits at step 5, so that machine
 is gone; the survivor's agent restarts its worker alone (WORLD_SIZE=1), which compiles for one
 device, restores the newest checkpoint (saved by two ranks) and trains to the end: the losses and
-final parameters are the uninterrupted single-process run's. Then one agent with two workers,
-rank 1 dies, both restart at the same size. Every subprocess has a hard deadline, and what the
-test started is killed at the end, whatever happened.
+final parameters are the uninterrupted single-process run's. And one agent with two workers,
+rank 1 dies, both restart at the same size: that job runs beside the first, started once the lost
+machine is gone (its survivor then mostly waits). Every subprocess has a hard deadline, and what the
+tests started is killed at the end, whatever happened.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or sh
 DEADLINE_S = 90.0  # a torchrun job that outlives this is killed and the test fails (never a hung suite)
 STEPS, EVERY, KEEP, DIE_AT = 8, 2, 3, 5
 LINE = re.compile(r"step (\d+) loss ([0-9.]+) world (\d+)")
-needs_torchrun = pytest.mark.skipif(TORCHRUN is None, reason="torchrun is not installed")
 
 
 # ---- in one process ----------------------------------------------------------------------------
@@ -222,12 +222,19 @@ def _pids_naming(tag: str) -> list[int]:
     return pids
 
 
-def _finish(process: subprocess.Popen, log: Path, start: float) -> str:
+def _finish(process: subprocess.Popen, deadline: float) -> int | None:
+    """The command's exit status; None if it still runs at `deadline` (killed at the end of `_jobs`)."""
     try:
-        process.wait(timeout=max(1.0, DEADLINE_S - (time.monotonic() - start)))
+        return process.wait(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
-        pytest.fail(f"torchrun still running after {DEADLINE_S:g} s:\n{log.read_text()[-4000:]}")
-    return log.read_text()
+        return None
+
+
+def _ended(job: tuple[int | None, str]) -> str:
+    """What a job printed, once it is known to have ended in time."""
+    code, text = job
+    assert code is not None, f"torchrun still running after {DEADLINE_S:g} s:\n{text[-4000:]}"
+    return text
 
 
 def _check_result(text: str, final: Path, uninterrupted, restarted_world: int) -> None:
@@ -247,8 +254,9 @@ def _check_result(text: str, final: Path, uninterrupted, restarted_world: int) -
         torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
 
 
-@needs_torchrun
-def test_a_lost_machine_the_survivor_resumes_alone_from_the_checkpoint_both_saved(tmp_path, uninterrupted):
+def _start_two_machines(run, where: Path) -> tuple[subprocess.Popen, subprocess.Popen]:
+    """Two agents in one elastic job: the survivor (machine A) and the machine whose rank dies at
+    DIE_AT taking its agent along (machine B)."""
     # A lost node is dead after 2 missed 1 s heartbeats; the survivor then waits last_call_timeout for
     # others before it goes on alone (the same wait lets the second agent join at the start).
     port, conf = _free_port(), ("join_timeout=30,last_call_timeout=5,close_timeout=5,"
@@ -256,34 +264,60 @@ def test_a_lost_machine_the_survivor_resumes_alone_from_the_checkpoint_both_save
     common = [TORCHRUN, "--nnodes=1:2", "--nproc-per-node=1", "--rdzv-backend=c10d",
               f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=elastic-{port}", "--max-restarts=1",
               "--monitor-interval=0.1"]
-    script = [str(EXAMPLE), "--checkpoints", str(tmp_path / "ck"), *_schedule()]
-    start = time.monotonic()
-    with _jobs(str(tmp_path)) as run:
-        # Machine A hosts the rendezvous store, and its address sorts first: it is rank 0.
-        survivor = run([*common, "--local-addr=127.0.0.1", f"--rdzv-conf=is_host=1,{conf}", *script,
-                        "--final", str(tmp_path / "final.pt")], tmp_path / "a.log")
-        lost = run([*common, "--local-addr=localhost", f"--rdzv-conf=is_host=0,{conf}", *script,
-                    "--die-at", str(DIE_AT), "--lose-machine"], tmp_path / "b.log")
-        text = _finish(survivor, tmp_path / "a.log", start)
-        lost_text = _finish(lost, tmp_path / "b.log", start)
-    assert survivor.returncode == 0, text[-4000:]
-    assert lost.returncode == -signal.SIGKILL and f"rank 1 dies at step {DIE_AT}" in lost_text, lost_text[-4000:]
+    script = [str(EXAMPLE), "--checkpoints", str(where / "ck"), *_schedule()]
+    # Machine A hosts the rendezvous store, and its address sorts first: it is rank 0.
+    survivor = run([*common, "--local-addr=127.0.0.1", f"--rdzv-conf=is_host=1,{conf}", *script,
+                    "--final", str(where / "final.pt")], where / "a.log")
+    lost = run([*common, "--local-addr=localhost", f"--rdzv-conf=is_host=0,{conf}", *script,
+                "--die-at", str(DIE_AT), "--lose-machine"], where / "b.log")
+    return survivor, lost
+
+
+def _one_agent_two_workers(where: Path) -> list[str]:
+    """One agent, two workers; rank 1 exits at DIE_AT and the agent restarts both at the same size."""
+    return [TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=1", "--monitor-interval=0.1",
+            str(EXAMPLE), "--checkpoints", str(where / "ck"), *_schedule(), "--final", str(where / "final.pt"),
+            "--die-at", str(DIE_AT), "--die-rank", "1"]
+
+
+@pytest.fixture(scope="module")
+def torchrun_jobs(tmp_path_factory) -> tuple[Path, dict[str, tuple[int | None, str]]]:
+    """Both torchrun jobs, side by side: the same-size one starts once machine B is gone, while the
+    survivor mostly waits (2 s of missed heartbeats, 5 s of last call), so the two take little more
+    than the lost machine's job alone. Their folder, and per log (a, b, job) the exit status and text."""
+    if TORCHRUN is None:
+        pytest.skip("torchrun is not installed")
+    root = tmp_path_factory.mktemp("torchrun")
+    logs = {"a": root / "machines" / "a.log", "b": root / "machines" / "b.log",
+            "job": root / "same-size" / "job.log"}
+    for log in logs.values():
+        log.parent.mkdir(exist_ok=True)
+    with _jobs(str(root)) as run:
+        deadline = time.monotonic() + DEADLINE_S
+        survivor, lost = _start_two_machines(run, root / "machines")
+        codes = {"b": _finish(lost, deadline)}
+        job = run(_one_agent_two_workers(root / "same-size"), logs["job"])
+        codes["a"] = _finish(survivor, deadline)
+        codes["job"] = _finish(job, time.monotonic() + DEADLINE_S)
+    return root, {name: (code, logs[name].read_text()) for name, code in codes.items()}
+
+
+def test_a_lost_machine_the_survivor_resumes_alone_from_the_checkpoint_both_saved(torchrun_jobs, uninterrupted):
+    root, jobs = torchrun_jobs
+    where = root / "machines"
+    text, lost_text = _ended(jobs["a"]), _ended(jobs["b"])
+    assert jobs["a"][0] == 0, text[-4000:]
+    assert jobs["b"][0] == -signal.SIGKILL and f"rank 1 dies at step {DIE_AT}" in lost_text, lost_text[-4000:]
     assert "restored a checkpoint of 2 device(s) onto 1" in text, text[-4000:]
-    _check_result(text, tmp_path / "final.pt", uninterrupted, restarted_world=1)
-    assert sorted(p.name for p in (tmp_path / "ck").glob("step_*")) == ["step_4", "step_6", "step_8"]
-    before_failure = sw.load(tmp_path / "ck" / "step_4")  # the one the survivor resumed from, still whole
+    _check_result(text, where / "final.pt", uninterrupted, restarted_world=1)
+    assert sorted(p.name for p in (where / "ck").glob("step_*")) == ["step_4", "step_6", "step_8"]
+    before_failure = sw.load(where / "ck" / "step_4")  # the one the survivor resumed from, still whole
     assert before_failure.executor.iteration == 4 and len(before_failure.plan.devices) == 2
 
 
-@needs_torchrun
-def test_a_dead_rank_restarts_both_at_the_same_size_from_the_checkpoint(tmp_path, uninterrupted):
-    command = [TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=1", "--monitor-interval=0.1",
-               str(EXAMPLE), "--checkpoints", str(tmp_path / "ck"), *_schedule(), "--final", str(tmp_path / "final.pt"),
-               "--die-at", str(DIE_AT), "--die-rank", "1"]
-    start = time.monotonic()
-    with _jobs(str(tmp_path)) as run:
-        job = run(command, tmp_path / "job.log")
-        text = _finish(job, tmp_path / "job.log", start)
-    assert job.returncode == 0, text[-4000:]
+def test_a_dead_rank_restarts_both_at_the_same_size_from_the_checkpoint(torchrun_jobs, uninterrupted):
+    root, jobs = torchrun_jobs
+    text = _ended(jobs["job"])
+    assert jobs["job"][0] == 0, text[-4000:]
     assert text.count(f"rank 1 dies at step {DIE_AT}") == 1, text[-4000:]  # once: the restart did not die again
-    _check_result(text, tmp_path / "final.pt", uninterrupted, restarted_world=2)
+    _check_result(text, root / "same-size" / "final.pt", uninterrupted, restarted_world=2)
