@@ -25,15 +25,17 @@ from stagewise.ir.topology import Topology
 from stagewise.passes.analytic import analytic_layers
 from stagewise.passes.contention import host_contention
 from stagewise.passes.profile import LayerProfile, costs_at, profile_layers
+from stagewise.passes.profile_sizes import MAX_MICROBATCH
 
 
 class LayerCostModel:
     """Per-layer costs at a microbatch size, from one profile (or analytic model) of the first graph."""
 
     def __init__(self, cost_model: str, analysis: Analysis, device: Device, optimizer_ratio: float,
-                 precision: str = "fp32"):
+                 precision: str = "fp32", largest: int = MAX_MICROBATCH):
         self.cost_model, self.analysis, self.device, self.optimizer_ratio = cost_model, analysis, device, optimizer_ratio
         self.precision = precision  # layers are costed under its autocast
+        self.largest = largest  # the largest microbatch the planner may choose: the profiler probes no larger
 
     @functools.cached_property
     def profiles(self) -> list[LayerProfile]:
@@ -46,7 +48,7 @@ class LayerCostModel:
                               # several sizes matter only to a planner that weighs several counts; a static
                               # export would be exported again for each
                               graph_at=self.analysis.graph_at_size if self.analysis.dynamic else None,
-                              precision=self.precision)
+                              precision=self.precision, max_microbatch=self.largest)
 
     def at(self, microbatch_size: int) -> list[LayerCost]:
         return costs_at(self.profiles, microbatch_size)
@@ -76,7 +78,8 @@ def measure_costs(request: CompileRequest, analysis: Analysis) -> Costs:
     options = request.options
     # no optimizer state on the devices when the optimizer steps on the host
     optimizer_ratio = 0.0 if options.optimizer_on_host else optimizer_state_ratio(options.optimizer)
-    layers = LayerCostModel(options.cost, analysis, devices[0], optimizer_ratio, options.precision)
+    largest = MAX_MICROBATCH if options.microbatch_sizes is None else options.microbatch_sizes[1]
+    layers = LayerCostModel(options.cost, analysis, devices[0], optimizer_ratio, options.precision, largest)
     layers.at(analysis.first.microbatch_size)
     if not request.runs_here:
         topology = options.topology or modelled_topology(devices)
