@@ -32,7 +32,7 @@ from stagewise.compiler.morph import restore_into
 from stagewise.compiler.optimizer_recipe import recorded_optimizer
 from stagewise.compiler.options import CompileOptions, CompileRequest
 from stagewise.compiler.pipeline import Pipeline
-from stagewise.ir.errors import PlanError
+from stagewise.ir.errors import CapacityError, PlanError
 from stagewise.ir.plan import InputSpec, Plan
 from stagewise.ir.precision import LossScaling
 from stagewise.passes.capture import Capture, Objective
@@ -54,7 +54,12 @@ def replan(saved: Checkpoint, devices, trusted: Sequence[Callable], report: bool
     ctx = CompileContext(request)
     ctx.analysis = Analysis(model, inputs, target, options.loss_fn, request.batch, request.first_microbatches,
                             dynamic=options.dynamic, precision=options.precision, captured=captured)
-    driver.run_checked(ctx, driver.PHASES[1:])
+    try:
+        driver.run_checked(ctx, driver.PHASES[1:])
+    except CapacityError as error:
+        raise CapacityError(f"{error}\n(planning {saved.root} again: the options are the saved ones; to plan with "
+                            "others, such as more microbatches, compile the model with them and call "
+                            "pipe.restore(directory))") from None
     pipe = driver.pipeline_of(ctx, reduction_from_data(training.get("loss_reduction")), model_graph)
     restore_into(pipe, saved.root, report, training_state=True, constants=True)
     if training.get("mode_training", plan.training) != pipe.training:

@@ -68,6 +68,11 @@ def test_sw_load_plans_again_for_other_devices_without_the_model(four_device_run
     _goes_on_as_uninterrupted(pipe, four_device_run)
 
 
+def test_a_new_plan_that_does_not_fit_says_how_to_plan_with_other_options(four_device_run):
+    with pytest.raises(sw.CapacityError, match=r"options are the saved ones.*pipe.restore\(directory\)"):
+        sw.load(four_device_run[0], devices=[sw.Device("cpu", memory="40KiB")] * 2, report=False)
+
+
 def _goes_on_as_uninterrupted(pipe, four_device_run) -> None:
     """`pipe` holds the saved state and trains on as the 4-device run did, within fp32 rounding."""
     _, batches, saved, want_losses, want_state, want_optimizer = four_device_run
