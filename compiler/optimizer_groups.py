@@ -99,3 +99,8 @@ class StageOptimizerFactory:
 def check_param_groups(spec: ParamGroups, model: torch.nn.Module) -> None:
     """At compile: the groups of the whole model resolve (OptionError naming what does not)."""
     spec.resolve([(n, p) for n, p in model.named_parameters() if p.requires_grad])
+
+
+def sample_optimizer(factory: Callable) -> torch.optim.Optimizer:
+    """What `factory` makes of one dummy parameter: its class and defaults, without the model's."""
+    return factory([torch.nn.Parameter(torch.zeros(1))])

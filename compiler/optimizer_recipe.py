@@ -12,13 +12,14 @@ says so.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from collections.abc import Sequence
 
 import torch
 
-from stagewise.compiler.optimizer_groups import NamedParameters, ParamGroups
+from stagewise.compiler.optimizer_groups import NamedParameters, ParamGroups, sample_optimizer
 from stagewise.ir.errors import CheckpointError
 
 _PLAIN = (bool, int, float, str, type(None))
@@ -36,7 +37,7 @@ def optimizer_recipe(optimizer: torch.optim.Optimizer | None) -> dict | None:
     accepted = inspect.signature(cls.__init__).parameters  # AdamW keeps Adam's decoupled_weight_decay
     arguments = {k: v for k, v in defaults.items() if k in accepted}
     try:
-        rebuilt = _import_class(path)([torch.nn.Parameter(torch.zeros(1))], **arguments)
+        rebuilt = sample_optimizer(functools.partial(_import_class(path), **arguments))
     except (CheckpointError, TypeError, ValueError) as error:
         return {"unrecorded": f"{path}(params, **defaults) does not rebuild it ({error})"}
     if rebuilt.defaults != defaults:
@@ -108,7 +109,7 @@ def check_same_optimizer(recipe: dict | None, factory) -> None:
     pipeline's stages step (SGD would silently ignore Adam's moments and start without momentum)."""
     if recipe is None or "class" not in recipe:
         return
-    path = _class_path(type(factory([torch.nn.Parameter(torch.zeros(1))])))
+    path = _class_path(type(sample_optimizer(factory)))
     if path != recipe["class"]:
         raise CheckpointError(f"the checkpoint holds {recipe['class']}'s optimizer state but this pipeline steps "
                               f"{path}: compile with the optimizer it was saved with, or take the weights alone "

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from stagewise.compiler.optimizer_groups import ParamGroups
+from stagewise.compiler.optimizer_groups import ParamGroups, sample_optimizer
 from stagewise.compiler.state_dict import model_name
 from stagewise.ir.errors import OptionError, StateDictError
 from stagewise.ir.plan import Plan
@@ -198,7 +198,7 @@ def _idle_groups(factory: Callable) -> list[dict]:
     """For a rank that holds no trainable parameter (under torch.distributed), the groups every
     stage's optimizer has, empty, with their hyper-parameters: a scheduler every rank makes over
     `pipe.optimizer` then steps alike everywhere."""
-    defaults = factory([torch.nn.Parameter(torch.zeros(1))]).defaults
+    defaults = sample_optimizer(factory).defaults
     made = factory.groups([]) if isinstance(factory, ParamGroups) else [{}]
     return [{**defaults, **{k: v for k, v in g.items() if k != "params"}, "params": [], "param_names": []}
             for g in made]

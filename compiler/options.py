@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from stagewise.compiler.batches import batch_size, check_microbatches, input_specs
-from stagewise.compiler.optimizer_groups import ParamGroups, check_param_groups
+from stagewise.compiler.optimizer_groups import ParamGroups, check_param_groups, sample_optimizer
 from stagewise.ir.devices import Device, check_present, resolve_devices
 from stagewise.ir.errors import (
     BatchSizeError,
@@ -116,7 +116,7 @@ def _check_optimizer(factory: object) -> None:
     if not callable(factory):
         raise OptionError(f"optimizer={factory!r} is not callable; {fix}")
     try:
-        made = factory([torch.nn.Parameter(torch.zeros(1))])
+        made = sample_optimizer(factory)
     except Exception as err:  # noqa: BLE001 - any failure of the user's factory is reported as one
         raise OptionError(f"optimizer={factory!r} fails when called with a list of parameters "
                           f"({type(err).__name__}: {err}); {fix}") from None
