@@ -27,14 +27,14 @@ import torch
 import torch.fx as fx
 
 from stagewise.codegen.graph_data import build_stage, materialize
-from stagewise.compiler.checkpoint_read import Checkpoint, read_checkpoint
+from stagewise.compiler.checkpoint_read import Checkpoint, read_checkpoint, trusted_by_name
 from stagewise.compiler.checkpoint_restore import restore_state, unheld_names
 from stagewise.compiler.fx_sources import releasing_fx_sources
 from stagewise.compiler.loss_reduction import reduction_from_data
 from stagewise.compiler.optimizer_recipe import recorded_optimizer
 from stagewise.compiler.pipeline import Pipeline
 from stagewise.compiler.runtime_setup import start_runtime
-from stagewise.compiler.training_state import TrainingState
+from stagewise.compiler.training_state import TrainingState, put_saved_mode
 from stagewise.compiler.virtual_devices import remapped
 from stagewise.ir.devices import resolve_devices
 from stagewise.ir.errors import CheckpointError, OptionError
@@ -75,8 +75,7 @@ def load(directory, trusted_functions: Sequence[Callable] = (), devices=None, re
     pipe = Pipeline(plan, runtime, unheld=unheld)
     pipe.resumed = TrainingState.from_settings(training)
     pipe.loss_reduction = reduction_from_data(training.get("loss_reduction"))  # checked against the plan
-    if training.get("mode_training", plan.training) != plan.training:
-        pipe.train(training["mode_training"])  # the mode it was saved in (pipe.eval() before pipe.save)
+    put_saved_mode(pipe, training)
     pipe.model_graph = saved.model_graph  # its next checkpoint can be planned again as well
     return pipe
 
@@ -88,14 +87,17 @@ def _replans(saved: Checkpoint, devices, replan: bool | None) -> bool:
         if replan and devices is None:
             raise OptionError("sw.load(..., replan=True) plans for other devices: give them, devices=[...]")
         return replan
-    if devices is None or [d.spec() for d in resolve_devices(devices)] == list(saved.plan.devices):
+    if devices is None:
+        return False
+    given = resolve_devices(devices)
+    if [d.spec() for d in given] == list(saved.plan.devices):
         return False
     graph = saved.model_graph or {}
     if graph.get("options", {}).get("virtual_devices") is not None:
         return False
     if "graph" not in graph:
         warnings.warn(f"{saved.root} keeps no graph to plan again from ({graph.get('unavailable', 'saved before')}"
-                      f"): its plan's {len(saved.plan.devices)} devices are placed on the {len(resolve_devices(devices))} given; "
+                      f"): its plan's {len(saved.plan.devices)} devices are placed on the {len(given)} given; "
                       "for a plan made for them, compile the model and call pipe.restore(directory)", stacklevel=3)
         return False
     return True
@@ -104,7 +106,7 @@ def _replans(saved: Checkpoint, devices, replan: bool | None) -> bool:
 def _stage_modules(saved: Checkpoint, trusted: Sequence[Callable], rank: int | None) -> list[fx.GraphModule | None]:
     """Every stage's module rebuilt from its structure: this process's with CPU memory (filled by
     the restore), another rank's on the meta device (its shapes only)."""
-    by_name = {f"{f.__module__}.{f.__qualname__}": f for f in trusted}
+    by_name = trusted_by_name(trusted)
     modules: list[fx.GraphModule | None] = []
     for stage, structure in zip(saved.plan.stages, saved.structures, strict=True):
         try:

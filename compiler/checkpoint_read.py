@@ -14,7 +14,7 @@ import functools
 import io
 import json
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -59,6 +59,11 @@ class Checkpoint:
     def tensors(self) -> dict[str, TensorStorageMetadata]:
         """Every tensor the weights hold, by flattened key: DCP's metadata, read once."""
         return saved_tensors(self.weights)
+
+
+def trusted_by_name(functions: Sequence[Callable]) -> dict[str, Callable]:
+    """The caller's `trusted_functions` under the names a checkpoint's graphs call them by."""
+    return {f"{f.__module__}.{f.__qualname__}": f for f in functions}
 
 
 def read_checkpoint(directory, context: DistributedContext | None) -> Checkpoint:

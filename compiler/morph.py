@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from stagewise.compiler.checkpoint_dcp import MODEL, OPTIMIZER_STATE
-from stagewise.compiler.checkpoint_read import read_checkpoint
+from stagewise.compiler.checkpoint_read import Checkpoint, read_checkpoint
 from stagewise.compiler.checkpoint_restore import restore_state
 from stagewise.compiler.optimizer_recipe import check_same_optimizer
 from stagewise.compiler.state_dict import aliases_of
@@ -55,13 +55,17 @@ class Move:
         return "\n".join(lines)
 
 
-def restore_into(pipe: Pipeline, directory: str | Path, report: bool, training_state: bool,
-                 constants: bool = False) -> Move:
+def restore_into(pipe: Pipeline, directory: str | Path, report: bool, training_state: bool) -> Move:
     """Fill `pipe` from the checkpoint at `directory` (any plan of the same model) and say what moved;
-    without `training_state` only the weights (the optimizer, step count and scheduler stay); with
-    `constants` also the tensors the stage code reads beside the state_dict (a re-planned pipeline's)."""
+    without `training_state` only the weights (the optimizer, step count and scheduler stay)."""
     pipe.executor.settle(broken_ok=True)
-    saved = read_checkpoint(directory, pipe.context)
+    return restore_checkpoint(pipe, read_checkpoint(directory, pipe.context), report, training_state)
+
+
+def restore_checkpoint(pipe: Pipeline, saved: Checkpoint, report: bool, training_state: bool,
+                       constants: bool = False) -> Move:
+    """`restore_into` from a checkpoint read already; with `constants` also the tensors the stage
+    code reads beside the state_dict (a re-planned pipeline's)."""
     if training_state:
         check_same_optimizer(saved.training.get("optimizer"), pipe.runtime.optimizer_factory)
     restore_state(pipe.plan, pipe.runtime, pipe.unheld, saved, constants=constants, training_state=training_state)

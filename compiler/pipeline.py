@@ -210,7 +210,7 @@ class Pipeline:
         _refuse_enclosing_autocast("step")
         if self._optimizer is not None:
             self._optimizer.push_hyperparameters()
-        loss = self.executor.run(self.plan.microbatches, feed=self._checked_feed(args, target, kwargs))
+        loss = self.executor.run(self.plan.microbatches, feed=self._checked_feed(lambda: self._feeder(args, target, kwargs)))
         if self._optimizer is not None:
             self._optimizer.note_step()
         return loss
@@ -219,35 +219,37 @@ class Pipeline:
         """The mean loss over the microbatches (as `step` returns it) of a forward-only pass in eval mode:
         no gradient, nothing updated, no step counted; the mode `step` trains in is kept."""
         _refuse_enclosing_autocast("evaluate")
-        return self.evaluation.evaluate(self.plan.microbatches, self._checked_feed(args, target, kwargs), self.executor)
+        feed = self._checked_feed(lambda: self._feeder(args, target, kwargs))
+        return self.evaluation.evaluate(self.plan.microbatches, feed, self.executor)
 
     def predict(self, *args, **kwargs) -> torch.Tensor:
         """The model's outputs (logits) of a forward-only pass in eval mode, the same inputs as `step`
         without target=: every microbatch's, concatenated along dim 0, on the CPU. Nothing is updated
         or counted. Known for a model compiled with loss_fn, or returning .logits beside its own loss
         (compiler/prediction.py), else PredictError. Inputs only its loss reads (labels) may be left out."""
-        def feeder() -> Callable[[], None]:
-            inputs = named_inputs(self.plan, args, fill_unread_inputs(self.plan, self.step_shapes.modules, kwargs))
-            check_step_tensors(inputs, self.plan.input_specs[:len(inputs)], self.plan.microbatches,
-                               self.plan.microbatch_size, self.plan.smallest_microbatch or self.plan.microbatch_size)
-            pieces = [{n: v for n, v in zip(self.plan.graph_inputs, piece.values(), strict=False)}
-                      for piece in split_batch(inputs, self.plan.microbatches)]
-            if self.plan.target_name is not None:
-                for piece in pieces:
-                    piece[self.plan.graph_inputs[len(inputs)]] = None  # the loss, left out, needed it
-            return lambda: self._feed(pieces)
-
-        # checked now in one process; under torch.distributed when the pass begins (as `_checked_feed`)
-        feed = feeder() if self.context is None else lambda: feeder()()
+        feed = self._checked_feed(lambda: self._prediction_feeder(args, kwargs))
         return predict(self.evaluation, self.plan.microbatches, feed, self.executor)
 
-    def _checked_feed(self, args, target, kwargs) -> Callable[[], None]:
-        """The feed of a step or an evaluation. In one process its inputs are checked now; under
-        torch.distributed when the step begins, so that inputs one rank refuses fail the step on
-        every rank at once (the others raise StepFailedError) instead of leaving them waiting."""
+    def _checked_feed(self, feeder: Callable[[], Callable[[], None]]) -> Callable[[], None]:
+        """The feed of a step, an evaluation or a prediction, from `feeder`, which checks the inputs.
+        In one process they are checked now; under torch.distributed when the pass begins, so that
+        inputs one rank refuses fail it on every rank at once (the others raise StepFailedError)
+        instead of leaving them waiting."""
         if self.context is None:
-            return self._feeder(args, target, kwargs)
-        return lambda: self._feeder(args, target, kwargs)()
+            return feeder()
+        return lambda: feeder()()
+
+    def _prediction_feeder(self, args, kwargs) -> Callable[[], None]:
+        """What feeds the workers a prediction's microbatches, its inputs checked (labels may be left out)."""
+        inputs = named_inputs(self.plan, args, fill_unread_inputs(self.plan, self.step_shapes.modules, kwargs))
+        check_step_tensors(inputs, self.plan.input_specs[:len(inputs)], self.plan.microbatches,
+                           self.plan.microbatch_size, self.plan.smallest_microbatch or self.plan.microbatch_size)
+        pieces = [{n: v for n, v in zip(self.plan.graph_inputs, piece.values(), strict=False)}
+                  for piece in split_batch(inputs, self.plan.microbatches)]
+        if self.plan.target_name is not None:
+            for piece in pieces:
+                piece[self.plan.graph_inputs[len(inputs)]] = None  # the loss, left out, needed it
+        return lambda: self._feed(pieces)
 
     def _feeder(self, args, target, kwargs):
         """What feeds the workers a minibatch's microbatches, its inputs checked as `step` takes them."""

@@ -24,14 +24,15 @@ import torch
 import torch.fx as fx
 
 from stagewise.compiler.analysis import Analysis
-from stagewise.compiler.checkpoint_read import Checkpoint
+from stagewise.compiler.checkpoint_read import Checkpoint, trusted_by_name
 from stagewise.compiler.context import CompileContext
 from stagewise.compiler.loss_reduction import reduction_from_data
 from stagewise.compiler.model_graph import stand_in, usable
-from stagewise.compiler.morph import restore_into
+from stagewise.compiler.morph import restore_checkpoint
 from stagewise.compiler.optimizer_recipe import recorded_optimizer
 from stagewise.compiler.options import CompileOptions, CompileRequest
 from stagewise.compiler.pipeline import Pipeline
+from stagewise.compiler.training_state import put_saved_mode
 from stagewise.ir.errors import CapacityError, PlanError
 from stagewise.ir.plan import InputSpec, Plan
 from stagewise.ir.precision import LossScaling
@@ -43,8 +44,7 @@ def replan(saved: Checkpoint, devices, trusted: Sequence[Callable], report: bool
     from stagewise.compiler import driver  # the driver sits above the checkpoint
 
     model_graph = usable(saved.model_graph, saved.root)
-    by_name = {f"{f.__module__}.{f.__qualname__}": f for f in trusted}
-    model = stand_in(model_graph, saved, by_name)
+    model = stand_in(model_graph, saved, trusted_by_name(trusted))
     plan, training = saved.plan, saved.training
     inputs, target = _example_batch(plan)
     options = _options(model_graph, plan, training, target)
@@ -61,9 +61,8 @@ def replan(saved: Checkpoint, devices, trusted: Sequence[Callable], report: bool
                             "others, such as more microbatches, compile the model with them and call "
                             "pipe.restore(directory))") from None
     pipe = driver.pipeline_of(ctx, reduction_from_data(training.get("loss_reduction")), model_graph)
-    restore_into(pipe, saved.root, report, training_state=True, constants=True)
-    if training.get("mode_training", plan.training) != pipe.training:
-        pipe.train(training["mode_training"])
+    restore_checkpoint(pipe, saved, report, training_state=True, constants=True)
+    put_saved_mode(pipe, training)
     return pipe
 
 

@@ -12,10 +12,14 @@ groups reach them only at the next step).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from stagewise.compiler.checkpoint_write import serialised
 from stagewise.compiler.optimizer_view import PipelineOptimizer
 from stagewise.ir.errors import CheckpointError, OptionError
+
+if TYPE_CHECKING:
+    from stagewise.compiler.pipeline import Pipeline
 
 
 @dataclass
@@ -33,6 +37,13 @@ class TrainingState:
     @classmethod
     def from_settings(cls, settings: dict) -> TrainingState:
         return cls(settings.get("scheduler"), dict(settings.get("extra") or {}), settings.get("step", 0))
+
+
+def put_saved_mode(pipe: Pipeline, settings: dict) -> None:
+    """The mode a loaded pipeline was saved in (train, or eval: pipe.eval() before pipe.save)."""
+    mode = settings.get("mode_training")
+    if mode is not None and mode != pipe.training:
+        pipe.train(mode)
 
 
 def training_state(scheduler: object, extra: object) -> TrainingState:
