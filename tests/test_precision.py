@@ -298,8 +298,7 @@ class CastBack(torch.nn.Module):
         return self.top(h)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_a_restored_cast_carries_the_gradient_across_a_cut(precision) -> None:
+def test_a_restored_cast_carries_the_gradient_across_a_cut() -> None:
     """The cast has the value it makes (fp32), so the cut analysis sees the adapter's gradient path
     through it: the stage after the cut sends the gradient back and the adapter moves (before, the
     cast had no value, the transfer none, and the adapter never trained)."""
@@ -307,7 +306,7 @@ def test_a_restored_cast_carries_the_gradient_across_a_cut(precision) -> None:
     model = CastBack()
     x, y = torch.randn(8, 8), torch.randn(8, 4)
     pipe = sw.compile(model, 2, (x,), loss_fn=torch.nn.functional.mse_loss, example_target=y, optimizer=SGD,
-                      microbatches=2, schedule="1f1b", split_points=["top"], cost="analytic", precision=precision)
+                      microbatches=2, schedule="1f1b", split_points=["top"], cost="analytic", precision="bf16")
     assert pipe.plan.tracer == "export"
     casts = [n for n in pipe.stages[0].graph.nodes if n.target is torch.ops.aten._to_copy.default]
     assert casts and all(n.meta["val"].dtype == torch.float32 for n in casts)
