@@ -277,3 +277,40 @@ def test_autocast_inside_the_model_trains_as_eager() -> None:
         opt.step()
         eager.append(total)
     assert_close_training(pipe, reference, losses, eager)
+
+
+class CastBack(torch.nn.Module):
+    """peft LoRA's shape: a trained adapter beside a frozen layer, their sum cast back with `.float()`,
+    frozen layers after it. Branching on a size sends it through torch.export, whose fp32 trace
+    records the cast as a dtype assertion that passes/precision_casts.py turns back into a cast."""
+
+    def __init__(self):
+        super().__init__()
+        self.base = torch.nn.Linear(8, 8).requires_grad_(False)
+        self.adapter = torch.nn.Linear(8, 8, bias=False)
+        self.mid = torch.nn.Linear(8, 8).requires_grad_(False)
+        self.top = torch.nn.Linear(8, 4).requires_grad_(False)
+
+    def forward(self, x):
+        h = (self.base(x) + self.adapter(x)).float()
+        if x.shape[0] > 0:  # branching on a size: fx cannot trace it, torch.export can
+            h = self.mid(h)
+        return self.top(h)
+
+
+def test_a_restored_cast_carries_the_gradient_across_a_cut() -> None:
+    """The cast has the value it makes (fp32), so the cut analysis sees the adapter's gradient path
+    through it: the stage after the cut sends the gradient back and the adapter moves (before, the
+    cast had no value, the transfer none, and the adapter never trained)."""
+    torch.manual_seed(0)
+    model = CastBack()
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    pipe = sw.compile(model, 2, (x,), loss_fn=torch.nn.functional.mse_loss, example_target=y, optimizer=SGD,
+                      microbatches=2, schedule="1f1b", split_points=["top"], cost="analytic", precision="bf16")
+    assert pipe.plan.tracer == "export"
+    casts = [n for n in pipe.stages[0].graph.nodes if n.target is torch.ops.aten._to_copy.default]
+    assert casts and all(n.meta["val"].dtype == torch.float32 for n in casts)
+    assert [t.requires_grad for t in pipe.plan.transfers] == [True]
+    before = model.adapter.weight.detach().clone()
+    pipe.step(x, target=y)
+    assert not torch.equal(pipe.state_dict()["adapter.weight"], before)
