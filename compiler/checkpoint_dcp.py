@@ -19,16 +19,20 @@ cannot run code on load, and hands it to DCP checked (`SafeReader`).
 from __future__ import annotations
 
 import io
+import os
 import pathlib
 import pickle
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
+from stagewise.compiler.checkpoint_paths import open_file
 from stagewise.ir.errors import CheckpointError
 
 MODEL, OPTIMIZER_STATE, CONSTANTS = "model", "optimizer.state", "constants"
@@ -85,12 +89,26 @@ class SavedTensors(Mapping[str, TensorStorageMetadata]):
         return len(self._tensors)
 
 
+class _NoLinks(FileSystem):
+    """DCP's file access for reading, opening only regular files and through no link
+    (checkpoint_paths.open_file), so a shard swapped for a link or a FIFO after its check is refused."""
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
+        if mode != "rb":
+            raise CheckpointError(f"stagewise reads a checkpoint only, but DCP asked to open {path} with {mode!r}")
+        where = Path(path)
+        with open_file(where.parent, where.name) as fd, os.fdopen(os.dup(fd), "rb") as stream:
+            yield stream
+
+
 class SafeReader(dcp.FileSystemReader):
     """DCP's file reader, given the metadata stagewise read and checked: DCP never unpickles the
     file itself, and reads only the shards that metadata names (each one the marker lists)."""
 
     def __init__(self, folder: Path, saved: SavedTensors):
         super().__init__(str(folder))
+        self.fs = _NoLinks()
         self.saved = saved
 
     def read_metadata(self, *args, **kwargs) -> Metadata:  # noqa: ANN002, ANN003 - torch's signature varies

@@ -68,7 +68,7 @@ def _check_range(index: object, info: object, shards: Mapping[str, int], path: P
     if not (isinstance(index, MetadataIndex) and isinstance(index.fqn, str) and isinstance(info, _StorageInfo)):
         raise CheckpointError(f"{path} holds the storage entry {index!r}: {info!r}; {_CRAFTED}")
     name = plain_name(info.relative_path, f"{path} (entry {index.fqn!r})")
-    if name not in shards:
+    if "/" in name or name not in shards:
         raise CheckpointError(f"{path} reads {index.fqn!r} from weights/{name}, which the checkpoint's marker does not "
                               f"list as a weights shard; stagewise reads only listed, checked files; {_CRAFTED}")
     if info.transform_descriptors:

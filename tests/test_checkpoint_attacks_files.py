@@ -27,7 +27,6 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 
 import stagewise as sw
 from stagewise.cli.main import main
-from stagewise.compiler.checkpoint_dcp import read_metadata
 from stagewise.compiler.checkpoint_files import FileRecord, marker_text
 from tests.models.mlp import mlp
 from tests.reference import SGD
@@ -80,7 +79,7 @@ def reseal(root: Path, records: dict[str, FileRecord] | None = None) -> None:
 
 
 def edit_metadata(root: Path, change: Callable[[Metadata], None]) -> None:
-    metadata = read_metadata((root / METADATA).read_bytes(), root / METADATA)
+    metadata = pickle.loads((root / METADATA).read_bytes())  # the test's own save: trusted
     change(metadata)
     (root / METADATA).write_bytes(pickle.dumps(metadata))
     reseal(root)
