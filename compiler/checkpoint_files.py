@@ -86,7 +86,7 @@ def read_marker(root: Path) -> dict[str, FileRecord]:
     if not root.is_dir():
         why = "it is not a directory" if root.exists() else "it does not exist"
         raise CheckpointError(f"{root} holds no stagewise checkpoint ({why})")
-    check_folder(root)
+    check_folder(root, WEIGHTS_DIR)
     if not path.is_file():
         if not (root / "plan.json").exists():
             raise CheckpointError(f"{root} holds no stagewise checkpoint (plan.json is missing)")

@@ -26,7 +26,7 @@ _PART = re.compile(r"[A-Za-z0-9_.-]{1,255}")  # one component of a name: no slas
 _NOT_PARTS = (".", "..")
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 _DIR_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
-_REFUSED = "a checkpoint holds only regular files and its weights/ folder: save the pipeline again"
+_REFUSED = "a checkpoint holds only regular files and its weights folder: save the pipeline again"
 
 
 def plain_name(name: object, where: object) -> str:
@@ -39,14 +39,14 @@ def plain_name(name: object, where: object) -> str:
     return str(name)
 
 
-def check_folder(root: Path) -> None:
-    """`root` is a real directory (not a link to one), and it and its weights/ hold no links,
-    FIFOs, devices or sockets."""
+def check_folder(root: Path, inner: str) -> None:
+    """`root` is a real directory (not a link to one), and it and its folder `inner` (weights/)
+    hold no links, FIFOs, devices or sockets."""
     with _directory(root, "") as fd:
         _check_entries(root, fd, "")
-        if "weights" in os.listdir(fd):
-            with _directory(root, "weights") as inner:
-                _check_entries(root, inner, "weights/")
+        if inner in os.listdir(fd):
+            with _directory(root, inner) as nested:
+                _check_entries(root, nested, inner + "/")
 
 
 def _check_entries(root: Path, fd: int, prefix: str) -> None:
