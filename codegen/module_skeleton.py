@@ -247,7 +247,10 @@ def _leaf(fqn: str, skeleton: Any, tensors: Mapping[str, object]) -> nn.Module:
     constructor argument larger than those tensors' elements (or a small size) is built."""
     own = {name[len(fqn) + 1:]: t for name, t in tensors.items() if name.startswith(fqn + ".") and isinstance(t, torch.Tensor)}
     limit = max(_SMALL_ARGUMENT, sum(t.numel() for t in own.values()))
-    module = rebuild_module(skeleton if isinstance(skeleton, dict) else {}, limit)
+    try:
+        module = rebuild_module(skeleton if isinstance(skeleton, dict) else {}, limit)
+    except CheckpointError as error:
+        raise CheckpointError(f"the leaf module {fqn}: {error}") from None
     theirs = dict(chain(module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)))
     if set(own) != set(theirs) or any(own[n].shape != theirs[n].shape for n in own):
         raise CheckpointError(f"the stage structure's tensors under {fqn} do not fit the module its skeleton rebuilds")
