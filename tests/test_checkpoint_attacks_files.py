@@ -147,9 +147,11 @@ def test_a_shard_in_the_folder_that_the_marker_does_not_list_is_not_read(pipe, t
     assert "which the checkpoint's marker does not list" in refused("load", pipe, target, capsys)
 
 
-@pytest.mark.parametrize("name", ["weights/../../secret", "/tmp/secret", "weights/..", "weights//x", "weights\\..\\x",
-                                  "weights/x\x00y", "", "weights/ x"])
-@pytest.mark.parametrize("entry", ALL_ENTRIES)
+@pytest.mark.parametrize(("name", "entry"), [
+    *[("weights/../../secret", entry) for entry in ALL_ENTRIES],
+    *[(name, "load") for name in ["/tmp/secret", "weights/..", "weights//x", "weights\\..\\x", "weights/x\x00y", "",
+                                  "weights/ x"]],
+])
 def test_a_marker_name_outside_the_folder_is_refused_before_opening(pipe, target, capsys, name, entry):
     (target.parent / "secret").write_bytes(b"secret")
     reseal(target, {name: FileRecord.of(b"secret")})
@@ -160,10 +162,11 @@ def test_a_marker_name_outside_the_folder_is_refused_before_opening(pipe, target
 # --- links and special files --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("name", "points_to"), [
-    ("plan.json", "COPY"), (SHARD, "/dev/zero"), ("training.pt", "/dev/zero"), ("weights", "COPY"), (METADATA, "COPY"),
+@pytest.mark.parametrize(("name", "points_to", "entry"), [
+    *[(SHARD, "/dev/zero", entry) for entry in ALL_ENTRIES],
+    *[(name, points_to, "load") for name, points_to in [
+        ("plan.json", "COPY"), ("training.pt", "/dev/zero"), ("weights", "COPY"), (METADATA, "COPY")]],
 ])
-@pytest.mark.parametrize("entry", ALL_ENTRIES)
 def test_a_symbolic_link_in_the_checkpoint_is_refused(pipe, target, capsys, name, points_to, entry):
     path = target / name
     if points_to == "COPY":  # the very same bytes, elsewhere: only the link is wrong
@@ -183,8 +186,7 @@ def test_the_checkpoint_folder_itself_a_link_is_refused(pipe, target, capsys, en
     assert "symbolic link" in refused(entry, pipe, link, capsys)
 
 
-@pytest.mark.parametrize("name", ["training.pt", SHARD])
-@pytest.mark.parametrize("entry", ALL_ENTRIES)
+@pytest.mark.parametrize(("name", "entry"), [*[(SHARD, entry) for entry in ALL_ENTRIES], ("training.pt", "load")])
 def test_a_fifo_is_refused_without_opening_it_for_reading(pipe, target, capsys, name, entry):
     """Opening a FIFO to read blocks until a writer comes: the file type is checked first, so it never hangs."""
     (target / name).unlink()
