@@ -40,13 +40,10 @@ from stagewise.codegen.module_skeleton import (
     Encoded,
     decode_plain,
     describe_leaves,
-    describe_tensors,
     encode_plain,
-    mark_persistence,
-    materialize,
     meta_attributes,
-    stage_tensors,
 )
+from stagewise.codegen.stage_tensors import describe_tensors, mark_persistence, materialize, stage_tensors
 from stagewise.ir.errors import CheckpointError, PlanError
 from stagewise.ir.subgraph import MODEL_OUTPUT
 

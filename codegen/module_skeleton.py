@@ -19,17 +19,17 @@ import json
 import math
 from collections.abc import Callable, Iterator, Mapping
 from itertools import chain
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import nn
 
-from stagewise.ir.errors import CheckpointError, PlanError
+from stagewise.codegen.stage_tensors import attribute, meta_tensors, put_tensor
+from stagewise.ir.errors import CheckpointError
 
-_M = TypeVar("_M", bound=nn.Module)
 Encoded = Any  # a JSON value: None, bool, int, float, str, list, or a dict of str keys
-
+_SMALL_ARGUMENT = 1 << 16  # a kernel size, padding or head count any module may take, whatever its tensors
 
 class NotPlainValue(Exception):
     """Raised by an `other` hook of the codec for a value it cannot write either."""
@@ -176,9 +176,11 @@ def _tensor_layout(module: nn.Module) -> tuple:
             list(module.state_dict(keep_vars=True)))
 
 
-def rebuild_module(skeleton: dict) -> nn.Module:
+def rebuild_module(skeleton: dict, limit: int | None = None) -> nn.Module:
     """The module a skeleton describes, on the meta device; a CheckpointError for one that was
-    recorded as not rebuildable (it is loaded by compiling the model again and restoring into it)."""
+    recorded as not rebuildable (it is loaded by compiling the model again and restoring into it),
+    or, with a `limit`, one whose constructor is given an int above it (a crafted size: building
+    even on the meta device takes time and memory growing with them)."""
     path = skeleton.get("class")
     name = ".".join(path) if isinstance(path, list) else repr(path)
     if skeleton.get("rebuildable") is not True:
@@ -192,6 +194,10 @@ def rebuild_module(skeleton: dict) -> nn.Module:
     if not isinstance(arguments, dict):
         raise CheckpointError(f"the skeleton of {name} has no constructor arguments")
     values = {str(k): decode_plain(v, _refuse_other) for k, v in arguments.items()}
+    too_large = [k for k, v in values.items() if limit is not None and any(n > limit for n in _ints(v))]
+    if too_large:
+        raise CheckpointError(f"the skeleton of {name} gives its constructor {too_large[0]}={values[too_large[0]]!r}, "
+                              f"more than the {limit} elements of the tensors the stage structure declares for it")
     try:
         with torch.device("meta"):
             module = cls(**values)
@@ -224,154 +230,47 @@ def torch_nn_class(path: object) -> type[nn.Module]:
     return found
 
 
-def stage_tensors(module: fx.GraphModule) -> dict[str, torch.Tensor]:
-    """Every tensor attribute the graph reads, by FQN (get_attr targets and the leaves' parameters
-    and buffers, in graph order), once per alias group: the name it was first read under."""
-    owners: dict[int, str] = {}
-    for fqn, tensor in _reads(module):
-        owners.setdefault(id(tensor), fqn)
-    tensors = dict(_reads(module))
-    return {fqn: tensors[fqn] for fqn in owners.values()}
-
-
-def materialize(module: _M, device: torch.device | str) -> _M:
-    """`module.to_empty(device=device)` with its ties kept: to_empty gives each module that holds a
-    tied tensor a new one of its own, so the other names are pointed at the first again."""
-    groups: dict[int, list[str]] = {}
-    for fqn, tensor in chain(module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)):
-        groups.setdefault(id(tensor), []).append(fqn)
-    module.to_empty(device=device)
-    for owner, *aliases in groups.values():
-        for alias in aliases:
-            _put(module, alias, _attribute(module, owner))
-    return module
-
-
-def describe_tensors(module: fx.GraphModule) -> dict[str, dict]:
-    """Each tensor the graph reads by FQN: its kind, and its shape, dtype and requires_grad or the
-    name it was first read under (a tie)."""
-    owners: dict[int, str] = {}
-    records: dict[str, dict] = {}
-    for fqn, tensor in _reads(module):
-        if fqn in records:
-            continue
-        if type(tensor) not in (torch.Tensor, nn.Parameter) or tensor.layout != torch.strided:
-            raise PlanError(f"the stage reads {fqn}, a {type(tensor).__name__} of layout {tensor.layout}: "
-                            "only plain dense tensors can be described as data")
-        parent, name = _parent(module, fqn)
-        kind = "parameter" if name in parent._parameters else "buffer" if name in parent._buffers else "constant"
-        record: dict = {"kind": kind}
-        if kind == "buffer":
-            record["persistent"] = name not in parent._non_persistent_buffers_set
-        owner = owners.setdefault(id(tensor), fqn)
-        if owner != fqn:
-            record["alias_of"] = owner
-        else:
-            record.update(shape=list(tensor.shape), dtype=str(tensor.dtype).removeprefix("torch."),
-                          requires_grad=tensor.requires_grad)
-        records[fqn] = record
-    return records
-
-
-def _reads(module: fx.GraphModule) -> Iterator[tuple[str, torch.Tensor]]:
-    """(FQN, tensor) of every tensor the graph reads, in graph order, repeats included."""
-    for node in module.graph.nodes:
-        if node.op not in ("get_attr", "call_module"):
-            continue
-        value = _attribute(module, node.target)
-        if isinstance(value, torch.Tensor):
-            yield node.target, value
-        elif isinstance(value, nn.Module):
-            yield from value.named_parameters(prefix=node.target, remove_duplicate=False)
-            yield from value.named_buffers(prefix=node.target, remove_duplicate=False)
-        else:
-            raise PlanError(f"node {node.name!r} reads {node.target}, a {type(value).__name__}: "
-                            "not a tensor or a torch.nn module")
-
-
-def _meta_tensors(records: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """An empty meta tensor per recorded owner, and each alias the very tensor of its owner."""
-    made: dict[str, torch.Tensor] = {}
-    for fqn, record in records.items():
-        if not isinstance(record, dict):
-            raise CheckpointError(f"the stage structure describes the tensor {fqn} as {record!r}")
-        if "alias_of" in record:
-            continue
-        dtype = getattr(torch, str(record.get("dtype")), None) if str(record.get("dtype")).isidentifier() else None
-        shape = record.get("shape")
-        if not isinstance(dtype, torch.dtype) or not (isinstance(shape, list) and all(type(s) is int for s in shape)):
-            raise CheckpointError(f"the stage structure describes the tensor {fqn} as {record!r}")
-        tensor = torch.empty(shape, dtype=dtype, device="meta")
-        grad = bool(record.get("requires_grad", False))
-        made[fqn] = nn.Parameter(tensor, requires_grad=grad) if record.get("kind") == "parameter" else tensor.requires_grad_(grad)
-    for fqn, record in records.items():
-        if "alias_of" in record:
-            if record["alias_of"] not in made:
-                raise CheckpointError(f"{fqn} is recorded as a tie of {record['alias_of']}, which is no tensor of the stage")
-            made[fqn] = made[record["alias_of"]]
-    return made
+def _ints(value: object) -> Iterator[int]:
+    """The ints in a decoded constructor argument (a size, or a tuple or dict of them)."""
+    if type(value) is int:
+        yield value
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _ints(item)
+    elif isinstance(value, dict):
+        for item in chain(value.keys(), value.values()):
+            yield from _ints(item)
 
 
 def _leaf(fqn: str, skeleton: Any, tensors: Mapping[str, object]) -> nn.Module:
-    """The leaf module rebuilt from its skeleton, holding the stage's tensors under its names."""
-    module = rebuild_module(skeleton if isinstance(skeleton, dict) else {})
+    """The leaf module rebuilt from its skeleton, holding the stage's tensors under its names; no
+    constructor argument larger than those tensors' elements (or a small size) is built."""
     own = {name[len(fqn) + 1:]: t for name, t in tensors.items() if name.startswith(fqn + ".") and isinstance(t, torch.Tensor)}
+    limit = max(_SMALL_ARGUMENT, sum(t.numel() for t in own.values()))
+    try:
+        module = rebuild_module(skeleton if isinstance(skeleton, dict) else {}, limit)
+    except CheckpointError as error:
+        raise CheckpointError(f"the leaf module {fqn}: {error}") from None
     theirs = dict(chain(module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)))
     if set(own) != set(theirs) or any(own[n].shape != theirs[n].shape for n in own):
         raise CheckpointError(f"the stage structure's tensors under {fqn} do not fit the module its skeleton rebuilds")
     for name, tensor in own.items():
-        _put(module, name, tensor)
+        put_tensor(module, name, tensor)
     return module
-
-
-def _put(root: nn.Module, fqn: str, tensor: torch.Tensor) -> None:
-    """Point the parameter or buffer slot `fqn` at `tensor`."""
-    parent, name = _parent(root, fqn)
-    if name in parent._parameters:
-        if not isinstance(tensor, nn.Parameter):
-            raise CheckpointError(f"{fqn} is a parameter of its module, but the stage structure makes it a buffer")
-        parent._parameters[name] = tensor
-    else:
-        parent._buffers[name] = tensor
-
-
-def _parent(root: nn.Module, fqn: str) -> tuple[nn.Module, str]:
-    """The module holding `fqn` and the attribute's name there."""
-    prefix, _, name = fqn.rpartition(".")
-    return (root.get_submodule(prefix) if prefix else root), name
-
-
-def _attribute(root: nn.Module, target: str) -> Any:
-    """`root.a.b.c` for target 'a.b.c' (a tensor, a module or anything else)."""
-    obj: Any = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def describe_leaves(module: fx.GraphModule) -> dict[str, dict]:
     """The skeleton of each torch.nn module the graph calls (call_module) or passes on (get_attr)."""
     leaves = {}
     for node in module.graph.nodes:
-        if node.op in ("call_module", "get_attr") and isinstance(_attribute(module, node.target), nn.Module):
-            leaves[node.target] = describe_module(_attribute(module, node.target))
+        if node.op in ("call_module", "get_attr") and isinstance(attribute(module, node.target), nn.Module):
+            leaves[node.target] = describe_module(attribute(module, node.target))
     return leaves
 
 
 def meta_attributes(tensors: Mapping[str, Any], leaves: Mapping[str, Any]) -> dict[str, object]:
     """Every tensor and leaf module the records describe, by FQN, on the meta device: what
     fx.GraphModule takes to hold the graph's attributes under their names."""
-    made: dict[str, object] = dict(_meta_tensors(tensors))
+    made: dict[str, object] = dict(meta_tensors(tensors))
     made.update({str(fqn): _leaf(str(fqn), skeleton, made) for fqn, skeleton in leaves.items()})
     return made
-
-
-def mark_persistence(module: nn.Module, tensors: Mapping[str, Any]) -> None:
-    """Buffers persistent or not as recorded; constants (fx.GraphModule made them persistent buffers)
-    non-persistent buffers, which `to_empty` moves and a state_dict leaves out, as it left them out."""
-    for fqn, record in tensors.items():
-        parent, name = _parent(module, fqn)
-        if name in parent._buffers and record.get("kind") == "buffer" and record.get("persistent", True):
-            parent._non_persistent_buffers_set.discard(name)
-        elif name in parent._buffers:
-            parent._non_persistent_buffers_set.add(name)

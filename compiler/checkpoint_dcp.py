@@ -11,27 +11,32 @@ non-tensor entries with an unrestricted pickle, so those go in the checkpoint's 
 Under torch.distributed every rank writes its own stages' tensors into one DCP checkpoint in
 parallel (DCP's coordinator writes its `.metadata`; a tensor two ranks hold is written once).
 Loading reads, on each rank, only the keys its stages hold (Varuna §4.2, per-layer checkpoints),
-whatever plan saved them. DCP reads `.metadata` with `pickle.load`: `SafeReader` reads it with an
-unpickler that builds only DCP's metadata classes, so a checkpoint cannot run code on load.
+whatever plan saved them. DCP reads `.metadata` with `pickle.load`: stagewise reads it itself
+(`read_metadata`), with an unpickler that builds only DCP's metadata classes, so a checkpoint
+cannot run code on load, and hands it to DCP checked (`SafeReader`).
 """
 
 from __future__ import annotations
 
 import io
+import os
 import pathlib
 import pickle
-from collections.abc import Mapping
+from collections.abc import Generator, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
+from stagewise.compiler.checkpoint_paths import open_file
 from stagewise.ir.errors import CheckpointError
 
 MODEL, OPTIMIZER_STATE, CONSTANTS = "model", "optimizer.state", "constants"
-_METADATA = ".metadata"
+METADATA = ".metadata"
 _METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 _PATHS = {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}
 
@@ -54,14 +59,11 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP checkpoint's metadata")
 
 
-def read_metadata(folder: Path) -> Metadata:
-    """The DCP metadata of `folder`, unpickled with only DCP's own classes (CheckpointError if not)."""
-    path = folder / _METADATA
+def read_metadata(data: bytes, path: Path) -> Metadata:
+    """DCP's metadata from the bytes of `path`, unpickled with only DCP's own classes (CheckpointError if not)."""
     try:
-        metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing: {folder} is not a complete checkpoint") from None
-    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as error:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError, IndexError, KeyError) as error:
         raise CheckpointError(f"{path} is not the metadata of a torch.distributed.checkpoint ({error}); stagewise "
                               "refuses to load it, as reading it could run code") from error
     if not isinstance(metadata, Metadata):
@@ -69,21 +71,52 @@ def read_metadata(folder: Path) -> Metadata:
     return metadata
 
 
+class SavedTensors(Mapping[str, TensorStorageMetadata]):
+    """Every tensor a DCP checkpoint holds, by flattened key (`model.<name>`, ...), with the
+    metadata they were found in, checked (compiler/checkpoint_limits.py): DCP reads by it."""
+
+    def __init__(self, metadata: Metadata, tensors: dict[str, TensorStorageMetadata]):
+        self.metadata = metadata
+        self._tensors = tensors
+
+    def __getitem__(self, key: str) -> TensorStorageMetadata:
+        return self._tensors[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+
+class _NoLinks(FileSystem):
+    """DCP's file access for reading, opening only regular files and through no link
+    (checkpoint_paths.open_file), so a shard swapped for a link or a FIFO after its check is refused."""
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
+        if mode != "rb":
+            raise CheckpointError(f"stagewise reads a checkpoint only, but DCP asked to open {path} with {mode!r}")
+        where = Path(path)
+        with open_file(where.parent, where.name) as fd, os.fdopen(os.dup(fd), "rb") as stream:
+            yield stream
+
+
 class SafeReader(dcp.FileSystemReader):
-    """DCP's file reader, whose metadata is read by `read_metadata` instead of a plain unpickle."""
+    """DCP's file reader, given the metadata stagewise read and checked: DCP never unpickles the
+    file itself, and reads only the shards that metadata names (each one the marker lists)."""
+
+    def __init__(self, folder: Path, saved: SavedTensors):
+        super().__init__(str(folder))
+        self.fs = _NoLinks()
+        self.saved = saved
 
     def read_metadata(self, *args, **kwargs) -> Metadata:  # noqa: ANN002, ANN003 - torch's signature varies
-        metadata = read_metadata(Path(self.path))
+        metadata = self.saved.metadata
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
-
-
-def saved_tensors(folder: Path) -> dict[str, TensorStorageMetadata]:
-    """Every tensor the DCP checkpoint `folder` holds, by its flattened key (`model.<name>`, ...)."""
-    return {k: v for k, v in read_metadata(folder).state_dict_metadata.items()
-            if isinstance(v, TensorStorageMetadata)}
 
 
 def write_tensors(folder: Path, tensors: Mapping[str, Mapping], group: dist.ProcessGroup | None) -> None:
@@ -96,11 +129,11 @@ def write_tensors(folder: Path, tensors: Mapping[str, Mapping], group: dist.Proc
         dcp.save(dict(tensors), storage_writer=writer, process_group=group)
 
 
-def read_tensors(folder: Path, saved: Mapping[str, TensorStorageMetadata], wanted: Mapping[str, torch.Tensor],
+def read_tensors(folder: Path, saved: SavedTensors, wanted: Mapping[str, torch.Tensor],
                  group: dist.ProcessGroup | None) -> None:
     """Fill `wanted` (flattened key -> tensor of the saved shape) in place from `folder`, whose
-    tensors `saved` lists (`saved_tensors`); every key must be saved with that shape (CheckpointError
-    naming the first that is not)."""
+    tensors `saved` lists; every key must be saved with that shape (CheckpointError naming the
+    first that is not)."""
     for key, tensor in wanted.items():
         if key not in saved:
             raise CheckpointError(f"{folder} holds no {key!r}: the checkpoint is not of this model (or lacks that "
@@ -109,7 +142,7 @@ def read_tensors(folder: Path, saved: Mapping[str, TensorStorageMetadata], wante
             raise CheckpointError(f"{folder} holds {key!r} of shape {tuple(saved[key].size)}, but this pipeline's is "
                                   f"{tuple(tensor.shape)}: the checkpoint is of another model configuration")
     sections = nested(wanted)
-    reader = SafeReader(str(folder))
+    reader = SafeReader(folder, saved)
     if group is None:
         dcp.load(sections, storage_reader=reader, no_dist=True)
     else:

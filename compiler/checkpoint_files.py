@@ -16,6 +16,14 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from stagewise.compiler.checkpoint_paths import (
+    check_folder,
+    check_size,
+    open_file,
+    plain_name,
+    read_file,
+    strict_json,
+)
 from stagewise.ir.errors import CheckpointError
 
 MARKER = "stagewise.json"
@@ -27,6 +35,8 @@ _OWN_WEIGHTS = re.compile(r"__\d+_\d+\.distcp|\.metadata(\.tmp)?")  # .tmp: DCP 
 _CHUNK = 1 << 24
 _BYTECODE = "__pycache__"  # where importing a stage's source may cache its bytecode
 _OWN_BYTECODE = re.compile(r"stage_\d+\..*\.pyc")
+_MARKER_LIMIT = 1 << 24
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 _DAMAGED = "save the pipeline again, or restore the directory from a copy"
 
 
@@ -70,23 +80,25 @@ def _digest_of(listed: dict) -> str:
 
 
 def read_marker(root: Path) -> dict[str, FileRecord]:
-    """The files the checkpoint at `root` was written with, by name."""
+    """The files the checkpoint at `root` was written with, by name (each a plain name inside
+    `root`: checkpoint_paths.py), once `root` holds no links or special files."""
     path = root / MARKER
     if not root.is_dir():
         why = "it is not a directory" if root.exists() else "it does not exist"
         raise CheckpointError(f"{root} holds no stagewise checkpoint ({why})")
+    check_folder(root, WEIGHTS_DIR)
     if not path.is_file():
         if not (root / "plan.json").exists():
             raise CheckpointError(f"{root} holds no stagewise checkpoint (plan.json is missing)")
         raise CheckpointError(f"{path} is missing: {root} is not a complete stagewise checkpoint; {_DAMAGED}")
     try:
-        data = json.loads(path.read_bytes())
+        data = strict_json(_marker_bytes(root), path)
         if data["format"] != FORMAT:
             raise ValueError(f"format {data['format']!r}")
         version = int(data["version"])
         if _digest_of(data["files"]) != data["files_sha256"]:
             raise ValueError("its list of files does not match its own SHA-256")
-        files = {str(n): FileRecord(int(r["bytes"]), str(r["sha256"])) for n, r in data["files"].items()}
+        files = {plain_name(n, path): _record(r) for n, r in data["files"].items()}
     except (ValueError, KeyError, TypeError, AttributeError) as error:
         raise CheckpointError(f"{path} is corrupted ({type(error).__name__}: {error}); {_DAMAGED}") from error
     if version < VERSION:
@@ -103,23 +115,32 @@ def read_marker(root: Path) -> dict[str, FileRecord]:
     return files
 
 
+def _marker_bytes(root: Path) -> bytes:
+    """The marker's bytes; one larger than any marker stagewise writes is refused unread."""
+    with open_file(root, MARKER) as fd:
+        size = os.fstat(fd).st_size
+    if size > _MARKER_LIMIT:
+        raise CheckpointError(f"{root / MARKER} is {size} bytes, more than a marker of any checkpoint ({_MARKER_LIMIT}); "
+                              f"{_DAMAGED}")
+    return read_file(root, MARKER, size)
+
+
+def _record(entry: object) -> FileRecord:
+    """A marker's entry of one file: a size that is a non-negative int, a SHA-256 in hex."""
+    if not isinstance(entry, dict) or type(entry.get("bytes")) is not int or entry["bytes"] < 0:
+        raise ValueError(f"the file entry {entry!r} has no size")
+    if not (isinstance(entry.get("sha256"), str) and _SHA256.fullmatch(entry["sha256"])):
+        raise ValueError(f"the file entry {entry!r} has no SHA-256")
+    return FileRecord(entry["bytes"], entry["sha256"])
+
+
 def read_checked(root: Path, name: str, files: dict[str, FileRecord]) -> bytes:
     """The bytes of `root / name`, once they are what the checkpoint wrote."""
     path = root / name
     if name not in files:
         raise CheckpointError(f"{root / MARKER} does not list {name}, which the plan needs; {_DAMAGED}")
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing from the checkpoint; {_DAMAGED}") from None
-    except OSError as error:
-        raise CheckpointError(f"{path} cannot be read ({error}); check its permissions") from error
     want = files[name]
-    if len(data) != want.size:
-        raise CheckpointError(
-            f"{path} is {'truncated' if len(data) < want.size else 'too long'}: {len(data)} bytes where "
-            f"{want.size} were saved; {_DAMAGED}"
-        )
+    data = read_file(root, name, want.size)
     if FileRecord.of(data) != want:
         raise CheckpointError(f"{path} is corrupted: its contents differ from what was saved (SHA-256); {_DAMAGED}")
     return data
@@ -130,15 +151,14 @@ def check_file(root: Path, name: str, files: dict[str, FileRecord]) -> None:
     path = root / name
     if name not in files:
         raise CheckpointError(f"{root / MARKER} does not list {name}; {_DAMAGED}")
-    try:
-        got = FileRecord.of_file(path)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing from the checkpoint; {_DAMAGED}") from None
     want = files[name]
-    if got.size != want.size:
-        raise CheckpointError(f"{path} is {'truncated' if got.size < want.size else 'too long'}: {got.size} bytes "
-                              f"where {want.size} were saved; {_DAMAGED}")
-    if got != want:
+    digest, size = hashlib.sha256(), 0
+    with open_file(root, name) as fd:
+        check_size(path, os.fstat(fd).st_size, want.size)
+        while chunk := os.read(fd, _CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    if FileRecord(size, digest.hexdigest()) != want:
         raise CheckpointError(f"{path} is corrupted: its contents differ from what was saved (SHA-256); {_DAMAGED}")
 
 

@@ -1,8 +1,11 @@
 """Reading a checkpoint's files, each checked against the marker, without running anything in them.
 
-plan.json and the stage structures are JSON; training.pt is read with `torch.load(weights_only=
-True)`, which builds only tensors and plain containers; the weights are DCP's, whose metadata
-`checkpoint_dcp.SafeReader` unpickles with DCP's own classes only. Every weights shard is
+plan.json and the stage structures are JSON (a key twice in one object refused); training.pt is
+read with `torch.load(weights_only=True)`, which builds only tensors and plain containers; the
+weights are DCP's, whose metadata `checkpoint_dcp.read_metadata` unpickles with DCP's own classes
+only. Every file is opened as a plain name inside the folder, never through a link
+(compiler/checkpoint_paths.py), and every size the files declare is checked against the weights
+before anything is allocated (compiler/checkpoint_limits.py). Every weights shard is
 checked against its SHA-256 before DCP reads any of it, so a damaged shard is an error naming
 it, never wrong weights. Under torch.distributed the ranks check a share of the shards each and
 agree, so a rank that cannot read the checkpoint is an error on every rank, not a hang.
@@ -10,20 +13,17 @@ agree, so a rank that cannot read the checkpoint is an error on every rank, not 
 
 from __future__ import annotations
 
-import functools
 import io
-import json
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from stagewise.compiler.checkpoint_dcp import saved_tensors
+from stagewise.compiler.checkpoint_dcp import METADATA, SavedTensors, read_metadata
 from stagewise.compiler.checkpoint_files import (
     MARKER,
     WEIGHTS_DIR,
@@ -32,6 +32,8 @@ from stagewise.compiler.checkpoint_files import (
     read_checked,
     read_marker,
 )
+from stagewise.compiler.checkpoint_limits import check_declared, check_metadata
+from stagewise.compiler.checkpoint_paths import strict_json
 from stagewise.compiler.checkpoint_swap import previous_path
 from stagewise.compiler.checkpoint_write import GRAPH_FILE
 from stagewise.ir.errors import CheckpointError, PlanError
@@ -39,6 +41,7 @@ from stagewise.ir.plan import Plan
 from stagewise.runtime.launch import DistributedContext
 
 _T = TypeVar("_T")
+TRAINING_FILE = "training.pt"
 
 
 @dataclass(frozen=True)
@@ -49,16 +52,12 @@ class Checkpoint:
     plan: Plan
     training: dict  # training.pt: step, optimizer recipe and groups, scheduler, extra, ...
     structures: list[dict]  # per stage: codegen/graph_data.py's description of its module
+    tensors: SavedTensors  # every tensor the weights hold, by flattened key: DCP's metadata, checked
     model_graph: dict | None = None  # graph.json: the whole graph, to plan again (compiler/model_graph.py)
 
     @property
     def weights(self) -> Path:
         return self.root / WEIGHTS_DIR
-
-    @functools.cached_property
-    def tensors(self) -> dict[str, TensorStorageMetadata]:
-        """Every tensor the weights hold, by flattened key: DCP's metadata, read once."""
-        return saved_tensors(self.weights)
 
 
 def trusted_by_name(functions: Sequence[Callable]) -> dict[str, Callable]:
@@ -88,12 +87,14 @@ def read_checkpoint(directory, context: DistributedContext | None) -> Checkpoint
 
 
 def _read(root: Path, rank: int, ranks: int) -> Checkpoint:
-    """Every small file checked and parsed; the weights shards `rank` of `ranks` checks."""
+    """Every small file checked and parsed, every size it declares checked against the weights
+    (compiler/checkpoint_limits.py); the weights shards `rank` of `ranks` checks."""
     files = read_marker(root)
-    plan = _parse(root, "plan.json", files, lambda data: Plan.from_json(data.decode()))
-    training = _parse(root, "training.pt", files, _safe_load)
+    plan = _parse(root, "plan.json", files, lambda data: Plan.from_json(_unique_keys(data, root / "plan.json")))
+    training = _parse(root, TRAINING_FILE, files, _safe_load)
     read_checked(root, "programs.txt", files)  # only for reading, but a damaged copy is still told
-    structures = [_parse(root, f"stage_{s.index}.json", files, json.loads) for s in plan.stages]
+    structures = [_parse(root, f"stage_{s.index}.json", files, _json(root / f"stage_{s.index}.json"))
+                  for s in plan.stages]
     for stage in plan.stages:
         read_checked(root, f"stage_{stage.index}.py", files)  # the code to read, never run: told when damaged
     shards = sorted(n for n in files if n.startswith(WEIGHTS_DIR + "/"))
@@ -101,12 +102,56 @@ def _read(root: Path, rank: int, ranks: int) -> Checkpoint:
         raise CheckpointError(f"{root / MARKER} lists no weights: {root} is not a complete checkpoint")
     for name in shards[rank::ranks]:
         check_file(root, name, files)
-    graph = _parse(root, GRAPH_FILE, files, json.loads) if GRAPH_FILE in files else None
-    return Checkpoint(root, plan, training, structures, graph)
+    graph = _parse(root, GRAPH_FILE, files, _json(root / GRAPH_FILE)) if GRAPH_FILE in files else None
+    tensors = _saved_tensors(root, files)
+    for stage, structure in zip(plan.stages, structures, strict=True):
+        check_declared(structure, plan, tensors, root / f"stage_{stage.index}.json")
+    if isinstance(graph, dict) and "graph" in graph:
+        check_declared(graph["graph"], plan, tensors, root / GRAPH_FILE)
+    return Checkpoint(root, plan, training, structures, tensors, graph)
+
+
+def _saved_tensors(root: Path, files: dict[str, FileRecord]) -> SavedTensors:
+    """The weights' DCP metadata, read whole by every rank and checked against the listed shards."""
+    name = f"{WEIGHTS_DIR}/{METADATA}"
+    metadata = read_metadata(read_checked(root, name, files), root / name)
+    shards = {n.removeprefix(WEIGHTS_DIR + "/"): r.size for n, r in files.items()
+              if n.startswith(WEIGHTS_DIR + "/") and n != name}
+    return SavedTensors(metadata, check_metadata(metadata, shards, root / name))
+
+
+def _json(path: Path) -> Callable[[bytes], object]:
+    return lambda data: strict_json(data, path)
+
+
+def _unique_keys(data: bytes, path: Path) -> str:
+    """plan.json's text, once it repeats no key in an object (which Plan.from_json would let pass)."""
+    strict_json(data, path)
+    return data.decode()
 
 
 def _safe_load(data: bytes) -> dict:
-    return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    """training.pt: plain values and tensors only (`weights_only`), none larger than the file."""
+    training = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    for tensor in _tensors_in(training):
+        if tensor.numel() * tensor.element_size() > len(data):
+            raise CheckpointError(f"{TRAINING_FILE} holds a tensor of shape {tuple(tensor.shape)}, larger than the file "
+                                  "itself: stagewise never writes one; save the pipeline again")
+    if not isinstance(training, dict):
+        raise CheckpointError(f"{TRAINING_FILE} holds a {type(training).__name__}, not the training state")
+    return training
+
+
+def _tensors_in(value: object) -> Iterator[torch.Tensor]:
+    """Every tensor in a nest of dicts, lists and tuples."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors_in(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _tensors_in(item)
 
 
 def _recovered(root: Path) -> Path:
