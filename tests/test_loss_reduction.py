@@ -2,6 +2,7 @@
 microbatches different numbers of counted tokens; without one the step stays the mean of means."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -83,18 +84,53 @@ def test_sample_mean_of_equal_microbatches_is_the_mean_of_means():
     assert_state_equal(pipe.state_dict(), reference.state_dict())
 
 
-def test_default_keeps_the_mean_of_microbatch_means():
+def test_default_keeps_the_mean_of_microbatch_means_and_says_so_once():
+    """A loss_fn's reduction is unknown: padded targets keep the mean of means, with one warning
+    per pipeline naming the fix."""
     batches = padded_batches()
     model = TinyGPT()
     reference, whole = copy.deepcopy(model), copy.deepcopy(model)
     pipe = sw.compile(model, 2, batches[0][0], loss_fn=lm_loss, example_target=batches[0][1], optimizer=SGD,
                       microbatches=MICROBATCHES, cost="analytic")
     assert pipe.loss_reduction is None
-    got = torch.stack(pipeline_train(pipe, batches))
+    with pytest.warns(sw.UnweightedLossWarning, match=r"loss_reduction=sw.TokenMean\(ignore_index=-100\)") as caught:
+        got = torch.stack(pipeline_train(pipe, batches))
+    assert len([w for w in caught if w.category is sw.UnweightedLossWarning]) == 1
     torch.testing.assert_close(got, torch.stack(eager_train(reference, batches, loss_fn=lm_loss,
                                                             microbatches=MICROBATCHES)), rtol=1e-5, atol=1e-6)
     assert_state_equal(pipe.state_dict(), reference.state_dict())
     assert not torch.allclose(got, torch.stack(whole_batch_train(whole, batches, _lm_loss_of)))
+
+
+@pytest.mark.parametrize("case", ["no-padding", "reduction-given", "float-target"])
+def test_no_warning_where_the_mean_of_means_is_eager_or_declared(case):
+    batches = padded_batches(steps=1)
+    (ids,), target = batches[0]
+    loss_fn, given = lm_loss, {}
+    if case == "no-padding":
+        target = target.masked_fill(target == -100, 0)
+    elif case == "reduction-given":
+        given = {"loss_reduction": sw.TokenMean()}
+    else:  # a regression target that happens to hold -100.0 is a value, not padding
+        target, loss_fn = torch.full((ids.shape[0],), -100.0), _mean_logit_error
+    pipe = sw.compile(TinyGPT(layers=2), 2, (ids,), loss_fn=loss_fn, example_target=target, microbatches=2,
+                      cost="analytic", **given)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sw.UnweightedLossWarning)
+        pipe.step(ids, target=target)
+
+
+def _mean_logit_error(logits, target):
+    return ((logits.mean(dim=(1, 2)) - target) ** 2).mean()
+
+
+def test_model_returning_its_loss_from_padded_labels_warns():
+    """Not a Hugging Face model: the reduction of its own loss is unknown, so the step says so."""
+    batches = _causal_batches(1)
+    pipe = sw.compile(_CausalLM(), 2, batches[0][0], microbatches=2, cost="analytic")
+    assert pipe.loss_reduction is None
+    with pytest.warns(sw.UnweightedLossWarning, match=r"'labels'.*sw.TokenMean\(labels='labels', shift=True\)"):
+        pipeline_train(pipe, batches)
 
 
 class _CausalLM(torch.nn.Module):
