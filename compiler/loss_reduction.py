@@ -102,13 +102,13 @@ def loss_weights(reduction: LossReduction, pieces: list[dict[str, torch.Tensor]]
     return tuple(count / total if total else 0.0 for count in counts)
 
 
-def model_reduction(model: torch.nn.Module, inputs: list[str]) -> LossReduction | None:
-    """The reduction of a Hugging Face model's own loss when it is given `labels` and its forward
-    takes the loss keyword arguments (`num_items_in_batch`, transformers 4.46 on; the Trainer's test):
-    the mean over the labels that are not -100, counted after the shift a causal LM's loss makes
-    (not an encoder-decoder's, whose labels are its decoder's targets). None for any other model,
-    and for a loss that is not such a mean (sequence classification, CTC, ...)."""
-    if "labels" not in inputs or not hasattr(model, "loss_type") or not _takes_loss_kwargs(model):
+def model_reduction(model: torch.nn.Module, inputs: list[str], loss_fn: object = None) -> LossReduction | None:
+    """The reduction of a Hugging Face model's own loss (no `loss_fn`) when it is given `labels` and
+    its forward takes the loss keyword arguments (`num_items_in_batch`, transformers 4.46 on; the
+    Trainer's test): the mean over the labels that are not -100, counted after the shift a causal
+    LM's loss makes (not an encoder-decoder's, whose labels are its decoder's targets). None for any
+    other model, and for a loss that is not such a mean (sequence classification, CTC, ...)."""
+    if loss_fn is not None or "labels" not in inputs or not hasattr(model, "loss_type") or not _takes_loss_kwargs(model):
         return None
     from transformers.loss.loss_utils import ForCausalLMLoss, ForMaskedLMLoss, ForTokenClassification
 

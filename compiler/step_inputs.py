@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from stagewise.compiler.batches import check_step_tensors, split_batch
-from stagewise.compiler.loss_reduction import LossReduction, loss_weights, padding_without_reduction
+from stagewise.compiler.loss_reduction import LossReduction, loss_weights
 from stagewise.compiler.step_notices import StepNotices
 from stagewise.compiler.step_shapes import StepShapes, TransferSpecs
 from stagewise.ir.errors import ExampleInputsError
@@ -41,7 +41,7 @@ def prepare_batch(plan: Plan, shapes: StepShapes, inputs: dict[str, torch.Tensor
     batch = check_step_tensors(inputs, plan.input_specs, m, plan.microbatch_size,
                                plan.smallest_microbatch or plan.microbatch_size)
     if reduction is None:
-        notices.padding_uncounted(padding_without_reduction(inputs, plan.target_name))
+        notices.padding_uncounted(inputs, plan.target_name)
     node_names = dict(zip(plan.input_names + (plan.target_name,), plan.graph_inputs, strict=False))
     split = split_batch(inputs, m)
     if reduction is not None:

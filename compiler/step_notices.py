@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import warnings
 
+import torch
+
+from stagewise.compiler.loss_reduction import padding_without_reduction
 from stagewise.ir.errors import SkippedUpdateWarning, UnweightedLossWarning
 from stagewise.runtime.executor import StreamExecutor
 
@@ -24,10 +27,13 @@ class StepNotices:
             self._given.add(category)
             warnings.warn(message, category, stacklevel=3)
 
-    def padding_uncounted(self, why: str | None) -> None:
-        """A step's targets hold padding no reduction counts (`why`, None if they do not)."""
-        if why is not None:
-            self.warn_once(UnweightedLossWarning, why)
+    def padding_uncounted(self, inputs: dict[str, torch.Tensor], target_name: str | None) -> None:
+        """Before a step without a loss reduction: warn if its targets hold padding (looked for only
+        until this pipeline has warned: it reads the targets, on a GPU a wait for them)."""
+        if UnweightedLossWarning not in self._given:
+            why = padding_without_reduction(inputs, target_name)
+            if why is not None:
+                self.warn_once(UnweightedLossWarning, why)
 
     def step_done(self, executor: StreamExecutor) -> None:
         """After `executor` committed a step: count it if its update was skipped, and say so the first time."""
