@@ -17,6 +17,7 @@ divisor. Where no reduction is known and the targets hold -100, the step warns
 from __future__ import annotations
 
 import inspect
+import sys
 from dataclasses import asdict, dataclass
 
 import torch
@@ -108,15 +109,14 @@ def model_reduction(model: torch.nn.Module, inputs: list[str], loss_fn: object =
     Trainer's test): the mean over the labels that are not -100, counted after the shift a causal
     LM's loss makes (not an encoder-decoder's, whose labels are its decoder's targets). None for any
     other model, and for a loss that is not such a mean (sequence classification, CTC, ...)."""
-    if loss_fn is not None or "labels" not in inputs or not hasattr(model, "loss_type") or not _takes_loss_kwargs(model):
+    if loss_fn is not None or "labels" not in inputs or not _takes_loss_kwargs(model):
         return None
-    from transformers.loss.loss_utils import ForCausalLMLoss, ForMaskedLMLoss, ForTokenClassification
-
-    loss_function = model.loss_function  # what the model's forward calls (loss_type None: ForCausalLMLoss)
-    if loss_function not in (ForCausalLMLoss, ForMaskedLMLoss, ForTokenClassification):
+    hf = sys.modules.get("transformers.loss.loss_utils")  # loaded with any Hugging Face model
+    loss_function = getattr(model, "loss_function", None)  # what its forward calls (loss_type None: causal LM)
+    if hf is None or loss_function not in (hf.ForCausalLMLoss, hf.ForMaskedLMLoss, hf.ForTokenClassification):
         return None
     encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
-    return TokenMean(IGNORE_INDEX, labels="labels", shift=loss_function is ForCausalLMLoss and not encoder_decoder)
+    return TokenMean(IGNORE_INDEX, labels="labels", shift=loss_function is hf.ForCausalLMLoss and not encoder_decoder)
 
 
 def _takes_loss_kwargs(model: torch.nn.Module) -> bool:
