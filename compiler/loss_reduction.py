@@ -140,6 +140,6 @@ def padding_without_reduction(inputs: dict[str, torch.Tensor], target_name: str 
     fix = ("sw.TokenMean(ignore_index=-100)" if target_name is not None
            else "sw.TokenMean(labels='labels', shift=True) (shift=False unless the loss drops each row's first label)")
     return (f"step got {name!r} holding {IGNORE_INDEX} (entries a mean loss leaves out) but no loss_reduction says "
-            "how the loss counts them, so each microbatch's mean weighs 1 / microbatches and the step's loss and "
-            "gradients are not eager's on the whole batch; compile with loss_reduction=" + fix
+            "how the loss counts them, so each microbatch's mean weighs its share of the samples and the step's "
+            "loss and gradients are not eager's on the whole batch; compile with loss_reduction=" + fix
             + " (or set pipe.loss_reduction), or sw.SampleMean() if the loss is a mean over samples")

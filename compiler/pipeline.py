@@ -294,9 +294,9 @@ class Pipeline:
         returns (missing_keys, unexpected_keys); with `strict` either is a StateDictError, and a
         wrongly shaped tensor always is (compiler/state_dict.py). When it raises nothing is loaded.
         Under torch.distributed every rank calls it with the same state_dict."""
+        check_flags(strict=strict)
         shapes = (dict(zip(self.plan.state_names, self.plan.state_shapes, strict=True)) if self.plan.state_shapes
                   else {n: tuple(t.shape) for n, t in self._local_state().items()})
-        check_flags(strict=strict)
         result = check_state_dict(self.plan, state_dict, strict, shapes)
         self.executor.settle(broken_ok=True)
         holders = [self.unheld] + [worker.state_tensors() for worker in self.workers]  # every replica of a tie
