@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import stagewise as sw
+from stagewise.compiler.loss_reduction import padding_without_reduction
+from stagewise.compiler.step_notices import StepNotices
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.reference import SGD, assert_state_equal, eager_train, pipeline_train
 
@@ -102,26 +104,30 @@ def test_default_keeps_the_mean_of_microbatch_means_and_says_so_once():
     assert not torch.allclose(got, torch.stack(whole_batch_train(whole, batches, _lm_loss_of)))
 
 
-@pytest.mark.parametrize("case", ["no-padding", "reduction-given", "float-target"])
-def test_no_warning_where_the_mean_of_means_is_eager_or_declared(case):
-    batches = padded_batches(steps=1)
-    (ids,), target = batches[0]
-    loss_fn, given = lm_loss, {}
+@pytest.fixture(scope="module")
+def unreduced():
+    """A loss_fn pipeline compiled without a loss_reduction, for the cases that must not warn."""
+    (ids,), target = padded_batches(steps=1)[0]
+    return sw.compile(TinyGPT(layers=2), 2, (ids,), loss_fn=lm_loss, example_target=target, microbatches=2,
+                      schedule="gpipe", cost="analytic"), ids, target
+
+
+@pytest.mark.parametrize("case", ["no-padding", "reduction-given"])
+def test_no_warning_where_the_mean_of_means_is_eager_or_declared(unreduced, case):
+    pipe, ids, target = unreduced
+    pipe.notices, pipe.loss_reduction = StepNotices(), None  # as compiled: nothing warned yet
     if case == "no-padding":
         target = target.masked_fill(target == -100, 0)
-    elif case == "reduction-given":
-        given = {"loss_reduction": sw.TokenMean()}
-    else:  # a regression target that happens to hold -100.0 is a value, not padding
-        target, loss_fn = torch.full((ids.shape[0],), -100.0), _mean_logit_error
-    pipe = sw.compile(TinyGPT(layers=2), 2, (ids,), loss_fn=loss_fn, example_target=target, microbatches=2,
-                      cost="analytic", **given)
+    else:
+        pipe.loss_reduction = sw.TokenMean()
     with warnings.catch_warnings():
         warnings.simplefilter("error", sw.UnweightedLossWarning)
         pipe.step(ids, target=target)
 
 
-def _mean_logit_error(logits, target):
-    return ((logits.mean(dim=(1, 2)) - target) ** 2).mean()
+def test_a_float_target_of_minus_100_is_a_value_not_padding():
+    assert padding_without_reduction({"target": torch.full((4,), -100.0)}, "target") is None
+    assert "sw.TokenMean(ignore_index=-100)" in padding_without_reduction({"target": torch.full((4,), -100)}, "target")
 
 
 def test_model_returning_its_loss_from_padded_labels_warns():
