@@ -32,6 +32,7 @@ from stagewise.compiler.checkpoint_restore import restore_state, unheld_names
 from stagewise.compiler.fx_sources import releasing_fx_sources
 from stagewise.compiler.loss_reduction import reduction_from_data
 from stagewise.compiler.optimizer_recipe import recorded_optimizer
+from stagewise.compiler.options import check_flags
 from stagewise.compiler.pipeline import Pipeline
 from stagewise.compiler.runtime_setup import start_runtime
 from stagewise.compiler.training_state import TrainingState, put_saved_mode
@@ -58,6 +59,9 @@ def load(directory, trusted_functions: Sequence[Callable] = (), devices=None, re
     of the plan) each rank builds every stage's code and reads only its own stages' state; the
     ranks agree that every one of them could read its part before any starts.
     """
+    check_flags(report=report)
+    if replan is not None:  # None: plan again only for other devices
+        check_flags(replan=replan)
     context = distributed_context()
     saved = read_checkpoint(directory, context)
     if _replans(saved, devices, replan):

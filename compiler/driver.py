@@ -9,7 +9,7 @@ import torch.fx as fx
 from stagewise.compiler.analysis import Analysis
 from stagewise.compiler.context import CompileContext, after
 from stagewise.compiler.fx_sources import releasing_fx_sources
-from stagewise.compiler.loss_reduction import check_loss_reduction
+from stagewise.compiler.loss_reduction import check_loss_reduction, model_reduction
 from stagewise.compiler.model_graph import describe_model
 from stagewise.compiler.options import DEFAULT_OPTIMIZER, CompileOptions, CompileRequest
 from stagewise.compiler.phases import PHASES, analyse, run_phases
@@ -66,16 +66,18 @@ def compile(  # noqa: A001 - the public name of the API
     (Varuna §4.4); a tuple replicates each stage its own number of ways (PipeDream §2.4.1), and
     "per-stage" lets PipeDream's DP choose. `stages`: the depth P of a gpipe / 1f1b / varuna
     pipeline (default N / D); "auto" simulates every depth from 1. `loss_reduction`: sw.TokenMean /
-    sw.SampleMean (README). `optimizer_on_host`: the optimizer steps fp32 masters in host memory
-    (Harmony's CPU update, ZeRO-Offload), so no device holds optimizer state. `seed`: random ops
-    draw from streams keyed by (seed, step, op, microbatch); None takes `torch.initial_seed()`.
-    `precision`: "fp32", "bf16" (stage forwards under torch.autocast, fp32 weights, gradients,
-    optimizer state and reductions) or "fp16" (the same with dynamic loss scaling, sw.LossScaling:
-    a step whose gradients overflow on any stage is skipped on every stage). `virtual_devices`: plan
-    for that many devices placed on `devices` in proportion to their speed, so training is bitwise
-    the same on any physical count (`pipe.resize`, compiler/virtual_devices.py). README has the rest.
+    sw.SampleMean (README; default: a Hugging Face model's own token mean). `optimizer_on_host`: the
+    optimizer steps fp32 masters in host memory (Harmony's CPU update, ZeRO-Offload), so no device
+    holds optimizer state. `seed`: random ops draw from streams keyed by (seed, step, op, microbatch);
+    None takes `torch.initial_seed()`. `precision`: "fp32", "bf16" (stage forwards under
+    torch.autocast, fp32 weights, gradients, optimizer state and reductions) or "fp16" (the same
+    with dynamic loss scaling, sw.LossScaling: a step whose gradients overflow on any stage is
+    skipped on every stage, as is one with an inf or NaN under `clip_grad_norm`: SkippedUpdateWarning).
+    `virtual_devices`: plan for that many devices placed on `devices` in proportion to their speed,
+    bitwise the same training on any count (`pipe.resize`, compiler/virtual_devices.py). README: the rest.
     """
     _check_arguments(model, split_points, example_inputs, loss_fn, loss_reduction)
+    loss_reduction = loss_reduction or model_reduction(model, input_names(model, example_inputs)[0], loss_fn)
     devices = virtual_layout(devices, virtual_devices)
     options = make_options(loss_fn=loss_fn, example_target=example_target, optimizer=optimizer,
                            microbatches=microbatches, schedule=schedule, cost=cost, split_points=split_points,

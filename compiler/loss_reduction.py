@@ -6,15 +6,25 @@ the eager loss is the mean over every counted item of the batch. Declared with
 `compile(..., loss_reduction=TokenMean(...))`, each microbatch's mean is weighted by its share of
 the batch's counted items, read from the targets before the step runs: the backward's seed and
 the reported loss use that weight instead of 1 / microbatches.
+
+A Hugging Face model given `labels` needs no declaration (`model_reduction`): its loss is the
+token mean its Trainer makes exact by passing the whole batch's count as `num_items_in_batch`;
+weighing each microbatch's mean by its share of that count is the same sum over the same
+divisor. Where no reduction is known and the targets hold -100, the step warns
+(`padding_without_reduction`): the mean of microbatch means is then not eager's.
 """
 
 from __future__ import annotations
 
+import inspect
+import sys
 from dataclasses import asdict, dataclass
 
 import torch
 
 from stagewise.ir.errors import LossError
+
+IGNORE_INDEX = -100  # what cross_entropy and every Hugging Face loss leave out by default
 
 
 @dataclass(frozen=True)
@@ -23,7 +33,7 @@ class TokenMean:
     default). `labels` names the model input holding them when the model returns its own loss
     (Hugging Face `labels=`); `shift` drops each row's first label, as a causal LM's loss does."""
 
-    ignore_index: int = -100
+    ignore_index: int = IGNORE_INDEX
     labels: str | None = None
     shift: bool = False
 
@@ -91,3 +101,45 @@ def loss_weights(reduction: LossReduction, pieces: list[dict[str, torch.Tensor]]
     counts = [reduction.count(piece[name]) for piece in pieces]
     total = sum(counts)
     return tuple(count / total if total else 0.0 for count in counts)
+
+
+def model_reduction(model: torch.nn.Module, inputs: list[str], loss_fn: object = None) -> LossReduction | None:
+    """The reduction of a Hugging Face model's own loss (no `loss_fn`) when it is given `labels` and
+    its forward takes the loss keyword arguments (`num_items_in_batch`, transformers 4.46 on; the
+    Trainer's test): the mean over the labels that are not -100, counted after the shift a causal
+    LM's loss makes (not an encoder-decoder's, whose labels are its decoder's targets). None for any
+    other model, and for a loss that is not such a mean (sequence classification, CTC, ...)."""
+    if loss_fn is not None or "labels" not in inputs or not _takes_loss_kwargs(model):
+        return None
+    hf = sys.modules.get("transformers.loss.loss_utils")  # loaded with any Hugging Face model
+    loss_function = getattr(model, "loss_function", None)  # what its forward calls (loss_type None: causal LM)
+    if hf is None or loss_function not in (hf.ForCausalLMLoss, hf.ForMaskedLMLoss, hf.ForTokenClassification):
+        return None
+    encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+    return TokenMean(IGNORE_INDEX, labels="labels", shift=loss_function is hf.ForCausalLMLoss and not encoder_decoder)
+
+
+def _takes_loss_kwargs(model: torch.nn.Module) -> bool:
+    """The Hugging Face Trainer's test for passing `num_items_in_batch`: the model's own
+    `accepts_loss_kwargs`, else a forward taking **kwargs."""
+    accepts = getattr(model, "accepts_loss_kwargs", None)
+    if accepts is not None:
+        return bool(accepts)
+    parameters = inspect.signature(model.forward).parameters.values()
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def padding_without_reduction(inputs: dict[str, torch.Tensor], target_name: str | None) -> str | None:
+    """Why a step without a reduction is not eager's on the whole batch, if it is not: the targets
+    (`loss_fn`'s, else the model input `labels`) hold -100, which a mean leaves out, so microbatches
+    count different numbers of items and their means cannot simply be averaged."""
+    name = target_name if target_name is not None else "labels"
+    labels = inputs.get(name)
+    if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or not bool((labels == IGNORE_INDEX).any()):
+        return None
+    fix = ("sw.TokenMean(ignore_index=-100)" if target_name is not None
+           else "sw.TokenMean(labels='labels', shift=True) (shift=False unless the loss drops each row's first label)")
+    return (f"step got {name!r} holding {IGNORE_INDEX} (entries a mean loss leaves out) but no loss_reduction says "
+            "how the loss counts them, so each microbatch's mean weighs its share of the samples and the step's "
+            "loss and gradients are not eager's on the whole batch; compile with loss_reduction=" + fix
+            + " (or set pipe.loss_reduction), or sw.SampleMean() if the loss is a mean over samples")

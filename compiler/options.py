@@ -90,6 +90,14 @@ class CompileOptions:
         return self.microbatches is None and self.split_points is None
 
 
+def check_flags(**flags: object) -> None:
+    """Yes/no options are True or False: any other value (a truthy "no", 0, None) is refused rather
+    than read by its truthiness, which would silently do the opposite of what was meant."""
+    for option, value in flags.items():
+        if not isinstance(value, bool):
+            raise OptionError(f"{option}={value!r} must be True or False (a bool, not {type(value).__name__})")
+
+
 def _check_loss(loss_fn: object, example_target: object) -> None:
     """A loss_fn comes with an example target (a tensor), and a target with a loss_fn."""
     if loss_fn is not None and not callable(loss_fn):
@@ -135,8 +143,7 @@ def _check_scalars(options: CompileOptions) -> None:
     if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
         raise BatchSizeError(f"microbatches must be a positive int, got {m!r}; e.g. microbatches=4, or None to let "
                              "the planner choose")
-    if not isinstance(options.optimizer_on_host, bool):
-        raise OptionError(f"optimizer_on_host={options.optimizer_on_host!r} must be True or False")
+    check_flags(optimizer_on_host=options.optimizer_on_host)
     if not isinstance(options.swap, str) or options.swap not in SWAP_CHOICES:
         raise OptionError(f"unknown swap={options.swap!r}; choose one of {', '.join(map(repr, SWAP_CHOICES))}")
     seed = options.seed

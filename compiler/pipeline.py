@@ -15,14 +15,16 @@ from stagewise.compiler.evaluation import Evaluation
 from stagewise.compiler.loss_reduction import LossReduction, check_loss_reduction, reduction_to_data
 from stagewise.compiler.morph import Move, restore_into
 from stagewise.compiler.optimizer_view import PipelineOptimizer
+from stagewise.compiler.options import check_flags
 from stagewise.compiler.prediction import fill_unread_inputs, predict
 from stagewise.compiler.runtime_setup import Runtime
 from stagewise.compiler.state_dict import IncompatibleKeys, aliases_of, check_state_dict
-from stagewise.compiler.step_inputs import named_inputs, prepare_batch
+from stagewise.compiler.step_inputs import named_inputs, prepare_batch, training_inputs
+from stagewise.compiler.step_notices import StepNotices
 from stagewise.compiler.step_shapes import StepShapes, TransferSpecs
 from stagewise.compiler.training_state import TrainingState, resume_scheduler, training_state
 from stagewise.compiler.virtual_devices import resize
-from stagewise.ir.errors import ExampleInputsError, ModeError, PrecisionError
+from stagewise.ir.errors import ModeError, PrecisionError
 from stagewise.ir.instructions import Stream
 from stagewise.ir.plan import Plan, SharedTensor
 from stagewise.ir.program import Program
@@ -69,6 +71,7 @@ class Pipeline:
                                       [pool.device for pool in runtime.pools])
         self._loss_reduction: LossReduction | None = None
         self._saves = SaveSlot()  # the save in flight (compiler/checkpoint_async.py)
+        self.notices = StepNotices()  # warnings given once, skipped updates counted (compiler/step_notices.py)
         self.loss_reduction = compiled.loss_reduction if compiled is not None else None  # checked
         self.model_graph = compiled.model_graph if compiled is not None else None  # sw.load sets a loaded one's
 
@@ -129,8 +132,9 @@ class Pipeline:
     @property
     def loss_reduction(self) -> LossReduction | None:
         """How the loss reduces over the batch (compiler/loss_reduction.py): each microbatch's loss weighs
-        its share of the batch's counted items; None weighs each 1 / microbatches (the mean of means).
-        Set by compile's loss_reduction=; checkpoints keep it."""
+        its share of the batch's counted items; None weighs each its share of the samples (steps warn
+        where targets hold -100). Set by compile's loss_reduction= (a Hugging Face model's own token
+        mean by default); checkpoints keep it."""
         return self._loss_reduction
 
     @loss_reduction.setter
@@ -145,8 +149,14 @@ class Pipeline:
 
     @property
     def last_step_skipped(self) -> bool:
-        """Whether the last step's fp16 gradients overflowed, so no stage updated (the scale backed off)."""
+        """Whether the last step's gradients held an inf or NaN (seen in the global norm, which fp16 and
+        clip_grad_norm compute), so no stage updated (fp16: the scale backed off)."""
         return self.executor.last_step_skipped
+
+    @property
+    def skipped_steps(self) -> int:
+        """How many of this pipeline's steps skipped their update so (the first one warns)."""
+        return self.notices.skipped_steps
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -195,6 +205,7 @@ class Pipeline:
 
     def train(self, mode: bool = True) -> Pipeline:
         """Set the mode `step` runs the stages in (dropout, BatchNorm), as nn.Module.train does."""
+        check_flags(mode=mode)
         self.evaluation.set_mode(mode)
         return self
 
@@ -211,6 +222,7 @@ class Pipeline:
         if self._optimizer is not None:
             self._optimizer.push_hyperparameters()
         loss = self.executor.run(self.plan.microbatches, feed=self._checked_feed(lambda: self._feeder(args, target, kwargs)))
+        self.notices.step_done(self.executor)
         if self._optimizer is not None:
             self._optimizer.note_step()
         return loss
@@ -253,15 +265,8 @@ class Pipeline:
 
     def _feeder(self, args, target, kwargs):
         """What feeds the workers a minibatch's microbatches, its inputs checked as `step` takes them."""
-        inputs = named_inputs(self.plan, args, kwargs)
-        if self.plan.target_name is not None:
-            if target is None:
-                raise ExampleInputsError("this pipeline was compiled with loss_fn: call step(..., target=targets)")
-            inputs[self.plan.target_name] = target
-        elif target is not None:
-            raise ExampleInputsError("step got target= but the pipeline was compiled without loss_fn (the model "
-                                     "returns its loss): drop target=, or recompile with loss_fn and example_target")
-        prepared = prepare_batch(self.plan, self.step_shapes, inputs, self.loss_reduction)
+        inputs = training_inputs(self.plan, args, target, kwargs)
+        prepared = prepare_batch(self.plan, self.step_shapes, inputs, self.loss_reduction, self.notices)
         return lambda: self._feed(prepared.pieces, prepared.weights, prepared.transfer_specs)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -289,6 +294,7 @@ class Pipeline:
         returns (missing_keys, unexpected_keys); with `strict` either is a StateDictError, and a
         wrongly shaped tensor always is (compiler/state_dict.py). When it raises nothing is loaded.
         Under torch.distributed every rank calls it with the same state_dict."""
+        check_flags(strict=strict)
         shapes = (dict(zip(self.plan.state_names, self.plan.state_shapes, strict=True)) if self.plan.state_shapes
                   else {n: tuple(t.shape) for n, t in self._local_state().items()})
         result = check_state_dict(self.plan, state_dict, strict, shapes)
@@ -322,6 +328,7 @@ class Pipeline:
         on a filesystem every rank shares. A pipeline whose failed step could not be undone raises
         PipelineBrokenError instead. `asynchronous=True` returns once this process's state is copied to
         CPU memory and writes on a thread while `step` goes on (rules: compiler/checkpoint_async.py)."""
+        check_flags(asynchronous=asynchronous)
         self._saves.settle()  # before the step count and the learning rates are read
         self.executor.settle()
         training = training_state(scheduler, extra)
@@ -344,15 +351,16 @@ class Pipeline:
     def rebuild(self, plan: Plan, runtime: Runtime, unheld: dict[str, torch.Tensor]) -> None:
         """Go on with another runtime of this pipeline's plan (what `resize` made)."""
         compiled = Compiled(self.sim_cost, self.compile_times) if self.sim_cost is not None else None
-        model_graph = self.model_graph
+        model_graph, notices = self.model_graph, self.notices
         self.__init__(plan, runtime, compiled, unheld)  # type: ignore[misc]
-        self.model_graph = model_graph
+        self.model_graph, self.notices = model_graph, notices
 
     def restore(self, directory, report: bool = True, training_state: bool = True) -> Move:
         """Train on from the checkpoint at `directory`, saved by a pipeline of this model on any devices
         and split (Varuna's job morphing): weights and, unless not `training_state` (fine-tuning from
         it), optimizer state, step count, scheduler state and `extra` (`pipe.load_scheduler`). Returns
         what moved, printed (rank 0) where the plan differs, unless not `report`. A collective."""
+        check_flags(report=report, training_state=training_state)
         self._saves.settle()  # a save in flight uses the same collectives (and may write `directory`)
         return restore_into(self, directory, report, training_state)
 

@@ -4,9 +4,10 @@ One compiled pipeline takes any batch the stage code takes: a batch that does no
 microbatches is split unevenly (the first `batch % microbatches` one sample larger), non-batch sizes
 may shrink down to what the traced graph covers, and the example's sizes are the largest (memory
 was planned for them). Each microbatch's loss weighs its share of the batch (its samples, or the
-counted items of a declared loss reduction), so the step's loss and gradients are eager's on the
-whole batch; transfers of microbatches shaped unlike the example are sized ahead
-(compiler/step_shapes.py).
+counted items of a loss reduction), so the step's loss and gradients are eager's on the whole
+batch; targets padded with -100 that no reduction counts are warned about once (they would make
+the step a mean of microbatch means); transfers of microbatches shaped unlike the example are
+sized ahead (compiler/step_shapes.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from stagewise.compiler.batches import check_step_tensors, split_batch
 from stagewise.compiler.loss_reduction import LossReduction, loss_weights
+from stagewise.compiler.step_notices import StepNotices
 from stagewise.compiler.step_shapes import StepShapes, TransferSpecs
 from stagewise.ir.errors import ExampleInputsError
 from stagewise.ir.plan import Plan
@@ -33,11 +35,13 @@ class PreparedBatch:
 
 
 def prepare_batch(plan: Plan, shapes: StepShapes, inputs: dict[str, torch.Tensor],
-                  reduction: LossReduction | None) -> PreparedBatch:
+                  reduction: LossReduction | None, notices: StepNotices) -> PreparedBatch:
     """`inputs` (model input name, then the target's, -> tensor) checked and split for a step."""
     m = plan.microbatches
     batch = check_step_tensors(inputs, plan.input_specs, m, plan.microbatch_size,
                                plan.smallest_microbatch or plan.microbatch_size)
+    if reduction is None:
+        notices.padding_uncounted(inputs, plan.target_name)
     node_names = dict(zip(plan.input_names + (plan.target_name,), plan.graph_inputs, strict=False))
     split = split_batch(inputs, m)
     if reduction is not None:
@@ -48,6 +52,19 @@ def prepare_batch(plan: Plan, shapes: StepShapes, inputs: dict[str, torch.Tensor
         weights = None
     pieces = [{node_names[k]: v for k, v in piece.items()} for piece in split]
     return PreparedBatch(pieces, weights, shapes.of_step(pieces))
+
+
+def training_inputs(plan: Plan, args, target, kwargs) -> dict:
+    """The arguments of `step` (and `evaluate`) by input name, then the target under its name, checked."""
+    inputs = named_inputs(plan, args, kwargs)
+    if plan.target_name is not None:
+        if target is None:
+            raise ExampleInputsError("this pipeline was compiled with loss_fn: call step(..., target=targets)")
+        inputs[plan.target_name] = target
+    elif target is not None:
+        raise ExampleInputsError("step got target= but the pipeline was compiled without loss_fn (the model "
+                                 "returns its loss): drop target=, or recompile with loss_fn and example_target")
+    return inputs
 
 
 def named_inputs(plan: Plan, args, kwargs) -> dict:

@@ -1,4 +1,4 @@
-"""Errors a user can cause. Each message names the problem and what to do about it."""
+"""Errors and warnings a user can cause. Each message names the problem and what to do about it."""
 
 
 class StagewiseError(Exception):
@@ -80,6 +80,15 @@ class ModeError(StagewiseError):
 
 class OversubscribedWarning(UserWarning):
     """In-process CPU devices would run more intra-op threads than the machine has cores."""
+
+
+class UnweightedLossWarning(UserWarning):
+    """A step's targets hold ignored entries (-100) but no loss reduction says how the loss counts
+    them: the step's loss is the mean of microbatch means, unlike eager's on the whole batch."""
+
+
+class SkippedUpdateWarning(UserWarning):
+    """A step's gradients held an inf or NaN, so no stage updated (`pipe.skipped_steps` counts them)."""
 
 
 class PrecisionError(StagewiseError):

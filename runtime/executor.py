@@ -98,7 +98,7 @@ class StreamExecutor(StepRecovery, OpportunisticCompute, Handlers, Interpreter):
         autocast forwards run under; `loss_scaling`: fp16's, for a training executor (runtime/precision.py)."""
         self.precision = precision
         self.scaler = None if loss_scaling is None else LossScaler(loss_scaling)
-        self.step_overflowed = False  # the running step's gradients hold an inf or NaN (fp16): no stage updates
+        self.step_overflowed = False  # the running step's global grad norm is inf or NaN: no stage updates
         self.last_step_skipped = False
         self.replay = ForwardReplay(seed)
         self.opportunistic = opportunistic

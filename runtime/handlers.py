@@ -48,8 +48,9 @@ class Handlers:
 
     def _update(self, device: int, index: int, ins: Update | HostUpdate) -> None:
         """The optimizer step on the device or (HostUpdate) on host masters; `clip` scales first.
-        The step's guard first takes the stage's undo record (runtime/rollback.py). An fp16 step whose
-        gradients overflowed on any stage updates none (runtime/precision.py)."""
+        The step's guard first takes the stage's undo record (runtime/rollback.py). A step whose global
+        gradient norm (fp16's overflow check, or clipping's) is not finite updates no stage
+        (runtime/precision.py; the pipeline warns, compiler/step_notices.py)."""
         if self.step_overflowed:
             skip_update(self.workers[ins.stage])
             return
@@ -110,8 +111,8 @@ class Handlers:
     def _all_reduce_norm(self, device: int, index: int, ins: AllReduceGradNorm) -> None:
         """The whole model's gradient norm; stages counted live scale right away, those whose part was
         counted ahead keep the coefficient for their update. With fp16 the gradients are scaled: the
-        norm reported and clipped is the unscaled one, and a total that is not finite (the same on
-        every device) skips the step everywhere."""
+        norm reported and clipped is the unscaled one. A total that is not finite (the same on every
+        device; fp16's overflow, or an inf or NaN in any precision with clipping) skips the step everywhere."""
         local = [self.workers[s] for s in ins.group if self.device_of[s] == device]
         square_sum = sum(w.grad_square_sum() if w.norm_part is None else w.norm_part for w in local)
         tag = (self.iteration, type(ins).__name__, (), ins.group)

@@ -33,11 +33,13 @@ from stagewise.ir.errors import (
     PipelineBrokenError,
     PlanError,
     PrecisionError,
+    SkippedUpdateWarning,
     StagewiseError,
     StateDictError,
     StepFailedError,
     StepTimeoutError,
     TraceError,
+    UnweightedLossWarning,
 )
 from stagewise.ir.plan import Plan
 from stagewise.ir.precision import LossScaling
@@ -69,6 +71,7 @@ __all__ = [
     "Recommendation",
     "SampleMean",
     "SaveHandle",
+    "SkippedUpdateWarning",
     "StagewiseError",
     "StateDictError",
     "StepFailedError",
@@ -76,6 +79,7 @@ __all__ = [
     "TokenMean",
     "Topology",
     "TraceError",
+    "UnweightedLossWarning",
     "compile",
     "load",
     "load_catalogue",

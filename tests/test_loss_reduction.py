@@ -2,12 +2,15 @@
 microbatches different numbers of counted tokens; without one the step stays the mean of means."""
 
 import copy
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import stagewise as sw
+from stagewise.compiler.loss_reduction import padding_without_reduction
+from stagewise.compiler.step_notices import StepNotices
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.reference import SGD, assert_state_equal, eager_train, pipeline_train
 
@@ -83,18 +86,57 @@ def test_sample_mean_of_equal_microbatches_is_the_mean_of_means():
     assert_state_equal(pipe.state_dict(), reference.state_dict())
 
 
-def test_default_keeps_the_mean_of_microbatch_means():
+def test_default_keeps_the_mean_of_microbatch_means_and_says_so_once():
+    """A loss_fn's reduction is unknown: padded targets keep the mean of means, with one warning
+    per pipeline naming the fix."""
     batches = padded_batches()
     model = TinyGPT()
     reference, whole = copy.deepcopy(model), copy.deepcopy(model)
     pipe = sw.compile(model, 2, batches[0][0], loss_fn=lm_loss, example_target=batches[0][1], optimizer=SGD,
                       microbatches=MICROBATCHES, cost="analytic")
     assert pipe.loss_reduction is None
-    got = torch.stack(pipeline_train(pipe, batches))
+    with pytest.warns(sw.UnweightedLossWarning, match=r"loss_reduction=sw.TokenMean\(ignore_index=-100\)") as caught:
+        got = torch.stack(pipeline_train(pipe, batches))
+    assert len([w for w in caught if w.category is sw.UnweightedLossWarning]) == 1
     torch.testing.assert_close(got, torch.stack(eager_train(reference, batches, loss_fn=lm_loss,
                                                             microbatches=MICROBATCHES)), rtol=1e-5, atol=1e-6)
     assert_state_equal(pipe.state_dict(), reference.state_dict())
     assert not torch.allclose(got, torch.stack(whole_batch_train(whole, batches, _lm_loss_of)))
+
+
+@pytest.fixture(scope="module")
+def unreduced():
+    """A loss_fn pipeline compiled without a loss_reduction, for the cases that must not warn."""
+    (ids,), target = padded_batches(steps=1)[0]
+    return sw.compile(TinyGPT(layers=2), 2, (ids,), loss_fn=lm_loss, example_target=target, microbatches=2,
+                      schedule="gpipe", cost="analytic"), ids, target
+
+
+@pytest.mark.parametrize("case", ["no-padding", "reduction-given"])
+def test_no_warning_where_the_mean_of_means_is_eager_or_declared(unreduced, case):
+    pipe, ids, target = unreduced
+    pipe.notices, pipe.loss_reduction = StepNotices(), None  # as compiled: nothing warned yet
+    if case == "no-padding":
+        target = target.masked_fill(target == -100, 0)
+    else:
+        pipe.loss_reduction = sw.TokenMean()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sw.UnweightedLossWarning)
+        pipe.step(ids, target=target)
+
+
+def test_a_float_target_of_minus_100_is_a_value_not_padding():
+    assert padding_without_reduction({"target": torch.full((4,), -100.0)}, "target") is None
+    assert "sw.TokenMean(ignore_index=-100)" in padding_without_reduction({"target": torch.full((4,), -100)}, "target")
+
+
+def test_model_returning_its_loss_from_padded_labels_warns():
+    """Not a Hugging Face model: the reduction of its own loss is unknown, so the step says so."""
+    batches = _causal_batches(1)
+    pipe = sw.compile(_CausalLM(), 2, batches[0][0], microbatches=2, cost="analytic")
+    assert pipe.loss_reduction is None
+    with pytest.warns(sw.UnweightedLossWarning, match=r"'labels'.*sw.TokenMean\(labels='labels', shift=True\)"):
+        pipeline_train(pipe, batches)
 
 
 class _CausalLM(torch.nn.Module):
