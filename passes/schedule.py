@@ -5,8 +5,9 @@ synchronous update, so the step equals one step on the whole minibatch whatever 
 A schedule returns one task list per device; with virtual stages a device runs several.
 Every schedule runs each stage's forwards in microbatch order, and its backwards too: the first
 backward sets `.grad` and each later one adds to it, so each gradient is the same float sum
-((g0 + g1) + g2) ... under every schedule and partition, and BatchNorm's running statistics
-take the microbatches in one order (tests/test_gradient_order.py).
+((g0 + g1) + g2) ... under every schedule, and under every partition that shares no weight or
+value between several stages (those parts are added per stage first), and BatchNorm's running
+statistics take the microbatches in one order (tests/test_gradient_order.py).
 
 - GPipe (Huang et al.; the baseline of Harmony and Varuna): all forwards, then all backwards.
 - 1F1B (PipeDream-Flush, Narayanan §4.2.2, Fig. 4.4 top): same bubble (p - 1)/m, but after a
