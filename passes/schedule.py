@@ -3,6 +3,11 @@
 Every schedule here flushes: all microbatches' gradients are accumulated before one
 synchronous update, so the step equals one step on the whole minibatch whatever the order.
 A schedule returns one task list per device; with virtual stages a device runs several.
+Every schedule runs each stage's forwards in microbatch order, and its backwards too: the first
+backward sets `.grad` and each later one adds to it, so each gradient is the same float sum
+((g0 + g1) + g2) ... under every schedule, and under every partition that shares no weight or
+value between several stages (those parts are added per stage first), and BatchNorm's running
+statistics take the microbatches in one order (tests/test_gradient_order.py).
 
 - GPipe (Huang et al.; the baseline of Harmony and Varuna): all forwards, then all backwards.
 - 1F1B (PipeDream-Flush, Narayanan §4.2.2, Fig. 4.4 top): same bubble (p - 1)/m, but after a
@@ -38,10 +43,10 @@ REPLICATED_STAGE_SCHEDULES = ("gpipe", "1f1b")  # the schedules that run stages 
 
 
 def gpipe(n_stages: int, microbatches: int) -> list[list[Task]]:
-    """All forwards, then all backwards in reverse order, then the update (GPipe; §4.2.2 Fig. 4.3)."""
+    """All forwards, then all backwards, then the update (GPipe; §4.2.2 Fig. 4.3), each in microbatch order."""
     return [
         [Task(Phase.FORWARD, s, mb) for mb in range(microbatches)]
-        + [Task(Phase.BACKWARD, s, mb) for mb in reversed(range(microbatches))]
+        + [Task(Phase.BACKWARD, s, mb) for mb in range(microbatches)]
         + [Task(Phase.UPDATE, s)]
         for s in range(n_stages)
     ]
@@ -159,15 +164,17 @@ def harmony_pp(n_packs: int, n_devices: int, microbatches: int, jit_update: bool
     """Wrap-around packs with input-batch grouping (Harmony §3.2): device d runs packs d, d + N, ...
 
     Forward: each pack takes every microbatch before the next pack starts. Backward: packs in
-    reverse, microbatches in reverse, and (jit-update) the pack's update right after its last
-    backward, while its weights and gradients are still on the device.
+    reverse (PFB = PF + Reverse(PB)), each pack's microbatches in order (the paper fixes no order
+    there; microbatch order sums the gradients as every other schedule does), and (jit-update)
+    the pack's update right after its last backward, while its weights and gradients are still
+    on the device.
     """
     tasks = []
     for d in range(n_devices):
         packs = list(range(d, n_packs, n_devices))
         order = [Task(Phase.FORWARD, k, mb) for k in packs for mb in range(microbatches)]
         for k in reversed(packs):
-            order += [Task(Phase.BACKWARD, k, mb) for mb in reversed(range(microbatches))]
+            order += [Task(Phase.BACKWARD, k, mb) for mb in range(microbatches)]
             order += [Task(Phase.UPDATE, k)] if jit_update else []
         tasks.append(order + ([] if jit_update else [Task(Phase.UPDATE, k) for k in packs]))
     return tasks
@@ -228,7 +235,7 @@ def instance_tasks(name: str, stages: Sequence[Stage], microbatches: int, n_devi
 
 def replicated_stage_tasks(name: str, stages: Sequence[Stage], microbatches: int, n_devices: int) -> list[list[Task]]:
     """Stages replicated each their own number of ways (PipeDream §2.4.1, e.g. 2-1): every instance
-    runs its own microbatches. GPipe: its forwards, its backwards in reverse, its update. 1F1B-RR
+    runs its own microbatches. GPipe: its forwards, its backwards, its update. 1F1B-RR
     (§2.4.2): a replica of a stage on r devices followed by w devices (itself included) keeps
     NOAM = ceil(w / r) inputs in flight, so it warms up with NOAM - 1 forwards and then alternates;
     with every stage on one device that is PipeDream-Flush's warm-up, p - s - 1."""
@@ -241,7 +248,7 @@ def replicated_stage_tasks(name: str, stages: Sequence[Stage], microbatches: int
         mine = stage.microbatches or tuple(range(microbatches))
         if name == "gpipe":
             order = ([Task(Phase.FORWARD, stage.index, mb) for mb in mine]
-                     + [Task(Phase.BACKWARD, stage.index, mb) for mb in reversed(mine)])
+                     + [Task(Phase.BACKWARD, stage.index, mb) for mb in mine])
         else:
             following = sum(n for position, n in ways.items() if position >= stage.position)
             order = alternate(stage.index, mine, math.ceil(following / ways[stage.position]) - 1)

@@ -6,7 +6,14 @@ import torch
 from stagewise.ir.instructions import Phase
 from stagewise.ir.plan import Stage, Transfer
 from stagewise.passes.lower import lower
-from stagewise.passes.schedule import interleaved, schedule_tasks, varuna
+from stagewise.passes.schedule import (
+    REPLICATED_STAGE_SCHEDULES,
+    SCHEDULES,
+    instance_tasks,
+    interleaved,
+    schedule_tasks,
+    varuna,
+)
 from stagewise.passes.simulate import SimCost, simulate
 from tests.hf import gpt2, lm_batches
 from tests.models.gpt import TinyGPT, lm_loss
@@ -43,6 +50,38 @@ def test_interleaved_places_chunks_round_robin_and_covers_every_task():
         assert {t.stage for t in device} == {d, d + 2}
         work = [(t.phase.value, t.stage, t.microbatch) for t in device if t.phase is not Phase.UPDATE]
         assert sorted(work) == sorted((k, s, mb) for k in "FB" for s in (d, d + 2) for mb in range(4))
+
+
+def _passes_per_stage(tasks) -> dict[tuple[Phase, int], list[int]]:
+    """Each (forward or backward, stage instance): its microbatches in the order its device runs them."""
+    passes: dict[tuple[Phase, int], list[int]] = {}
+    for device in tasks:
+        for t in device:
+            if t.phase in (Phase.FORWARD, Phase.BACKWARD):
+                passes.setdefault((t.phase, t.stage), []).append(t.microbatch)
+    return passes
+
+
+@pytest.mark.parametrize("schedule", [s for s in SCHEDULES if s != "auto"])
+@pytest.mark.parametrize(("stages", "devices", "m"), [(4, 2, 4), (6, 3, 3), (8, 4, 8)])
+def test_every_schedule_runs_each_stage_in_microbatch_order(schedule, stages, devices, m):
+    """Forwards and backwards of every stage in microbatch order (0 first): BatchNorm's running statistics
+    and every gradient's sum over microbatches then come out bitwise alike under every schedule."""
+    n = stages if schedule in ("interleaved", "harmony-pp", "harmony-dp") else devices
+    _, tasks = schedule_tasks(schedule, n, m, devices)
+    passes = _passes_per_stage(tasks)
+    assert {stage for _, stage in passes} == set(range(n))
+    assert all(order == list(range(m)) for order in passes.values()), passes
+
+
+@pytest.mark.parametrize("schedule", REPLICATED_STAGE_SCHEDULES)
+def test_stages_replicated_unevenly_run_their_microbatches_in_order(schedule):
+    """A 2-1 plan: stage 0 on two devices (microbatches dealt round robin), stage 1 on one."""
+    front = [Stage(r, r, (0,), (), ("a",), (), (), logical=0, replica=r, microbatches=(r, r + 2, r + 4)) for r in (0, 1)]
+    back = Stage(2, 2, (1,), ("a",), ("loss",), (), (), logical=1)
+    passes = _passes_per_stage(instance_tasks(schedule, (*front, back), 6, 3, jit_update=False))
+    assert passes[(Phase.BACKWARD, 0)] == [0, 2, 4] and passes[(Phase.BACKWARD, 1)] == [1, 3, 5]
+    assert passes[(Phase.FORWARD, 2)] == passes[(Phase.BACKWARD, 2)] == list(range(6))
 
 
 def _chain(p: int) -> tuple[tuple[Stage, ...], tuple[Transfer, ...]]:
