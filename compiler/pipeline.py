@@ -17,6 +17,7 @@ from stagewise.compiler.morph import Move, restore_into
 from stagewise.compiler.optimizer_view import PipelineOptimizer
 from stagewise.compiler.prediction import fill_unread_inputs, predict
 from stagewise.compiler.runtime_setup import Runtime
+from stagewise.compiler.small_batches import GivenSamples, filled
 from stagewise.compiler.state_dict import IncompatibleKeys, aliases_of, check_state_dict
 from stagewise.compiler.step_inputs import named_inputs, prepare_batch
 from stagewise.compiler.step_shapes import StepShapes, TransferSpecs
@@ -217,18 +218,22 @@ class Pipeline:
 
     def evaluate(self, *args, target=None, **kwargs) -> torch.Tensor:
         """The mean loss over the microbatches (as `step` returns it) of a forward-only pass in eval mode:
-        no gradient, nothing updated, no step counted; the mode `step` trains in is kept."""
+        no gradient, nothing updated, no step counted; the mode `step` trains in is kept. A batch
+        smaller than the microbatches is repeated whole to fill them (compiler/small_batches.py)."""
         _refuse_enclosing_autocast("evaluate")
-        feed = self._checked_feed(lambda: self._feeder(args, target, kwargs))
+        feed = self._checked_feed(lambda: self._feeder(args, target, kwargs, "evaluate"))
         return self.evaluation.evaluate(self.plan.microbatches, feed, self.executor)
 
-    def predict(self, *args, **kwargs) -> torch.Tensor:
-        """The model's outputs (logits) of a forward-only pass in eval mode, the same inputs as `step`
-        without target=: every microbatch's, concatenated along dim 0, on the CPU. Nothing is updated
-        or counted. Known for a model compiled with loss_fn, or returning .logits beside its own loss
-        (compiler/prediction.py), else PredictError. Inputs only its loss reads (labels) may be left out."""
-        feed = self._checked_feed(lambda: self._prediction_feeder(args, kwargs))
-        return predict(self.evaluation, self.plan.microbatches, feed, self.executor)
+    def predict(self, *args, **kwargs) -> object:
+        """What the model returns (a tensor, or its tuple / dict / Hugging Face ModelOutput) on the same
+        inputs as `step` without target=, of a forward-only pass in eval mode: each tensor every
+        microbatch's concatenated along dim 0, on the CPU; what the training graph does not compute
+        (the model's own loss, a cache) is None (compiler/prediction_output.py). Inputs only the loss
+        reads (labels) may be left out; a batch smaller than the microbatches (one sample) is repeated
+        to fill them. Nothing is updated or counted. PredictError for a model that returns only its loss."""
+        given = GivenSamples()
+        feed = self._checked_feed(lambda: self._prediction_feeder(args, kwargs, given))
+        return predict(self.evaluation, self.plan.microbatches, feed, self.executor, lambda: given.count)
 
     def _checked_feed(self, feeder: Callable[[], Callable[[], None]]) -> Callable[[], None]:
         """The feed of a step, an evaluation or a prediction, from `feeder`, which checks the inputs.
@@ -239,11 +244,14 @@ class Pipeline:
             return feeder()
         return lambda: feeder()()
 
-    def _prediction_feeder(self, args, kwargs) -> Callable[[], None]:
-        """What feeds the workers a prediction's microbatches, its inputs checked (labels may be left out)."""
-        inputs = named_inputs(self.plan, args, fill_unread_inputs(self.plan, self.step_shapes.modules, kwargs))
+    def _prediction_feeder(self, args, kwargs, given: GivenSamples) -> Callable[[], None]:
+        """What feeds the workers a prediction's microbatches, its inputs checked (labels may be left
+        out) and repeated where too few; `given` counts the samples the caller gave."""
+        named = named_inputs(self.plan, args, fill_unread_inputs(self.plan, self.step_shapes.modules, kwargs), "predict")
+        inputs = filled(self.plan, named, given)
         check_step_tensors(inputs, self.plan.input_specs[:len(inputs)], self.plan.microbatches,
-                           self.plan.microbatch_size, self.plan.smallest_microbatch or self.plan.microbatch_size)
+                           self.plan.microbatch_size, self.plan.smallest_microbatch or self.plan.microbatch_size,
+                           "predict")
         pieces = [{n: v for n, v in zip(self.plan.graph_inputs, piece.values(), strict=False)}
                   for piece in split_batch(inputs, self.plan.microbatches)]
         if self.plan.target_name is not None:
@@ -251,17 +259,20 @@ class Pipeline:
                 piece[self.plan.graph_inputs[len(inputs)]] = None  # the loss, left out, needed it
         return lambda: self._feed(pieces)
 
-    def _feeder(self, args, target, kwargs):
-        """What feeds the workers a minibatch's microbatches, its inputs checked as `step` takes them."""
-        inputs = named_inputs(self.plan, args, kwargs)
+    def _feeder(self, args, target, kwargs, call: str = "step"):
+        """What feeds the workers a minibatch's microbatches, its inputs checked as `step` takes them
+        (`call`: what the errors name; evaluate's batch is repeated where too small)."""
+        inputs = named_inputs(self.plan, args, kwargs, call)
         if self.plan.target_name is not None:
             if target is None:
-                raise ExampleInputsError("this pipeline was compiled with loss_fn: call step(..., target=targets)")
+                raise ExampleInputsError(f"this pipeline was compiled with loss_fn: call {call}(..., target=targets)")
             inputs[self.plan.target_name] = target
         elif target is not None:
-            raise ExampleInputsError("step got target= but the pipeline was compiled without loss_fn (the model "
+            raise ExampleInputsError(f"{call} got target= but the pipeline was compiled without loss_fn (the model "
                                      "returns its loss): drop target=, or recompile with loss_fn and example_target")
-        prepared = prepare_batch(self.plan, self.step_shapes, inputs, self.loss_reduction)
+        if call != "step":
+            inputs = filled(self.plan, inputs)
+        prepared = prepare_batch(self.plan, self.step_shapes, inputs, self.loss_reduction, call)
         return lambda: self._feed(prepared.pieces, prepared.weights, prepared.transfer_specs)
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -33,11 +33,12 @@ class PreparedBatch:
 
 
 def prepare_batch(plan: Plan, shapes: StepShapes, inputs: dict[str, torch.Tensor],
-                  reduction: LossReduction | None) -> PreparedBatch:
-    """`inputs` (model input name, then the target's, -> tensor) checked and split for a step."""
+                  reduction: LossReduction | None, call: str = "step") -> PreparedBatch:
+    """`inputs` (model input name, then the target's, -> tensor) checked and split for a step (or
+    the `call` its errors name: evaluate)."""
     m = plan.microbatches
     batch = check_step_tensors(inputs, plan.input_specs, m, plan.microbatch_size,
-                               plan.smallest_microbatch or plan.microbatch_size)
+                               plan.smallest_microbatch or plan.microbatch_size, call)
     node_names = dict(zip(plan.input_names + (plan.target_name,), plan.graph_inputs, strict=False))
     split = split_batch(inputs, m)
     if reduction is not None:
@@ -50,25 +51,26 @@ def prepare_batch(plan: Plan, shapes: StepShapes, inputs: dict[str, torch.Tensor
     return PreparedBatch(pieces, weights, shapes.of_step(pieces))
 
 
-def named_inputs(plan: Plan, args, kwargs) -> dict:
-    """`step`'s arguments by input name, as the example gave them (positional or keyword), checked."""
+def named_inputs(plan: Plan, args, kwargs, call: str = "step") -> dict:
+    """`call`'s arguments (step, evaluate, predict) by input name, as the example gave them (positional
+    or keyword), checked."""
     names = plan.input_names
     if plan.input_kind == "positional":
         if kwargs or len(args) != len(names):
             raise ExampleInputsError(
-                f"step takes {len(names)} positional inputs ({', '.join(names)}) as in example_inputs, "
+                f"{call} takes {len(names)} positional inputs ({', '.join(names)}) as in example_inputs, "
                 f"got {len(args)} positional and {sorted(kwargs)} keyword"
             )
         inputs = dict(zip(names, args, strict=True))
     else:
         if args or set(kwargs) != set(names):
             raise ExampleInputsError(
-                f"step takes keyword inputs {sorted(names)} as in example_inputs, got {len(args)} positional "
+                f"{call} takes keyword inputs {sorted(names)} as in example_inputs, got {len(args)} positional "
                 f"and {sorted(kwargs)} keyword"
             )
         inputs = {n: kwargs[n] for n in names}
     for name, value in inputs.items():
         if not isinstance(value, torch.Tensor):
-            raise ExampleInputsError(f"every input to step must be a tensor, as in example_inputs; "
+            raise ExampleInputsError(f"every input to {call} must be a tensor, as in example_inputs; "
                                      f"{name!r} is a {type(value).__name__}")
     return inputs
