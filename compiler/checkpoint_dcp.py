@@ -17,9 +17,11 @@ unpickler that builds only DCP's metadata classes, so a checkpoint cannot run co
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pathlib
 import pickle
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -86,12 +88,22 @@ def saved_tensors(folder: Path) -> dict[str, TensorStorageMetadata]:
             if isinstance(v, TensorStorageMetadata)}
 
 
+@contextlib.contextmanager
+def _single_process_intended():
+    """DCP's no_dist save and load warn "torch.distributed is disabled ... assuming the intent is to save
+    in a single process" every time: that is the intent here, so that warning alone is not shown."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized", UserWarning)
+        yield
+
+
 def write_tensors(folder: Path, tensors: Mapping[str, Mapping], group: dist.ProcessGroup | None) -> None:
     """Write this process's part of the nested `tensors` dict into `folder` (a collective over
     `group` under torch.distributed: every rank calls it, with the keys it holds)."""
     writer = dcp.FileSystemWriter(str(folder), sync_files=True)
     if group is None:
-        dcp.save(dict(tensors), storage_writer=writer, no_dist=True)
+        with _single_process_intended():
+            dcp.save(dict(tensors), storage_writer=writer, no_dist=True)
     else:
         dcp.save(dict(tensors), storage_writer=writer, process_group=group)
 
@@ -111,7 +123,8 @@ def read_tensors(folder: Path, saved: Mapping[str, TensorStorageMetadata], wante
     sections = nested(wanted)
     reader = SafeReader(str(folder))
     if group is None:
-        dcp.load(sections, storage_reader=reader, no_dist=True)
+        with _single_process_intended():
+            dcp.load(sections, storage_reader=reader, no_dist=True)
     else:
         dcp.load(sections, storage_reader=reader, process_group=group)
 

@@ -2,25 +2,26 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
-from stagewise.compiler.batches import check_step_tensors, split_batch
+from stagewise.compiler.checkpoint_arguments import checkpoint_path, save_path
 from stagewise.compiler.checkpoint_async import SaveHandle, SaveSlot
 from stagewise.compiler.checkpoint_write import MODEL_GRAPH
 from stagewise.compiler.evaluation import Evaluation
 from stagewise.compiler.loss_reduction import LossReduction, check_loss_reduction, reduction_to_data
 from stagewise.compiler.morph import Move, restore_into
 from stagewise.compiler.optimizer_view import PipelineOptimizer
-from stagewise.compiler.prediction import fill_unread_inputs, predict
+from stagewise.compiler.prediction import predict, prediction_pieces
 from stagewise.compiler.runtime_setup import Runtime
 from stagewise.compiler.small_batches import GivenSamples, filled
 from stagewise.compiler.state_dict import IncompatibleKeys, aliases_of, check_state_dict
 from stagewise.compiler.step_inputs import named_inputs, prepare_batch
 from stagewise.compiler.step_shapes import StepShapes, TransferSpecs
+from stagewise.compiler.token_ids import check_token_ids, embedding_bounds
 from stagewise.compiler.training_state import TrainingState, resume_scheduler, training_state
 from stagewise.compiler.virtual_devices import resize
 from stagewise.ir.errors import ExampleInputsError, ModeError, PrecisionError
@@ -66,6 +67,7 @@ class Pipeline:
         self._optimizer: PipelineOptimizer | None = None  # made when first asked for
         self.resumed = TrainingState()  # a loaded pipeline's: the saved scheduler state and `extra`
         self.evaluation = Evaluation(plan, runtime.workers, runtime.pools, runtime.transport)
+        self.token_bounds = embedding_bounds(plan, [w.module for w in runtime.workers])  # ids each input may hold
         self.step_shapes = StepShapes(plan, runtime.stage_modules, runtime.stage_states,
                                       [pool.device for pool in runtime.pools])
         self._loss_reduction: LossReduction | None = None
@@ -225,12 +227,11 @@ class Pipeline:
         return self.evaluation.evaluate(self.plan.microbatches, feed, self.executor)
 
     def predict(self, *args, **kwargs) -> object:
-        """What the model returns (a tensor, or its tuple / dict / Hugging Face ModelOutput) on the same
-        inputs as `step` without target=, of a forward-only pass in eval mode: each tensor every
-        microbatch's concatenated along dim 0, on the CPU; what the training graph does not compute
-        (the model's own loss, a cache) is None (compiler/prediction_output.py). Inputs only the loss
-        reads (labels) may be left out; a batch smaller than the microbatches (one sample) is repeated
-        to fill them. Nothing is updated or counted. PredictError for a model that returns only its loss."""
+        """What the model returns (a tensor, tuple, dict, ModelOutput) for `step`'s inputs without target=,
+        in eval mode: each tensor the microbatches' concatenated, on the CPU; what the training graph
+        does not compute (its own loss, a cache) None (compiler/prediction_output.py). Inputs only the
+        loss reads (labels) may be left out; a batch smaller than the microbatches (one sample) is
+        repeated to fill them. Nothing is updated or counted. PredictError for a model returning only its loss."""
         given = GivenSamples()
         feed = self._checked_feed(lambda: self._prediction_feeder(args, kwargs, given))
         return predict(self.evaluation, self.plan.microbatches, feed, self.executor, lambda: given.count)
@@ -245,24 +246,15 @@ class Pipeline:
         return lambda: feeder()()
 
     def _prediction_feeder(self, args, kwargs, given: GivenSamples) -> Callable[[], None]:
-        """What feeds the workers a prediction's microbatches, its inputs checked (labels may be left
-        out) and repeated where too few; `given` counts the samples the caller gave."""
-        named = named_inputs(self.plan, args, fill_unread_inputs(self.plan, self.step_shapes.modules, kwargs), "predict")
-        inputs = filled(self.plan, named, given)
-        check_step_tensors(inputs, self.plan.input_specs[:len(inputs)], self.plan.microbatches,
-                           self.plan.microbatch_size, self.plan.smallest_microbatch or self.plan.microbatch_size,
-                           "predict")
-        pieces = [{n: v for n, v in zip(self.plan.graph_inputs, piece.values(), strict=False)}
-                  for piece in split_batch(inputs, self.plan.microbatches)]
-        if self.plan.target_name is not None:
-            for piece in pieces:
-                piece[self.plan.graph_inputs[len(inputs)]] = None  # the loss, left out, needed it
+        """What feeds the workers a prediction's microbatches (compiler/prediction.py `prediction_pieces`)."""
+        pieces = prediction_pieces(self.plan, self.step_shapes.modules, args, kwargs, given, self.token_bounds)
         return lambda: self._feed(pieces)
 
     def _feeder(self, args, target, kwargs, call: str = "step"):
         """What feeds the workers a minibatch's microbatches, its inputs checked as `step` takes them
         (`call`: what the errors name; evaluate's batch is repeated where too small)."""
         inputs = named_inputs(self.plan, args, kwargs, call)
+        check_token_ids(inputs, self.token_bounds, call)
         if self.plan.target_name is not None:
             if target is None:
                 raise ExampleInputsError(f"this pipeline was compiled with loss_fn: call {call}(..., target=targets)")
@@ -333,6 +325,7 @@ class Pipeline:
         on a filesystem every rank shares. A pipeline whose failed step could not be undone raises
         PipelineBrokenError instead. `asynchronous=True` returns once this process's state is copied to
         CPU memory and writes on a thread while `step` goes on (rules: compiler/checkpoint_async.py)."""
+        directory = save_path(directory)
         self._saves.settle()  # before the step count and the learning rates are read
         self.executor.settle()
         training = training_state(scheduler, extra)
@@ -365,10 +358,10 @@ class Pipeline:
         it), optimizer state, step count, scheduler state and `extra` (`pipe.load_scheduler`). Returns
         what moved, printed (rank 0) where the plan differs, unless not `report`. A collective."""
         self._saves.settle()  # a save in flight uses the same collectives (and may write `directory`)
-        return restore_into(self, directory, report, training_state)
+        return restore_into(self, checkpoint_path(directory, "pipe.restore"), report, training_state)
 
     # ---- helpers --------------------------------------------------------------------------
-    def _feed(self, pieces: list[dict[str, torch.Tensor]], weights: tuple[float, ...] | None = None,
+    def _feed(self, pieces: Sequence[Mapping[str, torch.Tensor | None]], weights: tuple[float, ...] | None = None,
               transfer_specs: TransferSpecs | None = None) -> None:
         """Give each worker its inputs of every microbatch it runs (a failed step clears them), the
         executors each microbatch's loss weight (None: 1 / microbatches), and the transport the sizes

@@ -18,8 +18,12 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from stagewise.compiler.batches import check_step_tensors, split_batch
 from stagewise.compiler.evaluation import Evaluation
 from stagewise.compiler.prediction_output import model_output
+from stagewise.compiler.small_batches import GivenSamples, filled
+from stagewise.compiler.step_inputs import named_inputs
+from stagewise.compiler.token_ids import EmbeddingBound, check_token_ids
 from stagewise.ir.errors import PredictError
 from stagewise.ir.plan import Plan
 from stagewise.ir.subgraph import MODEL_OUTPUT
@@ -62,6 +66,24 @@ def predict(evaluation: Evaluation, microbatches: int, feed, training_executor: 
     if distributed:
         pieces = _gathered(pieces)
     return model_output(evaluation.plan, pieces, microbatches, samples())
+
+
+def prediction_pieces(plan: Plan, modules: Sequence[fx.GraphModule | None], args, kwargs, given: GivenSamples,
+                      bounds: Sequence[EmbeddingBound]) -> list[dict[str, torch.Tensor | None]]:
+    """A prediction's microbatches by graph input, its inputs checked (labels may be left out: the
+    loss's target is None) and repeated where too few (compiler/small_batches.py); `given` counts
+    the samples the caller gave."""
+    named = named_inputs(plan, args, fill_unread_inputs(plan, modules, kwargs), "predict")
+    check_token_ids(named, bounds, "predict")
+    inputs = filled(plan, named, given)
+    check_step_tensors(inputs, plan.input_specs[:len(inputs)], plan.microbatches, plan.microbatch_size,
+                       plan.smallest_microbatch or plan.microbatch_size, "predict")
+    pieces: list[dict[str, torch.Tensor | None]] = [
+        dict(zip(plan.graph_inputs, piece.values(), strict=False)) for piece in split_batch(inputs, plan.microbatches)]
+    if plan.target_name is not None:
+        for piece in pieces:
+            piece[plan.graph_inputs[len(inputs)]] = None  # the loss, left out, needed it
+    return pieces
 
 
 def fill_unread_inputs(plan: Plan, modules: Sequence[fx.GraphModule | None], kwargs: dict) -> dict:

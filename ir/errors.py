@@ -82,6 +82,14 @@ class OversubscribedWarning(UserWarning):
     """In-process CPU devices would run more intra-op threads than the machine has cores."""
 
 
+class IdleDevicesWarning(UserWarning):
+    """A saved plan placed on more devices than it has (`sw.load(..., replan=False)`, `pipe.resize`): some stay idle."""
+
+
+class AssumedFiguresWarning(UserWarning):
+    """`sw.plan` for a GPU described without `peak_flops`: its predicted times rest on an assumed rate."""
+
+
 class PrecisionError(StagewiseError):
     """A precision compile cannot train in: an unknown name, weights that are not fp32 masters,
     or torch.autocast around `step` (say precision= to compile instead)."""
