@@ -239,6 +239,19 @@ def test_predict_returns_the_model_output_a_loss_fn_reads(bert_with_loss_fn):
         torch.testing.assert_close(got.logits, want.logits, rtol=RTOL, atol=ATOL)
 
 
+def test_a_loaded_and_a_replanned_pipeline_predict_the_same_structure(bert_with_loss_fn, tmp_path):
+    """The plan keeps the output's structure and nodes: sw.load (the saved plan) and a re-plan on 1 device."""
+    model, pipe, ids = bert_with_loss_fn
+    pipe.save(tmp_path / "ck")
+    with torch.no_grad():
+        want = model(input_ids=ids)
+    for devices in (None, 1):
+        loaded = sw.load(tmp_path / "ck", trusted_functions=[_logits_loss], devices=devices, report=False)
+        got = loaded.predict(input_ids=ids)
+        assert type(got) is type(want) and list(got.keys()) == ["logits"]
+        torch.testing.assert_close(got.logits, want.logits, rtol=RTOL, atol=ATOL)
+
+
 def test_evaluate_takes_one_sample_on_four_microbatches(bert_with_loss_fn):
     model, pipe, ids = bert_with_loss_fn
     one = ids[1:2]
@@ -301,7 +314,7 @@ def test_predict_fills_in_only_inputs_it_does_not_read():
     mask = torch.ones_like(ids)
     pipe = sw.compile(gpt2(2), 2, {"input_ids": ids, "attention_mask": mask, "labels": ids}, microbatches=4,
                       cost="analytic")
-    assert pipe.predict(input_ids=ids, attention_mask=mask).shape == (8, 12, 128)
+    assert pipe.predict(input_ids=ids, attention_mask=mask).logits.shape == (8, 12, 128)
     with pytest.raises(sw.ExampleInputsError, match="attention_mask"):
         pipe.predict(input_ids=ids, labels=ids)
 
