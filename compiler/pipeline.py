@@ -223,7 +223,7 @@ class Pipeline:
         no gradient, nothing updated, no step counted; the mode `step` trains in is kept. A batch
         smaller than the microbatches is repeated whole to fill them (compiler/small_batches.py)."""
         _refuse_enclosing_autocast("evaluate")
-        feed = self._checked_feed(lambda: self._feeder(args, target, kwargs, "evaluate"))
+        feed = self._checked_feed(lambda: self._feeder(args, target, kwargs, evaluating=True))
         return self.evaluation.evaluate(self.plan.microbatches, feed, self.executor)
 
     def predict(self, *args, **kwargs) -> object:
@@ -250,9 +250,10 @@ class Pipeline:
         pieces = prediction_pieces(self.plan, self.step_shapes.modules, args, kwargs, given, self.token_bounds)
         return lambda: self._feed(pieces)
 
-    def _feeder(self, args, target, kwargs, call: str = "step"):
+    def _feeder(self, args, target, kwargs, evaluating: bool = False):
         """What feeds the workers a minibatch's microbatches, its inputs checked as `step` takes them
-        (`call`: what the errors name; evaluate's batch is repeated where too small)."""
+        (the errors name evaluate when `evaluating`, whose batch is repeated where too small)."""
+        call = "evaluate" if evaluating else "step"
         inputs = named_inputs(self.plan, args, kwargs, call)
         check_token_ids(inputs, self.token_bounds, call)
         if self.plan.target_name is not None:
@@ -262,7 +263,7 @@ class Pipeline:
         elif target is not None:
             raise ExampleInputsError(f"{call} got target= but the pipeline was compiled without loss_fn (the model "
                                      "returns its loss): drop target=, or recompile with loss_fn and example_target")
-        if call != "step":
+        if evaluating:
             inputs = filled(self.plan, inputs)
         prepared = prepare_batch(self.plan, self.step_shapes, inputs, self.loss_reduction, call)
         return lambda: self._feed(prepared.pieces, prepared.weights, prepared.transfer_specs)
