@@ -37,8 +37,9 @@ def save_path(directory: object, call: str = "pipe.save") -> Path:
 
 
 def checkpoints_folder(directory: object) -> Path:
-    """`sw.Checkpoints`' directory: a folder that is there or can be made, not a file (nor under one)."""
-    path = save_path(directory, "sw.Checkpoints")
+    """`sw.Checkpoints`' directory: a folder that is there or can be made, not a file (nor under one). It
+    holds the checkpoints (`step_<n>`), so the current directory will do."""
+    path = checkpoint_path(directory, "sw.Checkpoints")
     existing = next((p for p in (path, *path.parents) if p.exists()), None)
     if existing is not None and not existing.is_dir():
         raise CheckpointError(f"sw.Checkpoints({str(directory)!r}): {existing} is a file, not a folder; give "

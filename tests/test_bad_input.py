@@ -4,6 +4,7 @@ the cases that came first (devices, traces, partitions); checkpoint files are te
 
 import functools
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -278,6 +279,9 @@ def test_checkpoints_over_a_file(tmp_path):
         with pytest.raises(sw.CheckpointError, match="notes.txt is a file, not a folder"):
             sw.Checkpoints(directory, every_steps=1)
     assert file.read_text() == "mine"
+    with pytest.raises(sw.CheckpointError, match="sw.Checkpoints takes the checkpoint's directory as a str"):
+        sw.Checkpoints(None, every_steps=1)
+    assert sw.Checkpoints(".", every_steps=1).directory == Path(".")  # it holds step_<n> folders: '.' will do
 
 
 @pytest.mark.parametrize(("candidates", "phrase"), [("1xH100", r"the string '1xH100' alone .*candidates=\['1xH100'\]"),
