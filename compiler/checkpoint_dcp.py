@@ -91,10 +91,18 @@ def saved_tensors(folder: Path) -> dict[str, TensorStorageMetadata]:
 @contextlib.contextmanager
 def _single_process_intended():
     """DCP's no_dist save and load warn "torch.distributed is disabled ... assuming the intent is to save
-    in a single process" every time: that is the intent here, so that warning alone is not shown."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized", UserWarning)
+    in a single process" every time: that is the intent here, so that warning alone is not shown. Not
+    `warnings.catch_warnings`, which swaps the whole filter list and puts it back (an asynchronous save
+    runs this on its own thread: what the main thread filtered meanwhile would be lost): the one filter
+    is added, and that same one removed."""
+    warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized", UserWarning)
+    added = warnings.filters[0]
+    try:
         yield
+    finally:
+        position = next((i for i, entry in enumerate(warnings.filters) if entry is added), None)
+        if position is not None:
+            del warnings.filters[position]
 
 
 def write_tensors(folder: Path, tensors: Mapping[str, Mapping], group: dist.ProcessGroup | None) -> None:
