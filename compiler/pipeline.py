@@ -255,7 +255,6 @@ class Pipeline:
         (the errors name evaluate when `evaluating`, whose batch is repeated where too small)."""
         call = "evaluate" if evaluating else "step"
         inputs = named_inputs(self.plan, args, kwargs, call)
-        check_token_ids(inputs, self.token_bounds, call)
         if self.plan.target_name is not None:
             if target is None:
                 raise ExampleInputsError(f"this pipeline was compiled with loss_fn: call {call}(..., target=targets)")
@@ -266,6 +265,7 @@ class Pipeline:
         if evaluating:
             inputs = filled(self.plan, inputs)
         prepared = prepare_batch(self.plan, self.step_shapes, inputs, self.loss_reduction, call)
+        check_token_ids(inputs, self.token_bounds, call)
         return lambda: self._feed(prepared.pieces, prepared.weights, prepared.transfer_specs)
 
     def state_dict(self) -> dict[str, torch.Tensor]:

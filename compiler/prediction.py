@@ -74,10 +74,10 @@ def prediction_pieces(plan: Plan, modules: Sequence[fx.GraphModule | None], args
     loss's target is None) and repeated where too few (compiler/small_batches.py); `given` counts
     the samples the caller gave."""
     named = named_inputs(plan, args, fill_unread_inputs(plan, modules, kwargs), "predict")
-    check_token_ids(named, bounds, "predict")
     inputs = filled(plan, named, given)
     check_step_tensors(inputs, plan.input_specs[:len(inputs)], plan.microbatches, plan.microbatch_size,
                        plan.smallest_microbatch or plan.microbatch_size, "predict")
+    check_token_ids(inputs, bounds, "predict")
     pieces: list[dict[str, torch.Tensor | None]] = [
         dict(zip(plan.graph_inputs, piece.values(), strict=False)) for piece in split_batch(inputs, plan.microbatches)]
     if plan.target_name is not None:

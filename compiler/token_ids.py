@@ -57,7 +57,7 @@ def check_token_ids(inputs: dict[str, object], bounds: Sequence[EmbeddingBound],
     """ExampleInputsError naming the input, the id and the embedding's size where an id is out of range."""
     for bound in bounds:
         value = inputs.get(bound.input_name)
-        if not isinstance(value, torch.Tensor) or value.is_floating_point() or value.numel() == 0:
+        if not isinstance(value, torch.Tensor) or value.is_meta or value.is_floating_point() or value.numel() == 0:
             continue
         low, high = int(value.min()), int(value.max())
         if low < 0 or high >= bound.rows:
