@@ -41,26 +41,26 @@ def input_specs(tensors: list[torch.Tensor]) -> tuple[InputSpec, ...]:
 
 
 def check_step_tensors(named: dict[str, object], specs: tuple[InputSpec, ...], microbatches: int,
-                       largest: int, smallest: int) -> int:
-    """Every tensor `step` got is a tensor with data, all carry one batch along dim 0, and each has
+                       largest: int, smallest: int, call: str = "step") -> int:
+    """Every tensor `call` (step, evaluate or predict: what the errors name) got is a tensor with data, all carry one batch along dim 0, and each has
     the example's dtype and sizes the stage code takes (`specs`, in the order of `named`; a plan saved
     before they were recorded has none). The batch splits into `microbatches` of `smallest` to
     `largest` samples (memory was planned for `largest`). Returns the batch size."""
     for name, value in named.items():
         if not isinstance(value, torch.Tensor):
-            raise ExampleInputsError(f"step got a {type(value).__name__} for {name!r}; give a tensor, as in "
+            raise ExampleInputsError(f"{call} got a {type(value).__name__} for {name!r}; give a tensor, as in "
                                      "example_inputs / example_target")
         if value.is_meta:
-            raise ExampleInputsError(f"step got {name!r} on the meta device (no data); give a tensor on 'cpu' or 'cuda'")
-    batch = _common_batch(named, specs)
-    _check_batch_size(batch, microbatches, largest, smallest)
+            raise ExampleInputsError(f"{call} got {name!r} on the meta device (no data); give a tensor on 'cpu' or 'cuda'")
+    batch = _common_batch(named, specs, call)
+    _check_batch_size(batch, microbatches, largest, smallest, call)
     for index, (name, value) in enumerate(named.items()):
         if len(specs) == len(named):
-            _check_like_example(name, value, specs[index])
+            _check_like_example(name, value, specs[index], call)
     return batch
 
 
-def _common_batch(named: dict[str, torch.Tensor], specs: tuple[InputSpec, ...]) -> int:
+def _common_batch(named: dict[str, torch.Tensor], specs: tuple[InputSpec, ...], call: str) -> int:
     """The dim-0 size every batched tensor shares."""
     first: tuple[str, int] | None = None
     for index, (name, value) in enumerate(named.items()):
@@ -68,23 +68,23 @@ def _common_batch(named: dict[str, torch.Tensor], specs: tuple[InputSpec, ...]) 
         if not (spec.batched if spec is not None else value.dim() > 0):
             continue
         if value.dim() == 0:
-            raise BatchSizeError(f"step got a 0-d tensor for {name!r}, which the example had batched along dim 0; "
+            raise BatchSizeError(f"{call} got a 0-d tensor for {name!r}, which the example had batched along dim 0; "
                                  "give every input and the target the batch along dim 0")
         if first is None:
             first = (name, value.shape[0])
         elif value.shape[0] != first[1]:
-            raise BatchSizeError(f"step got a batch of {value.shape[0]} for {name!r} but batches of {first[1]} for "
+            raise BatchSizeError(f"{call} got a batch of {value.shape[0]} for {name!r} but batches of {first[1]} for "
                                  f"{first[0]!r}; give every input and the target the same batch along dim 0")
     if first is None:
-        raise BatchSizeError("step got no batched tensor: give the inputs with the batch along dim 0")
+        raise BatchSizeError(f"{call} got no batched tensor: give the inputs with the batch along dim 0")
     return first[1]
 
 
-def _check_batch_size(batch: int, microbatches: int, largest: int, smallest: int) -> None:
+def _check_batch_size(batch: int, microbatches: int, largest: int, smallest: int, call: str) -> None:
     """The batch splits into `microbatches` of `smallest` to `largest` samples (uneven: sizes differ by one)."""
     if -(-batch // microbatches) > largest:
         raise BatchSizeError(
-            f"step got a batch of {batch}, but the pipeline was compiled for {microbatches} microbatches of "
+            f"{call} got a batch of {batch}, but the pipeline was compiled for {microbatches} microbatches of "
             f"{largest} (a batch of at most {microbatches * largest}): its memory is planned for that; give "
             "smaller batches, or compile with example inputs of the largest batch")
     if batch // microbatches < smallest:
@@ -92,27 +92,27 @@ def _check_batch_size(batch: int, microbatches: int, largest: int, smallest: int
         reason = ("the traced graph fixed the microbatch size (torch.export could not keep it symbolic)" if fixed
                   else f"microbatches of fewer than {smallest} samples are not covered by the traced graph")
         raise BatchSizeError(
-            f"step got a batch of {batch}, which splits into {microbatches} microbatches of {batch // microbatches} "
+            f"{call} got a batch of {batch}, which splits into {microbatches} microbatches of {batch // microbatches} "
             f"or more samples, but {reason}; give a batch of {microbatches * smallest}"
             f"{'' if fixed else ' or more'} (e.g. DataLoader(drop_last=True)), or compile with fewer microbatches")
 
 
-def _check_like_example(name: str, value: torch.Tensor, spec: InputSpec) -> None:
+def _check_like_example(name: str, value: torch.Tensor, spec: InputSpec, call: str) -> None:
     if str(value.dtype) != spec.dtype:
-        raise ExampleInputsError(f"step got {name!r} of dtype {value.dtype} but the example was {spec.dtype}; "
+        raise ExampleInputsError(f"{call} got {name!r} of dtype {value.dtype} but the example was {spec.dtype}; "
                                  f"convert it with .to({spec.dtype}) (or recompile with such examples)")
     shape = tuple(value.shape[1:] if spec.batched else value.shape)
     what = "sizes after the batch dimension" if spec.batched else "shape"
     lowest = spec.lowest or spec.shape
     if len(shape) != len(spec.shape) or any(s > most for s, most in zip(shape, spec.shape, strict=True)):
         raise ExampleInputsError(
-            f"step got {name!r} with {what} {list(shape)} but the example had {list(spec.shape)}: the example's "
+            f"{call} got {name!r} with {what} {list(shape)} but the example had {list(spec.shape)}: the example's "
             "sizes are the largest the pipeline planned memory for; pad or crop to at most them, or compile with "
             "example inputs of the largest shape")
     if any(s < least for s, least in zip(shape, lowest, strict=True)):
         fixed = [i for i, (least, most) in enumerate(zip(lowest, spec.shape, strict=True)) if least == most]
         raise ExampleInputsError(
-            f"step got {name!r} with {what} {list(shape)} but the traced graph takes at least {list(lowest)}"
+            f"{call} got {name!r} with {what} {list(shape)} but the traced graph takes at least {list(lowest)}"
             + (f" (it fixed the sizes of dimension(s) {[i + 1 for i in fixed]} at the example's)" if fixed else "")
             + "; pad to them")
 

@@ -27,6 +27,8 @@ import torch
 import torch.fx as fx
 
 from stagewise.codegen.graph_data import build_stage, materialize
+from stagewise.compiler.checkpoint_arguments import checkpoint_path
+from stagewise.compiler.checkpoint_arguments import trusted_functions as checked_trusted
 from stagewise.compiler.checkpoint_read import Checkpoint, read_checkpoint, trusted_by_name
 from stagewise.compiler.checkpoint_restore import restore_state, unheld_names
 from stagewise.compiler.fx_sources import releasing_fx_sources
@@ -62,6 +64,7 @@ def load(directory, trusted_functions: Sequence[Callable] = (), devices=None, re
     check_flags(report=report)
     if replan is not None:  # None: plan again only for other devices
         check_flags(replan=replan)
+    directory, trusted_functions = checkpoint_path(directory, "sw.load"), checked_trusted(trusted_functions)
     context = distributed_context()
     saved = read_checkpoint(directory, context)
     if _replans(saved, devices, replan):

@@ -22,6 +22,7 @@ import io
 import os
 import pathlib
 import pickle
+import warnings
 from collections.abc import Generator, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -119,12 +120,30 @@ class SafeReader(dcp.FileSystemReader):
         return metadata
 
 
+@contextmanager
+def _single_process_intended():
+    """DCP's no_dist save and load warn "torch.distributed is disabled ... assuming the intent is to save
+    in a single process" every time: that is the intent here, so that warning alone is not shown. Not
+    `warnings.catch_warnings`, which swaps the whole filter list and puts it back (an asynchronous save
+    runs this on its own thread: what the main thread filtered meanwhile would be lost): the one filter
+    is added, and that same one removed."""
+    warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized", UserWarning)
+    added = warnings.filters[0]
+    try:
+        yield
+    finally:
+        position = next((i for i, entry in enumerate(warnings.filters) if entry is added), None)
+        if position is not None:
+            del warnings.filters[position]
+
+
 def write_tensors(folder: Path, tensors: Mapping[str, Mapping], group: dist.ProcessGroup | None) -> None:
     """Write this process's part of the nested `tensors` dict into `folder` (a collective over
     `group` under torch.distributed: every rank calls it, with the keys it holds)."""
     writer = dcp.FileSystemWriter(str(folder), sync_files=True)
     if group is None:
-        dcp.save(dict(tensors), storage_writer=writer, no_dist=True)
+        with _single_process_intended():
+            dcp.save(dict(tensors), storage_writer=writer, no_dist=True)
     else:
         dcp.save(dict(tensors), storage_writer=writer, process_group=group)
 
@@ -144,7 +163,8 @@ def read_tensors(folder: Path, saved: SavedTensors, wanted: Mapping[str, torch.T
     sections = nested(wanted)
     reader = SafeReader(folder, saved)
     if group is None:
-        dcp.load(sections, storage_reader=reader, no_dist=True)
+        with _single_process_intended():
+            dcp.load(sections, storage_reader=reader, no_dist=True)
     else:
         dcp.load(sections, storage_reader=reader, process_group=group)
 

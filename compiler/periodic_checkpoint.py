@@ -29,6 +29,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
+from stagewise.compiler.checkpoint_arguments import checkpoints_folder
 from stagewise.compiler.checkpoint_files import remove_own_folder
 from stagewise.compiler.options import check_flags
 from stagewise.ir.errors import CheckpointError, OptionError, PlanError
@@ -52,7 +53,7 @@ class Checkpoints:
         training goes on (`pipe.save(asynchronous=True)`); older checkpoints go once it is in place."""
         _check_options(every_steps, every_seconds, keep)
         check_flags(asynchronous=asynchronous)
-        self.directory = Path(directory)
+        self.directory = checkpoints_folder(directory)
         self.every_steps = every_steps
         self.every_seconds = every_seconds
         self.keep = keep

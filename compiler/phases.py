@@ -52,6 +52,7 @@ def plan(ctx: CompileContext) -> None:
     graph = analysis.at(chosen.microbatches)
     request, costs = ctx.request, after(ctx.costs, "cost")
     state = request.model.state_dict(keep_vars=True)  # every key, unused layers' and every alias's
+    output_spec, output_nodes = analysis.capture.model_output(graph.graph)
     ctx.plan = Plan(
         model=type(request.model).__name__,
         tracer=analysis.tracer,
@@ -64,6 +65,8 @@ def plan(ctx: CompileContext) -> None:
         seed=request.seed,
         training=request.model.training,
         precision=request.options.precision,
+        output_spec=output_spec,
+        output_nodes=output_nodes,
         graph_inputs=graph.graph_inputs,
         microbatches=chosen.microbatches,
         microbatch_size=graph.microbatch_size,

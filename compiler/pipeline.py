@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
-from stagewise.compiler.batches import check_step_tensors, split_batch
+from stagewise.compiler.checkpoint_arguments import checkpoint_path, save_path
 from stagewise.compiler.checkpoint_async import SaveHandle, SaveSlot
 from stagewise.compiler.checkpoint_write import MODEL_GRAPH
 from stagewise.compiler.evaluation import Evaluation
@@ -16,12 +16,14 @@ from stagewise.compiler.loss_reduction import LossReduction, check_loss_reductio
 from stagewise.compiler.morph import Move, restore_into
 from stagewise.compiler.optimizer_view import PipelineOptimizer
 from stagewise.compiler.options import check_flags
-from stagewise.compiler.prediction import fill_unread_inputs, predict
+from stagewise.compiler.prediction import predict, prediction_pieces
 from stagewise.compiler.runtime_setup import Runtime
+from stagewise.compiler.small_batches import GivenSamples, filled
 from stagewise.compiler.state_dict import IncompatibleKeys, aliases_of, check_state_dict
-from stagewise.compiler.step_inputs import named_inputs, prepare_batch, training_inputs
+from stagewise.compiler.step_inputs import prepare_batch, training_inputs
 from stagewise.compiler.step_notices import StepNotices
 from stagewise.compiler.step_shapes import StepShapes, TransferSpecs
+from stagewise.compiler.token_ids import check_token_ids, embedding_bounds
 from stagewise.compiler.training_state import TrainingState, resume_scheduler, training_state
 from stagewise.compiler.virtual_devices import resize
 from stagewise.ir.errors import ModeError, PrecisionError
@@ -67,6 +69,7 @@ class Pipeline:
         self._optimizer: PipelineOptimizer | None = None  # made when first asked for
         self.resumed = TrainingState()  # a loaded pipeline's: the saved scheduler state and `extra`
         self.evaluation = Evaluation(plan, runtime.workers, runtime.pools, runtime.transport)
+        self.token_bounds = embedding_bounds(plan, [w.module for w in runtime.workers])  # ids each input may hold
         self.step_shapes = StepShapes(plan, runtime.stage_modules, runtime.stage_states,
                                       [pool.device for pool in runtime.pools])
         self._loss_reduction: LossReduction | None = None
@@ -229,18 +232,21 @@ class Pipeline:
 
     def evaluate(self, *args, target=None, **kwargs) -> torch.Tensor:
         """The mean loss over the microbatches (as `step` returns it) of a forward-only pass in eval mode:
-        no gradient, nothing updated, no step counted; the mode `step` trains in is kept."""
+        no gradient, nothing updated, no step counted; the mode `step` trains in is kept. A batch
+        smaller than the microbatches is repeated whole to fill them (compiler/small_batches.py)."""
         _refuse_enclosing_autocast("evaluate")
-        feed = self._checked_feed(lambda: self._feeder(args, target, kwargs))
+        feed = self._checked_feed(lambda: self._feeder(args, target, kwargs, evaluating=True))
         return self.evaluation.evaluate(self.plan.microbatches, feed, self.executor)
 
-    def predict(self, *args, **kwargs) -> torch.Tensor:
-        """The model's outputs (logits) of a forward-only pass in eval mode, the same inputs as `step`
-        without target=: every microbatch's, concatenated along dim 0, on the CPU. Nothing is updated
-        or counted. Known for a model compiled with loss_fn, or returning .logits beside its own loss
-        (compiler/prediction.py), else PredictError. Inputs only its loss reads (labels) may be left out."""
-        feed = self._checked_feed(lambda: self._prediction_feeder(args, kwargs))
-        return predict(self.evaluation, self.plan.microbatches, feed, self.executor)
+    def predict(self, *args, **kwargs) -> object:
+        """What the model returns (a tensor, tuple, dict, ModelOutput) for `step`'s inputs without target=,
+        in eval mode: each tensor the microbatches' concatenated, on the CPU; what the training graph
+        does not compute (its own loss, a cache) None (compiler/prediction_output.py). Inputs only the
+        loss reads (labels) may be left out; a batch smaller than the microbatches (one sample) is
+        repeated to fill them. Nothing is updated or counted. PredictError for a model returning only its loss."""
+        given = GivenSamples()
+        feed = self._checked_feed(lambda: self._prediction_feeder(args, kwargs, given))
+        return predict(self.evaluation, self.plan.microbatches, feed, self.executor, lambda: given.count)
 
     def _checked_feed(self, feeder: Callable[[], Callable[[], None]]) -> Callable[[], None]:
         """The feed of a step, an evaluation or a prediction, from `feeder`, which checks the inputs.
@@ -251,22 +257,18 @@ class Pipeline:
             return feeder()
         return lambda: feeder()()
 
-    def _prediction_feeder(self, args, kwargs) -> Callable[[], None]:
-        """What feeds the workers a prediction's microbatches, its inputs checked (labels may be left out)."""
-        inputs = named_inputs(self.plan, args, fill_unread_inputs(self.plan, self.step_shapes.modules, kwargs))
-        check_step_tensors(inputs, self.plan.input_specs[:len(inputs)], self.plan.microbatches,
-                           self.plan.microbatch_size, self.plan.smallest_microbatch or self.plan.microbatch_size)
-        pieces = [{n: v for n, v in zip(self.plan.graph_inputs, piece.values(), strict=False)}
-                  for piece in split_batch(inputs, self.plan.microbatches)]
-        if self.plan.target_name is not None:
-            for piece in pieces:
-                piece[self.plan.graph_inputs[len(inputs)]] = None  # the loss, left out, needed it
+    def _prediction_feeder(self, args, kwargs, given: GivenSamples) -> Callable[[], None]:
+        """What feeds the workers a prediction's microbatches (compiler/prediction.py `prediction_pieces`)."""
+        pieces = prediction_pieces(self.plan, self.step_shapes.modules, args, kwargs, given, self.token_bounds)
         return lambda: self._feed(pieces)
 
-    def _feeder(self, args, target, kwargs):
-        """What feeds the workers a minibatch's microbatches, its inputs checked as `step` takes them."""
-        inputs = training_inputs(self.plan, args, target, kwargs)
-        prepared = prepare_batch(self.plan, self.step_shapes, inputs, self.loss_reduction, self.notices)
+    def _feeder(self, args, target, kwargs, evaluating: bool = False):
+        """What feeds the workers a minibatch's microbatches, checked as `step` (or `evaluate`, filled) takes them."""
+        call = "evaluate" if evaluating else "step"
+        inputs = training_inputs(self.plan, args, target, kwargs, call)
+        inputs = filled(self.plan, inputs) if evaluating else inputs
+        prepared = prepare_batch(self.plan, self.step_shapes, inputs, self.loss_reduction, self.notices, call)
+        check_token_ids(inputs, self.token_bounds, call)
         return lambda: self._feed(prepared.pieces, prepared.weights, prepared.transfer_specs)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -329,15 +331,15 @@ class Pipeline:
         PipelineBrokenError instead. `asynchronous=True` returns once this process's state is copied to
         CPU memory and writes on a thread while `step` goes on (rules: compiler/checkpoint_async.py)."""
         check_flags(asynchronous=asynchronous)
+        directory = save_path(directory)
         self._saves.settle()  # before the step count and the learning rates are read
         self.executor.settle()
         training = training_state(scheduler, extra)
         if self._optimizer is not None:
             self._optimizer.push_hyperparameters()  # the learning rates the scheduler set since the last step
-        return self._saves.save(self.plan, self.runtime, directory, self.unheld,
-                                {**training.settings(), "loss_reduction": reduction_to_data(self.loss_reduction),
-                                 "mode_training": self.training, MODEL_GRAPH: self.model_graph},
-                                asynchronous)
+        settings = {**training.settings(), "loss_reduction": reduction_to_data(self.loss_reduction),
+                    "mode_training": self.training, MODEL_GRAPH: self.model_graph}
+        return self._saves.save(self.plan, self.runtime, directory, self.unheld, settings, asynchronous)
 
     def wait_for_save(self) -> None:
         """Until the save in flight is in place (under torch.distributed: before destroying the group)."""
@@ -362,10 +364,10 @@ class Pipeline:
         what moved, printed (rank 0) where the plan differs, unless not `report`. A collective."""
         check_flags(report=report, training_state=training_state)
         self._saves.settle()  # a save in flight uses the same collectives (and may write `directory`)
-        return restore_into(self, directory, report, training_state)
+        return restore_into(self, checkpoint_path(directory, "pipe.restore"), report, training_state)
 
     # ---- helpers --------------------------------------------------------------------------
-    def _feed(self, pieces: list[dict[str, torch.Tensor]], weights: tuple[float, ...] | None = None,
+    def _feed(self, pieces: Sequence[Mapping[str, torch.Tensor | None]], weights: tuple[float, ...] | None = None,
               transfer_specs: TransferSpecs | None = None) -> None:
         """Give each worker its inputs of every microbatch it runs (a failed step clears them), the
         executors each microbatch's loss weight (None: 1 / microbatches), and the transport the sizes

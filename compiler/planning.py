@@ -3,6 +3,7 @@ and keep the simplest that fits within a margin of the fastest, agree on it acro
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -11,8 +12,9 @@ import torch
 from stagewise.compiler.analysis import Analysed, Analysis
 from stagewise.compiler.costing import Costs
 from stagewise.compiler.options import CompileRequest
-from stagewise.ir.errors import PartitionError
+from stagewise.ir.errors import AssumedFiguresWarning, PartitionError
 from stagewise.ir.plan import LayerCost
+from stagewise.passes.analytic import DEFAULT_PEAK_FLOPS
 from stagewise.passes.harmony_plan import HARMONY
 from stagewise.passes.harmony_search import PackSearch, choose_with_harmony
 from stagewise.passes.layout import choose_layout
@@ -151,6 +153,8 @@ class PlanBuilder:
 def choose_plan(request: CompileRequest, analysis: Analysis, costs: Costs) -> Choice:
     """The one plan asked for, or the fastest candidate that fits; the same on every rank, and
     built at its own microbatch size."""
+    if not request.runs_here:
+        _warn_assumed_rates(request)
     builder = PlanBuilder(request, analysis, costs)
     options = request.options
     if options.searched:
@@ -169,6 +173,18 @@ def choose_plan(request: CompileRequest, analysis: Analysis, costs: Costs) -> Ch
     size = request.batch // chosen.microbatches
     cost = sim_cost(chosen, costs.layers.at(size), request.specs, size, costs.topology, costs.runtime)
     return Choice(chosen, prediction, considered, cost)
+
+
+def _warn_assumed_rates(request: CompileRequest) -> None:
+    """`sw.plan` models every time from the devices' figures; a GPU described without `peak_flops` would
+    be timed at an assumed rate (passes/analytic.py) whatever it is: say so, naming the option."""
+    unrated = sorted({spec.name for spec in request.specs if spec.kind == "cuda" and spec.peak_flops is None})
+    if unrated:
+        warnings.warn(AssumedFiguresWarning(
+            f"sw.plan: {', '.join(unrated)} has no peak_flops, so the plan's times assume "
+            f"{DEFAULT_PEAK_FLOPS['cuda']:.0e} FLOP/s, whatever GPU it is; describe it, e.g. sw.Device('cuda', "
+            "memory='80GiB', peak_flops='989TFLOPS', memory_bandwidth='3.35TB/s'), or name it from the catalogue "
+            "(devices='8xH100')"), stacklevel=2)
 
 
 def _search(request: CompileRequest, builder: PlanBuilder, analysis: Analysis,

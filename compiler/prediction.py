@@ -1,5 +1,6 @@
-"""`pipe.predict`: the model's output (the loss function's first argument, or the `.logits` of a model
-returning its own loss, marked at capture) of a forward-only pass in eval mode, through the evaluation's executor (compiler/evaluation.py).
+"""`pipe.predict`: the model's output (what its forward returns, its tensors marked at capture:
+passes/model_output.py) of a forward-only pass in eval mode, through the evaluation's executor
+(compiler/evaluation.py); compiler/prediction_output.py puts it together.
 
 Each stage that computes the marked value runs a copy of its graph that also returns it, and each
 last stage a copy that returns a zero instead of the loss, with what only the loss needed left out,
@@ -11,36 +12,49 @@ every rank, which returns the whole batch's.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from stagewise.compiler.batches import check_step_tensors, split_batch
 from stagewise.compiler.evaluation import Evaluation
+from stagewise.compiler.prediction_output import model_output
+from stagewise.compiler.small_batches import GivenSamples, filled
+from stagewise.compiler.step_inputs import named_inputs
+from stagewise.compiler.token_ids import EmbeddingBound, check_token_ids
 from stagewise.ir.errors import PredictError
 from stagewise.ir.plan import Plan
 from stagewise.ir.subgraph import MODEL_OUTPUT
 from stagewise.runtime.distributed import DistributedTransport
 from stagewise.runtime.executor import StreamExecutor
 
-UNKNOWN = ("pipe.predict needs the model's output as a value of the traced graph: it is known for a model "
-           "compiled (or saved and loaded) whose forward returns one tensor (loss_fn's first argument) or an "
-           "object with .logits beside its own .loss; this model returns neither. Compile it with "
-           "loss_fn=(output, target) -> loss, or run the model eagerly to predict")
+UNKNOWN = ("pipe.predict needs the model's output as values of the traced graph: it is known for a model "
+           "compiled (or saved and loaded) whose forward returns tensors, a tuple, a dict or a ModelOutput beside "
+           "its loss (its own, or loss_fn's); this model returns only its loss. Return the output and compute the "
+           "loss in loss_fn=(output, target) -> loss, or run the model eagerly to predict")
+Pieces = dict[str, dict[int, torch.Tensor]]  # per node computing a tensor of the model's output, per microbatch
 
 
-def predict(evaluation: Evaluation, microbatches: int, feed, training_executor: StreamExecutor) -> torch.Tensor:
-    """The model's outputs of every microbatch, concatenated along dim 0, on the CPU."""
+def predict(evaluation: Evaluation, microbatches: int, feed, training_executor: StreamExecutor,
+            samples: Callable[[], int]) -> object:
+    """The model's output, each of its tensors the microbatches' concatenated along dim 0 and cut to the
+    first `samples()` (the batch given, known once the feed read it: it may have been repeated to fill
+    the microbatches), on the CPU."""
     copies = [_predict_module(w.module, w.is_last) for w in evaluation.workers]
     distributed = isinstance(evaluation.transport, DistributedTransport)
-    if not distributed and not any(holds for _, holds in copies):
+    if not distributed and not any(names for _, names in copies):
         raise PredictError(UNKNOWN)
     originals = [w.module for w in evaluation.workers]
-    holders = [w for w, (_, holds) in zip(evaluation.workers, copies, strict=True) if holds]
 
-    def collect() -> dict[int, torch.Tensor]:
-        return {mb: out[-1].detach().cpu() for w in holders for mb, out in w.outputs.items()}
+    def collect() -> Pieces:
+        pieces: Pieces = {}
+        for worker, (_, names) in zip(evaluation.workers, copies, strict=True):
+            for mb, out in worker.outputs.items() if names else ():
+                for name, value in zip(names, out[-len(names):], strict=True):
+                    pieces.setdefault(name, {})[mb] = value.detach().cpu()
+        return pieces
 
     for worker, (module, _) in zip(evaluation.workers, copies, strict=True):
         worker.module = module
@@ -51,7 +65,25 @@ def predict(evaluation: Evaluation, microbatches: int, feed, training_executor: 
             worker.module = module
     if distributed:
         pieces = _gathered(pieces)
-    return torch.cat([pieces[mb] for mb in range(microbatches)])
+    return model_output(evaluation.plan, pieces, microbatches, samples())
+
+
+def prediction_pieces(plan: Plan, modules: Sequence[fx.GraphModule | None], args, kwargs, given: GivenSamples,
+                      bounds: Sequence[EmbeddingBound]) -> list[dict[str, torch.Tensor | None]]:
+    """A prediction's microbatches by graph input, its inputs checked (labels may be left out: the
+    loss's target is None) and repeated where too few (compiler/small_batches.py); `given` counts
+    the samples the caller gave."""
+    named = named_inputs(plan, args, fill_unread_inputs(plan, modules, kwargs), "predict")
+    inputs = filled(plan, named, given)
+    check_step_tensors(inputs, plan.input_specs[:len(inputs)], plan.microbatches, plan.microbatch_size,
+                       plan.smallest_microbatch or plan.microbatch_size, "predict")
+    check_token_ids(inputs, bounds, "predict")
+    pieces: list[dict[str, torch.Tensor | None]] = [
+        dict(zip(plan.graph_inputs, piece.values(), strict=False)) for piece in split_batch(inputs, plan.microbatches)]
+    if plan.target_name is not None:
+        for piece in pieces:
+            piece[plan.graph_inputs[len(inputs)]] = None  # the loss, left out, needed it
+    return pieces
 
 
 def fill_unread_inputs(plan: Plan, modules: Sequence[fx.GraphModule | None], kwargs: dict) -> dict:
@@ -98,22 +130,26 @@ def _reads_metadata(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in _METADATA_OPS
 
 
-def _gathered(pieces: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-    """Every rank's outputs by microbatch, on every rank (each rank computed those of its stages);
-    PredictError on every rank when no rank knows the model's output."""
-    parts: list[dict[int, torch.Tensor] | None] = [None] * dist.get_world_size()
+def _gathered(pieces: Pieces) -> Pieces:
+    """Every rank's outputs by node and microbatch, on every rank (each rank computed those of its
+    stages); PredictError on every rank when no rank knows the model's output."""
+    parts: list[Pieces | None] = [None] * dist.get_world_size()
     dist.all_gather_object(parts, pieces)
-    merged = {mb: out for part in parts for mb, out in (part or {}).items()}
+    merged: Pieces = {}
+    for part in parts:
+        for name, outputs in (part or {}).items():
+            merged.setdefault(name, {}).update(outputs)
     if not merged:
         raise PredictError(UNKNOWN)
     return merged
 
 
-def _predict_module(module: fx.GraphModule, last: bool) -> tuple[fx.GraphModule, bool]:
-    """The stage's module for predict, and whether it returns the model's output (last)."""
+def _predict_module(module: fx.GraphModule, last: bool) -> tuple[fx.GraphModule, tuple[str, ...]]:
+    """The stage's module for predict, and the names of the nodes of the model's output it returns
+    last (after the stage's own outputs)."""
     marked = [n for n in module.graph.nodes if n.op != "placeholder" and n.meta.get(MODEL_OUTPUT)]
     if not marked and not last:
-        return module, False
+        return module, ()
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     outputs = list(graph.graph_copy(module.graph, env))
@@ -125,4 +161,4 @@ def _predict_module(module: fx.GraphModule, last: bool) -> tuple[fx.GraphModule,
     copy.graph.eliminate_dead_code(lambda n: n.is_impure() and n.target is not _ASSERT_METADATA)
     copy.recompile()
     copy.training = module.training
-    return copy, bool(marked)
+    return copy, tuple(n.name for n in marked)

@@ -72,7 +72,7 @@ def recommend(
     `deadline_s` and `budget_usd` bound the run of `steps` steps."""
     constraints = _constraints(objective, steps, deadline_s, budget_usd)
     catalogue = catalogue if catalogue is not None else shipped_catalogue()
-    requests = list(candidates) if candidates is not None else default_requests(catalogue, max_devices)
+    requests = _requests(candidates) if candidates is not None else default_requests(catalogue, max_devices)
     for request in requests:
         check_request(request, catalogue)
     if not requests:
@@ -118,6 +118,21 @@ def _has_figures(catalogue: Catalogue, instance: InstanceType) -> bool:
     """Whether its accelerator has the memory and peak figures a plan needs (the A10G has no peak)."""
     accelerator = catalogue.accelerator_of(instance)
     return accelerator.memory is not None and bool(accelerator.peak_flops.dtypes())
+
+
+def _requests(candidates: object) -> list[str]:
+    """`candidates` as a list of device requests: a lone string would be read character by character,
+    an empty list would rank nothing."""
+    if isinstance(candidates, str):
+        raise OptionError(f"candidates takes a list of device requests, got the string {candidates!r} alone (read "
+                          f"as its characters): write candidates=[{candidates!r}]")
+    if not isinstance(candidates, Sequence | set | frozenset):
+        raise OptionError(f"candidates takes a list of device requests such as ['8xH100', '2xp4d.24xlarge'], got "
+                          f"{type(candidates).__name__} {candidates!r}")
+    if not candidates:
+        raise OptionError("candidates=[] gives no device set to rank: give at least one request, such as "
+                          "candidates=['8xH100'], or leave candidates out to rank the catalogue's instance types")
+    return list(candidates)
 
 
 def _constraints(objective: str, steps: int, deadline_s: float | None, budget_usd: float | None) -> Constraints:

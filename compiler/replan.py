@@ -79,6 +79,10 @@ class SavedGraph(Capture):
     def _graph_at(self, inputs, target) -> fx.GraphModule:
         return self.propagated(inputs, target)
 
+    def model_output(self, gm: fx.GraphModule) -> tuple[str | None, tuple[str | None, ...]]:
+        """The saved plan's: the saved graph keeps its node names."""
+        return self.saved.output_spec, self.saved.output_nodes
+
     def lowest_sizes(self) -> list[tuple[int, ...]] | None:
         return None if self.tracer == "fx" else [spec.lowest or spec.shape for spec in self.saved.input_specs]
 

@@ -35,11 +35,12 @@ class PreparedBatch:
 
 
 def prepare_batch(plan: Plan, shapes: StepShapes, inputs: dict[str, torch.Tensor],
-                  reduction: LossReduction | None, notices: StepNotices) -> PreparedBatch:
-    """`inputs` (model input name, then the target's, -> tensor) checked and split for a step."""
+                  reduction: LossReduction | None, notices: StepNotices, call: str = "step") -> PreparedBatch:
+    """`inputs` (model input name, then the target's, -> tensor) checked and split for a step (or
+    the `call` its errors name: evaluate)."""
     m = plan.microbatches
     batch = check_step_tensors(inputs, plan.input_specs, m, plan.microbatch_size,
-                               plan.smallest_microbatch or plan.microbatch_size)
+                               plan.smallest_microbatch or plan.microbatch_size, call)
     if reduction is None:
         notices.padding_uncounted(inputs, plan.target_name)
     node_names = dict(zip(plan.input_names + (plan.target_name,), plan.graph_inputs, strict=False))
@@ -54,38 +55,39 @@ def prepare_batch(plan: Plan, shapes: StepShapes, inputs: dict[str, torch.Tensor
     return PreparedBatch(pieces, weights, shapes.of_step(pieces))
 
 
-def training_inputs(plan: Plan, args, target, kwargs) -> dict:
-    """The arguments of `step` (and `evaluate`) by input name, then the target under its name, checked."""
-    inputs = named_inputs(plan, args, kwargs)
+def training_inputs(plan: Plan, args, target, kwargs, call: str = "step") -> dict:
+    """The arguments of `call` (step, evaluate) by input name, then the target under its name, checked."""
+    inputs = named_inputs(plan, args, kwargs, call)
     if plan.target_name is not None:
         if target is None:
-            raise ExampleInputsError("this pipeline was compiled with loss_fn: call step(..., target=targets)")
+            raise ExampleInputsError(f"this pipeline was compiled with loss_fn: call {call}(..., target=targets)")
         inputs[plan.target_name] = target
     elif target is not None:
-        raise ExampleInputsError("step got target= but the pipeline was compiled without loss_fn (the model "
+        raise ExampleInputsError(f"{call} got target= but the pipeline was compiled without loss_fn (the model "
                                  "returns its loss): drop target=, or recompile with loss_fn and example_target")
     return inputs
 
 
-def named_inputs(plan: Plan, args, kwargs) -> dict:
-    """`step`'s arguments by input name, as the example gave them (positional or keyword), checked."""
+def named_inputs(plan: Plan, args, kwargs, call: str = "step") -> dict:
+    """`call`'s arguments (step, evaluate, predict) by input name, as the example gave them (positional
+    or keyword), checked."""
     names = plan.input_names
     if plan.input_kind == "positional":
         if kwargs or len(args) != len(names):
             raise ExampleInputsError(
-                f"step takes {len(names)} positional inputs ({', '.join(names)}) as in example_inputs, "
+                f"{call} takes {len(names)} positional inputs ({', '.join(names)}) as in example_inputs, "
                 f"got {len(args)} positional and {sorted(kwargs)} keyword"
             )
         inputs = dict(zip(names, args, strict=True))
     else:
         if args or set(kwargs) != set(names):
             raise ExampleInputsError(
-                f"step takes keyword inputs {sorted(names)} as in example_inputs, got {len(args)} positional "
+                f"{call} takes keyword inputs {sorted(names)} as in example_inputs, got {len(args)} positional "
                 f"and {sorted(kwargs)} keyword"
             )
         inputs = {n: kwargs[n] for n in names}
     for name, value in inputs.items():
         if not isinstance(value, torch.Tensor):
-            raise ExampleInputsError(f"every input to step must be a tensor, as in example_inputs; "
+            raise ExampleInputsError(f"every input to {call} must be a tensor, as in example_inputs; "
                                      f"{name!r} is a {type(value).__name__}")
     return inputs

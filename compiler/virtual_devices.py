@@ -16,12 +16,13 @@ a job that loses ranks goes on from a checkpoint (`pipe.restore`, compiler/morph
 from __future__ import annotations
 
 import tempfile
+import warnings
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from stagewise.ir.devices import Device, resolve_devices
-from stagewise.ir.errors import CapacityError, OptionError
+from stagewise.ir.errors import CapacityError, IdleDevicesWarning, OptionError
 from stagewise.ir.plan import Plan
 from stagewise.runtime.launch import distributed_context
 
@@ -71,10 +72,16 @@ def _share(device: Device, count: int) -> Device:
     return replace(device, memory=memory, speed=device.speed / count, peak_flops=flops)
 
 
-def remapped(plan: Plan, devices) -> Plan:
+def remapped(plan: Plan, devices, call: str = "sw.load(directory, devices=..., replan=False)") -> Plan:
     """`plan` with its devices placed on the physical `devices` (as `virtual_layout` places them);
-    CapacityError where a physical device cannot hold the predicted peaks of the ones it takes."""
+    CapacityError where a physical device cannot hold the predicted peaks of the ones it takes, and
+    IdleDevicesWarning where devices are left over (`call` is what the warning names)."""
     physical = resolve_devices(devices)
+    if len(physical) > len(plan.devices):
+        warnings.warn(IdleDevicesWarning(
+            f"{call}: the plan has {len(plan.devices)} devices, so {len(physical) - len(plan.devices)} of the "
+            f"{len(physical)} given stay idle; to use them all, plan for them: sw.load(directory, devices=..., "
+            "replan=True), or compile with virtual_devices= at least their number"), stacklevel=3)
     owners = _owners(physical, len(plan.devices))
     for index, device in enumerate(physical):
         mine = [v for v, owner in enumerate(owners) if owner == index]
@@ -96,10 +103,11 @@ def resize(pipe: Pipeline, devices) -> None:
         raise OptionError("pipe.resize under torch.distributed: each process runs one device; restart the job on "
                           "the new processes and restore the latest checkpoint (pipe.restore)")
     pipe.wait_for_save()  # a save in flight reads this runtime's state; its failure is told here
-    plan = remapped(pipe.plan, devices)
+    plan = remapped(pipe.plan, devices, "pipe.resize")
     trusted = [n.target for w in pipe.workers for n in w.module.graph.nodes
                if n.op == "call_function" and callable(n.target)]  # this process runs them already
-    with tempfile.TemporaryDirectory() as folder:
+    with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings():
+        warnings.simplefilter("ignore", IdleDevicesWarning)  # told once, above
         pipe.save(Path(folder) / "ck")
         moved = load(Path(folder) / "ck", trusted_functions=trusted, devices=devices, replan=False)
     view, resumed, timeout, reduction = pipe._optimizer, pipe.resumed, pipe.timeout_s, pipe.loss_reduction

@@ -91,6 +91,14 @@ class SkippedUpdateWarning(UserWarning):
     """A step's gradients held an inf or NaN, so no stage updated (`pipe.skipped_steps` counts them)."""
 
 
+class IdleDevicesWarning(UserWarning):
+    """A saved plan placed on more devices than it has (`sw.load(..., replan=False)`, `pipe.resize`): some stay idle."""
+
+
+class AssumedFiguresWarning(UserWarning):
+    """`sw.plan` for a GPU described without `peak_flops`: its predicted times rest on an assumed rate."""
+
+
 class PrecisionError(StagewiseError):
     """A precision compile cannot train in: an unknown name, weights that are not fp32 masters,
     or torch.autocast around `step` (say precision= to compile instead)."""

@@ -178,6 +178,8 @@ class Plan:
     smallest_microbatch: int = 0  # the fewest samples a microbatch may hold (uneven last batches); 0: microbatch_size
     training: bool = True  # the model's mode at compile: the pipeline's starting mode (pipe.train / pipe.eval)
     precision: str = "fp32"  # "bf16" | "fp16": stage forwards run under torch.autocast (ir/precision.py)
+    output_spec: str | None = None  # the model output's structure, pytree JSON: what pipe.predict returns
+    output_nodes: tuple[str | None, ...] = ()  # per leaf of output_spec, the graph node computing it (None: none)
 
     def to_json(self) -> str:
         """JSON of every field; the programs in their printed form (typed instructions read back)."""

@@ -50,8 +50,9 @@ from torch.utils._pytree import tree_flatten
 from stagewise.ir.errors import ExampleInputsError, LossError, TraceError
 from stagewise.passes.capture_annotate import annotate, check_loss, op_flops
 from stagewise.passes.capture_functional import functionalize
-from stagewise.passes.capture_tracers import MODEL_OUTPUT, Exported, normalise, trace_export, trace_fx
+from stagewise.passes.capture_tracers import Exported, normalise, trace_export, trace_fx
 from stagewise.passes.local_sizes import localise_sizes
+from stagewise.passes.model_output import OutputStructure, flatten_output, mark_output
 from stagewise.passes.symbolic_sizes import Evaluator, NotCovered, bind
 
 # (Traced.tracer, the name failures are reported under, the tracer), tried in this order
@@ -88,6 +89,8 @@ class Objective(torch.nn.Module):
         object.__setattr__(self, "_stagewise_loss_fn", loss_fn)
         object.__setattr__(self, "_stagewise_keyword", keyword)
         object.__setattr__(self, "_stagewise_with_output", False)  # torch.export: return (loss, output)
+        # the model output's structure once traced, filled in place (torch.export puts back a copy of it)
+        object.__setattr__(self, "_stagewise_output", [])
         object.__setattr__(self, "_modules", model._modules)
         object.__setattr__(self, "_parameters", model._parameters)
         object.__setattr__(self, "_buffers", model._buffers)
@@ -96,11 +99,9 @@ class Objective(torch.nn.Module):
         model = self._stagewise_model
         out = model.forward(**inputs) if self._stagewise_keyword else model.forward(*inputs)
         if self._stagewise_loss_fn is not None:
-            if isinstance(out, fx.Proxy):  # what `pipe.predict` returns (compiler/prediction.py)
-                out.node.meta[MODEL_OUTPUT] = True
             return self._with_output(self._stagewise_loss_fn(out, target), out)
         if isinstance(out, torch.Tensor | fx.Proxy):
-            return out
+            return self._with_output(out, out)
         loss = getattr(out, "loss", None)
         if loss is None and isinstance(out, dict):
             loss = out.get("loss")
@@ -109,13 +110,19 @@ class Objective(torch.nn.Module):
                 f"the model returns {type(out).__name__}, not a loss: pass loss_fn=(output, target) -> loss "
                 "and example_target=, or make the model return a scalar loss (or an object with .loss)"
             )
-        return self._with_output(loss, out.get("logits") if isinstance(out, dict) else getattr(out, "logits", None))
+        return self._with_output(loss, out)
 
     def _with_output(self, loss, output):
-        """Under torch.export, (loss, the model's output) when the output is a tensor (a model's own
-        loss: its `.logits`), so the capture can mark it for `pipe.predict` (capture_tracers.normalise)."""
-        if self._stagewise_with_output and isinstance(output, torch.Tensor):
-            return loss, output
+        """The loss, having recorded the structure of the model's `output` (what `pipe.predict` returns,
+        passes/model_output.py) and marked its tensors: fx's proxies directly; under torch.export
+        (loss, its tensors), which the capture marks as it keeps the loss (capture_tracers.normalise)."""
+        structure, tensors = flatten_output(output, loss)
+        self._stagewise_output[:] = [structure]
+        if self._stagewise_with_output:
+            return loss, tuple(tensors)
+        for ordinal, tensor in enumerate(tensors):
+            if isinstance(tensor, fx.Proxy):
+                mark_output(tensor.node, ordinal)
         return loss
 
 
@@ -155,6 +162,7 @@ def capture(model: torch.nn.Module, example_inputs, example_target, loss_fn, *, 
     """
     names, kind = input_names(model, example_inputs)
     objective = Objective(model, loss_fn, kind == "keyword")
+    traced_output = objective._stagewise_output  # torch.export puts back a copy of it: keep the one it fills
     target_name = "target" if loss_fn is not None else None
     if target_name in names:
         target_name = "loss_target"
@@ -172,7 +180,7 @@ def capture(model: torch.nn.Module, example_inputs, example_target, loss_fn, *, 
             normalise(gm, wanted)
             if exported is not None and exported.symbolic:
                 localise_sizes(gm, model)
-            return Capture(objective, tracer_name, names, kind, target_name, gm, exported)
+            return Capture(objective, tracer_name, names, kind, target_name, gm, exported, traced_output)
     raise TraceError(
         "could not capture the model as a graph.\n  "
         + "\n  ".join(failures)
@@ -190,8 +198,9 @@ class Capture:
     """
 
     def __init__(self, objective: Objective, tracer: str, names: list[str], kind: str, target_name: str | None,
-                 template: fx.GraphModule, exported: Exported | None):
+                 template: fx.GraphModule, exported: Exported | None, traced_output: list | None = None):
         self.objective, self.tracer, self.template, self.exported = objective, tracer, template, exported
+        self.traced_output: list[OutputStructure] = traced_output or []  # Objective's, filled as it was traced
         self.input_names, self.input_kind, self.target_name = names, kind, target_name
         self.exports = 1 if exported is not None else 0  # graphs exported so far
         self.flop_memo: dict[str, int] = {}
@@ -202,6 +211,13 @@ class Capture:
         with _buffers_kept(self.objective._stagewise_model):
             gm = self._graph_at(inputs, target)
         return Traced(gm, self.tracer, self.input_names, self.input_kind, self.target_name)
+
+    def model_output(self, gm: fx.GraphModule) -> tuple[str | None, tuple[str | None, ...]]:
+        """The model output's structure as pytree JSON, and per leaf the node of `gm` (a graph of this
+        capture) computing it: what `pipe.predict` returns (passes/model_output.py)."""
+        if not self.traced_output:
+            return None, ()
+        return self.traced_output[0].described(), self.traced_output[0].node_names(gm)
 
     def lowest_sizes(self) -> list[tuple[int, ...]] | None:
         """Per graph input, the smallest each size after the batch dimension may be at run time: an

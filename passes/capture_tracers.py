@@ -19,8 +19,8 @@ from torch.fx.experimental import proxy_tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
 from stagewise.ir.errors import TraceError
-from stagewise.ir.subgraph import MODEL_OUTPUT
 from stagewise.passes.capture_functional import modifies_input
+from stagewise.passes.model_output import mark_output
 
 
 @dataclass
@@ -46,7 +46,7 @@ def trace_fx(objective, example_inputs, example_target, n_inputs, dynamic=False)
 
 def trace_export(objective, example_inputs, example_target, n_inputs, dynamic=False) -> tuple[fx.GraphModule, Exported]:
     """torch.export (non-strict): ATen graph, module paths from nn_module_stack. The objective
-    returns (loss, model output) while exported: `normalise` marks the output and keeps the loss.
+    returns (loss, the model output's tensors) while exported: `normalise` marks them and keeps the loss.
 
     `dynamic`: every dimension of every input is `Dim.AUTO`, a symbol unless the model pins it (a
     weight's size, a literal); an export that fails that way is retried with static shapes."""
@@ -131,8 +131,9 @@ def normalise(gm: fx.GraphModule, wanted: list[str]) -> None:
         node._rename(name)
     (output,) = [n for n in graph.nodes if n.op == "output"]
     flat, _ = tree_flatten(output.args[0])
-    if len(flat) > 1 and isinstance(flat[1], fx.Node):  # (loss, model output): what pipe.predict returns
-        flat[1].meta[MODEL_OUTPUT] = True
+    for ordinal, node in enumerate(flat[1:]):  # (loss, the model output's tensors): what pipe.predict returns
+        if isinstance(node, fx.Node):
+            mark_output(node, ordinal)
     output.args = (flat[0],)
     for node in graph.nodes:
         node.meta["module_path"] = module_path(node)

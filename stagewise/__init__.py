@@ -20,11 +20,13 @@ from stagewise.ir.catalogue_file import load_catalogue
 from stagewise.ir.device_request import Cluster, parse_device_request
 from stagewise.ir.devices import Device
 from stagewise.ir.errors import (
+    AssumedFiguresWarning,
     BatchSizeError,
     CapacityError,
     CheckpointError,
     DeviceError,
     ExampleInputsError,
+    IdleDevicesWarning,
     LossError,
     OptionError,
     OversubscribedWarning,
@@ -60,6 +62,8 @@ __all__ = [
     "LossScaling",
     "OptionError",
     "OversubscribedWarning",
+    "IdleDevicesWarning",
+    "AssumedFiguresWarning",
     "ParamGroups",
     "PartitionError",
     "PeerError",

@@ -3,6 +3,8 @@ and the fix, at compile where it can be known then (issue 10, item 8). tests/tes
 the cases that came first (devices, traces, partitions); checkpoint files are tested with saves."""
 
 import functools
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import stagewise as sw
+from tests.hf import gpt2
 from tests.models.mlp import mlp
 
 X, Y = torch.randn(8, 8), torch.randint(0, 5, (8,))
@@ -189,3 +192,128 @@ class _Ok(nn.Module):
 def test_option_errors_are_plan_errors():
     """OptionError came after the PlanErrors raised for unknown schedules: code catching those keeps working."""
     assert issubclass(sw.OptionError, sw.PlanError) and issubclass(sw.OptionError, sw.StagewiseError)
+
+
+# ---- the last raw errors (issue 21, item 8) ---------------------------------------------------
+
+
+class _Tokens(nn.Module):
+    """Token ids straight into an nn.Embedding leaf (fx keeps it a call_module)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(10, 4), nn.Linear(4, 5)
+
+    def forward(self, ids):
+        return self.head(self.embed(ids).mean(1))
+
+
+def _token_pipe(kind: str):
+    """A pipeline whose input feeds an embedding of 10 rows (fx leaf) or 128 (GPT-2: export, through a view)."""
+    torch.manual_seed(0)
+    if kind == "fx-leaf":
+        ids = torch.randint(0, 10, (8, 3))
+        pipe = sw.compile(_Tokens(), 2, (ids,), loss_fn=F.cross_entropy, example_target=Y, microbatches=2,
+                          cost="analytic")
+        return pipe, 10, lambda call, x: call(x, target=Y), ids
+    ids = torch.randint(1, 100, (8, 6))
+    pipe = sw.compile(gpt2(2), 2, {"input_ids": ids, "labels": ids}, microbatches=2, cost="analytic")
+    return pipe, 128, lambda call, x: call(input_ids=x, labels=ids), ids
+
+
+@pytest.mark.parametrize("kind", ["fx-leaf", "hf-gpt2"])
+def test_token_ids_outside_the_embedding_are_named_before_anything_runs(kind):
+    pipe, rows, call, ids = _token_pipe(kind)
+    name = "ids" if kind == "fx-leaf" else "input_ids"
+    before = {k: v.clone() for k, v in pipe.state_dict().items()}
+    for bad_id in (rows, -1):
+        bad = ids.clone()
+        bad[5, 1] = bad_id
+        for method in (pipe.step, pipe.evaluate):
+            with pytest.raises(sw.ExampleInputsError, match=f"{method.__name__} got '{name}' holding the id {bad_id}, "
+                                                            f"but it indexes an embedding of {rows} rows"):
+                call(method, bad)
+        with pytest.raises(sw.ExampleInputsError, match=f"predict got '{name}' holding the id {bad_id}"):
+            pipe.predict(bad) if kind == "fx-leaf" else pipe.predict(input_ids=bad)
+    assert pipe.executor.iteration == 0
+    for key, value in pipe.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    assert torch.isfinite(call(pipe.step, ids))
+
+
+def test_save_refuses_paths_that_name_no_folder_of_its_own(pipe, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for directory in (".", "..", tmp_path, "/"):
+        with pytest.raises(sw.CheckpointError, match="holds the current directory.*a folder of its own"):
+            pipe.save(directory)
+    with pytest.raises(sw.CheckpointError, match=r"pipe.save\(''\) names no directory"):
+        pipe.save("")
+    with pytest.raises(sw.CheckpointError, match="pipe.save takes the checkpoint's directory as a str or pathlib.Path"):
+        pipe.save(None)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("directory", [None, 123])
+def test_load_names_a_directory_that_is_not_a_path(directory):
+    with pytest.raises(sw.CheckpointError, match=f"sw.load takes the checkpoint's directory .*got {type(directory).__name__}"):
+        sw.load(directory)
+
+
+TRUSTED_CASES = {
+    "one-function": (F.cross_entropy, r"alone: write trusted_functions=\[fn\]"),
+    "a-string": ("my_loss", "takes a list of functions .*got str"),
+    "names": (["my_loss"], "holds 'my_loss', a str, not a function"),
+}
+
+
+@pytest.mark.parametrize(("trusted", "phrase"), TRUSTED_CASES.values(), ids=TRUSTED_CASES.keys())
+def test_trusted_functions_of_the_wrong_type(trusted, phrase, tmp_path):
+    with pytest.raises(sw.OptionError, match=phrase):
+        sw.load(tmp_path / "ck", trusted_functions=trusted)
+
+
+def test_checkpoints_over_a_file(tmp_path):
+    file = tmp_path / "notes.txt"
+    file.write_text("mine")
+    for directory in (file, file / "run"):
+        with pytest.raises(sw.CheckpointError, match="notes.txt is a file, not a folder"):
+            sw.Checkpoints(directory, every_steps=1)
+    assert file.read_text() == "mine"
+    with pytest.raises(sw.CheckpointError, match="sw.Checkpoints takes the checkpoint's directory as a str"):
+        sw.Checkpoints(None, every_steps=1)
+    assert sw.Checkpoints(".", every_steps=1).directory == Path(".")  # it holds step_<n> folders: '.' will do
+
+
+@pytest.mark.parametrize(("candidates", "phrase"), [("1xH100", r"the string '1xH100' alone .*candidates=\['1xH100'\]"),
+                                                    ([], r"candidates=\[\] gives no device set")])
+def test_recommend_candidates_not_a_list_of_requests(candidates, phrase):
+    with pytest.raises(sw.OptionError, match=phrase):
+        sw.recommend(mlp(), (X,), loss_fn=F.cross_entropy, example_target=Y, candidates=candidates)
+
+
+def test_more_devices_than_the_plan_warn_that_some_stay_idle(pipe, tmp_path):
+    pipe.save(tmp_path / "ck")
+    with pytest.warns(sw.IdleDevicesWarning, match=r"load.*2 devices, so 1 of the 3 given stay idle.*replan=True"):
+        loaded = sw.load(tmp_path / "ck", devices=3, replan=False)
+    with pytest.warns(sw.IdleDevicesWarning, match=r"pipe.resize: the plan has 2 devices, so 2 of the 4 given") as told:
+        loaded.resize(4)
+    assert len(told) == 1
+    assert torch.isfinite(loaded.step(X, target=Y))
+
+
+def test_plan_for_a_gpu_without_peak_flops_warns():
+    gpus = [sw.Device("cuda", memory="80GiB")] * 2
+    with pytest.warns(sw.AssumedFiguresWarning, match="cuda has no peak_flops.*peak_flops='989TFLOPS'"):
+        sw.plan(mlp(), gpus, (X,), loss_fn=F.cross_entropy, example_target=Y)
+    rated = [sw.Device("cuda", memory="80GiB", peak_flops="989TFLOPS")] * 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sw.AssumedFiguresWarning)
+        sw.plan(mlp(), rated, (X,), loss_fn=F.cross_entropy, example_target=Y)
+
+
+def test_save_and_load_in_one_process_print_no_distributed_notice(pipe, tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pipe.save(tmp_path / "ck")
+        sw.load(tmp_path / "ck")
+    assert not [w for w in caught if "torch.distributed is disabled" in str(w.message)]

@@ -56,7 +56,7 @@ def run_evaluate(name: str, schedule: str) -> dict:
     trained = state_of(pipe)
     result = {"trained": trained, "eval": evaluate(pipe, batches[-1]), "eval_again": evaluate(pipe, batches[-1])}
     inputs = batches[-1][0]  # a model returning its own loss predicts its .logits (labels given, unused)
-    result["predict"] = pipe.predict(*inputs) if name in LOSS_FNS else pipe.predict(**inputs)
+    result["predict"] = pipe.predict(*inputs) if name in LOSS_FNS else pipe.predict(**inputs).logits
     result["iteration"] = pipe.executor.iteration
     result["training"] = pipe.training
     losses.append(step(pipe, batches[-1]))

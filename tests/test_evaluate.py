@@ -13,7 +13,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 import stagewise as sw
 from stagewise.ir.errors import ModeError, PredictError
 from stagewise.ir.instructions import Backward, Forward, Recompute, Update
-from tests.hf import gpt2, llama, lm_batches
+from tests.hf import bert, gpt2, llama, lm_batches
 from tests.models.cnn import ResNet
 from tests.models.dropout import DropoutGPT
 from tests.models.gpt import lm_loss
@@ -189,9 +189,10 @@ def test_predict_batchnorm_uses_running_statistics():
 
 @pytest.mark.parametrize(("build", "devices", "schedule"), [("gpt2", 1, "gpipe"), ("gpt2", 2, "1f1b"),
                                                            ("llama", 4, "varuna")])
-def test_predict_gives_the_logits_of_a_model_returning_its_own_loss(build, devices, schedule):
-    """A Hugging Face model returns its loss (labels in the inputs): predict gives its `.logits`, in
-    eval mode (dropout off), for the example's shape and a shorter, smaller batch; nothing moves."""
+def test_predict_gives_the_output_of_a_model_returning_its_own_loss(build, devices, schedule):
+    """A Hugging Face model returns its loss (labels in the inputs): predict gives what it returns
+    without labels, its ModelOutput with the `.logits` (the cache is not computed: left out), in eval
+    mode (dropout off), for the example's shape, a shorter, smaller batch and one sample; nothing moves."""
     torch.manual_seed(0)
     model = (gpt2 if build == "gpt2" else llama)(2)
     ids = torch.randint(1, 100, (8, 12))
@@ -201,13 +202,108 @@ def test_predict_gives_the_logits_of_a_model_returning_its_own_loss(build, devic
     before = _snapshot(pipe)
     eager = copy.deepcopy(model)
     eager.load_state_dict(pipe.state_dict())
-    for batch in (ids, ids[:6, :7]):
+    for batch in (ids, ids[:6, :7], ids[:1]):
         with torch.no_grad():
-            want = eager.eval()(input_ids=batch).logits
-        torch.testing.assert_close(pipe.predict(input_ids=batch, labels=batch), want, rtol=RTOL, atol=ATOL)
-        torch.testing.assert_close(pipe.predict(input_ids=batch), want, rtol=RTOL, atol=ATOL)  # labels unread
+            want = eager.eval()(input_ids=batch)
+        for got in (pipe.predict(input_ids=batch, labels=batch), pipe.predict(input_ids=batch)):  # labels unread
+            assert type(got) is type(want) and list(got.keys()) == ["logits"]
+            torch.testing.assert_close(got.logits, want.logits, rtol=RTOL, atol=ATOL)
     assert_state_equal(_snapshot(pipe)[0], before[0])
     assert pipe.executor.iteration == before[2]
+
+
+def _logits_loss(out, target: torch.Tensor) -> torch.Tensor:
+    """A loss_fn reading `out.logits`, as one writes for a Hugging Face model."""
+    return F.cross_entropy(out.logits.flatten(0, 1), target.flatten())
+
+
+@pytest.fixture(scope="module")
+def bert_with_loss_fn():
+    torch.manual_seed(0)
+    model = bert(2)
+    ids = torch.randint(1, 100, (8, 12))
+    pipe = sw.compile(model, 2, {"input_ids": ids}, loss_fn=_logits_loss, example_target=ids, microbatches=4,
+                      cost="analytic")
+    return model.eval(), pipe, ids
+
+
+def test_predict_returns_the_model_output_a_loss_fn_reads(bert_with_loss_fn):
+    """loss_fn reads `out.logits`: predict returns the MaskedLMOutput, for the batch and for one sample
+    on 4 microbatches."""
+    model, pipe, ids = bert_with_loss_fn
+    for batch in (ids, ids[:1]):
+        got = pipe.predict(input_ids=batch)
+        with torch.no_grad():
+            want = model(input_ids=batch)
+        assert type(got) is type(want) and list(got.keys()) == list(want.keys()) == ["logits"]
+        torch.testing.assert_close(got.logits, want.logits, rtol=RTOL, atol=ATOL)
+
+
+def test_a_loaded_and_a_replanned_pipeline_predict_the_same_structure(bert_with_loss_fn, tmp_path):
+    """The plan keeps the output's structure and nodes: sw.load (the saved plan) and a re-plan on 1 device."""
+    model, pipe, ids = bert_with_loss_fn
+    pipe.save(tmp_path / "ck")
+    with torch.no_grad():
+        want = model(input_ids=ids)
+    for devices in (None, 1):
+        loaded = sw.load(tmp_path / "ck", trusted_functions=[_logits_loss], devices=devices, report=False)
+        got = loaded.predict(input_ids=ids)
+        assert type(got) is type(want) and list(got.keys()) == ["logits"]
+        torch.testing.assert_close(got.logits, want.logits, rtol=RTOL, atol=ATOL)
+
+
+def test_evaluate_takes_one_sample_on_four_microbatches(bert_with_loss_fn):
+    model, pipe, ids = bert_with_loss_fn
+    one = ids[1:2]
+    with torch.no_grad():
+        want = _logits_loss(model(input_ids=one), one)
+    torch.testing.assert_close(pipe.evaluate(input_ids=one, target=one), want, rtol=RTOL, atol=ATOL)
+
+
+def test_predict_and_evaluate_name_themselves_in_their_errors(bert_with_loss_fn):
+    _, pipe, ids = bert_with_loss_fn
+    with pytest.raises(sw.ExampleInputsError, match="predict got 'input_ids' of dtype torch.float32"):
+        pipe.predict(input_ids=ids.float())
+    with pytest.raises(sw.ExampleInputsError, match="predict takes keyword inputs"):
+        pipe.predict(ids)
+    with pytest.raises(sw.ExampleInputsError, match=r"call evaluate\(\.\.\., target=targets\)"):
+        pipe.evaluate(input_ids=ids)
+    with pytest.raises(sw.BatchSizeError, match="evaluate got a batch of 7 for 'target'"):
+        pipe.evaluate(input_ids=ids, target=ids[:7])
+
+
+class _LogitsAndNorm(torch.nn.Module):
+    """Returns a tuple, (logits, each sample's norm), which fx traces; its loss reads both."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16),
+                                        torch.nn.ReLU(), torch.nn.Linear(16, 5))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.body(x)
+        return logits, logits.norm(dim=1)
+
+
+def _tuple_loss(out: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out[0], target) + out[1].mean()
+
+
+def test_predict_returns_a_tuple_and_evaluates_one_sample():
+    torch.manual_seed(0)
+    model = _LogitsAndNorm()
+    x, y = torch.randn(8, 8), torch.randint(0, 5, (8,))
+    pipe = sw.compile(model, 2, (x,), loss_fn=_tuple_loss, example_target=y, microbatches=4, cost="analytic")
+    assert pipe.plan.tracer == "fx"
+    for batch in (x, x[:1]):
+        got = pipe.predict(batch)
+        with torch.no_grad():
+            want = model(batch)
+        assert isinstance(got, tuple) and len(got) == 2
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe.evaluate(x[:1], target=y[:1]), _tuple_loss(model(x[:1]), y[:1]),
+                                   rtol=RTOL, atol=ATOL)
 
 
 def test_predict_fills_in_only_inputs_it_does_not_read():
@@ -218,7 +314,7 @@ def test_predict_fills_in_only_inputs_it_does_not_read():
     mask = torch.ones_like(ids)
     pipe = sw.compile(gpt2(2), 2, {"input_ids": ids, "attention_mask": mask, "labels": ids}, microbatches=4,
                       cost="analytic")
-    assert pipe.predict(input_ids=ids, attention_mask=mask).shape == (8, 12, 128)
+    assert pipe.predict(input_ids=ids, attention_mask=mask).logits.shape == (8, 12, 128)
     with pytest.raises(sw.ExampleInputsError, match="attention_mask"):
         pipe.predict(input_ids=ids, labels=ids)
 

@@ -110,7 +110,7 @@ def test_loading_without_the_model_rebuilds_the_saved_plan(four_device_run):
     model.load_state_dict(saved)
     ids = batches[0][0]["input_ids"]
     with torch.no_grad():
-        torch.testing.assert_close(loaded.predict(input_ids=ids), model.eval()(input_ids=ids).logits,
+        torch.testing.assert_close(loaded.predict(input_ids=ids).logits, model.eval()(input_ids=ids).logits,
                                    rtol=1e-5, atol=1e-5)  # the stage data marks the model's output
     losses = [step(loaded, batch) for batch in batches[SAVED_AFTER:]]
     assert all(torch.equal(g, w) for g, w in zip(losses, want_losses, strict=True)), (losses, want_losses)
