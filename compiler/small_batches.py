@@ -13,6 +13,7 @@ samples would weigh twice in its gradients.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -26,7 +27,7 @@ class GivenSamples:
     count: int = 0
 
 
-def filled(plan: Plan, inputs: dict[str, object], given: GivenSamples | None = None) -> dict[str, object]:
+def filled(plan: Plan, inputs: dict[str, Any], given: GivenSamples | None = None) -> dict[str, Any]:
     """`inputs` (by name, in `plan.input_specs` order) with every batched tensor repeated whole as often
     as the microbatches need; as given where they are full enough, or disagree on the batch (`step`'s
     checks then name the problem), or repeating would exceed the largest microbatch."""
