@@ -7,13 +7,12 @@ name, so the arguments are read back from the instance (`inspect.signature(cls._
 tensor slot such as `bias` as whether it holds one. The reading is a heuristic, so every skeleton
 is rebuilt on the meta device when it is described and compared with the original (repr, the
 names and shapes of its parameters and buffers): a module it does not reproduce is recorded as
-not rebuildable rather than coming back different. Only classes reached by importing a
-`torch.nn...` path are ever rebuilt, so a skeleton cannot name code outside PyTorch.
+not rebuildable rather than coming back different. Only the torch.nn classes the allowlist
+names (codegen/allowlist.py) are ever rebuilt, so a skeleton cannot name code outside them.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 import math
@@ -25,6 +24,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from stagewise.codegen.allowlist import allowed_leaf
 from stagewise.ir.errors import CheckpointError, PlanError
 
 _M = TypeVar("_M", bound=nn.Module)
@@ -203,24 +203,17 @@ def rebuild_module(skeleton: dict) -> nn.Module:
 
 
 def torch_nn_class(path: object) -> type[nn.Module]:
-    """The class at [module, qualname], imported only from a `torch.nn...` module, else a CheckpointError."""
+    """The torch.nn class at [module, qualname] if the allowlist names it (codegen/allowlist.py),
+    else a CheckpointError: nothing is imported and no attribute is looked up from the name."""
     if not (isinstance(path, list) and len(path) == 2 and all(isinstance(p, str) for p in path)):
         raise CheckpointError(f"a module skeleton names its class as {path!r}, not [module, qualname]")
-    module_name, qualname = path
-    parts = module_name.split(".") + qualname.split(".")
-    if parts[:2] != ["torch", "nn"] or not all(p.isidentifier() and not p.startswith("__") for p in parts):
+    found = allowed_leaf(".".join(path))
+    if found is None:
         raise CheckpointError(
-            f"the checkpoint names the module class {module_name}.{qualname}, which is not in torch.nn; "
-            "load it with the model: compile the model again and restore the checkpoint into that pipeline"
+            f"the checkpoint names the module class {'.'.join(path)}, which is not among the torch.nn modules "
+            "stagewise rebuilds (codegen/allowlist.py); load it with the model: compile the model again and "
+            "restore the checkpoint into that pipeline"
         )
-    try:
-        found: object = importlib.import_module(module_name)
-        for part in qualname.split("."):
-            found = getattr(found, part)
-    except (ImportError, AttributeError):
-        raise CheckpointError(f"this PyTorch has no module class {module_name}.{qualname}") from None
-    if not (isinstance(found, type) and issubclass(found, nn.Module)):
-        raise CheckpointError(f"{module_name}.{qualname} is not a torch.nn.Module class")
     return found
 
 
@@ -314,7 +307,10 @@ def _meta_tensors(records: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 
 def _leaf(fqn: str, skeleton: Any, tensors: Mapping[str, object]) -> nn.Module:
     """The leaf module rebuilt from its skeleton, holding the stage's tensors under its names."""
-    module = rebuild_module(skeleton if isinstance(skeleton, dict) else {})
+    try:
+        module = rebuild_module(skeleton if isinstance(skeleton, dict) else {})
+    except CheckpointError as error:
+        raise CheckpointError(f"module {fqn!r}: {error}") from None
     own = {name[len(fqn) + 1:]: t for name, t in tensors.items() if name.startswith(fqn + ".") and isinstance(t, torch.Tensor)}
     theirs = dict(chain(module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)))
     if set(own) != set(theirs) or any(own[n].shape != theirs[n].shape for n in own):
