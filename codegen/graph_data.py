@@ -28,8 +28,6 @@ generated code, and an object's keys would be reordered by `json.dumps(sort_keys
 
 from __future__ import annotations
 
-import enum
-import sys
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -38,6 +36,7 @@ import torch
 import torch.fx as fx
 
 from stagewise.codegen import allowlist
+from stagewise.codegen.graph_names import callable_name, resolve, trusted_names
 from stagewise.codegen.module_skeleton import (
     Encoded,
     decode_plain,
@@ -52,7 +51,7 @@ from stagewise.codegen.module_skeleton import (
 from stagewise.ir.errors import CheckpointError, PlanError
 from stagewise.ir.subgraph import MODEL_OUTPUT
 
-__all__ = ["FORMAT", "build_stage", "materialize", "resolve_function", "stage_structure", "stage_tensors"]
+__all__ = ["FORMAT", "build_stage", "materialize", "stage_structure", "stage_tensors"]
 
 FORMAT = "stagewise.stage/1"
 _OPS = ("placeholder", "get_attr", "call_function", "call_module", "call_method", "output")
@@ -135,7 +134,7 @@ def _encoder(node: fx.Node) -> Callable[[object], Encoded]:
         for key, kind in _CONSTANT_KINDS.items():
             if isinstance(value, kind):
                 return {key: str(value).removeprefix("torch.")}
-        named = _callable_name(value)
+        named = callable_name(value)
         if named is not None:
             return named
         raise PlanError(
@@ -148,118 +147,6 @@ def _encoder(node: fx.Node) -> Callable[[object], Encoded]:
         return encode_plain(value, other)
 
     return encode
-
-
-def _callable_name(value: object) -> dict | None:
-    """{"op": "aten.mm.default"}, {"function": [module, qualname]} or {"enum": [module, qualname, member]}
-    where looking the name up gives `value` back; None where none does."""
-    if isinstance(value, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
-        return {"op": _op_path(value)}
-    if isinstance(value, torch._ops.OperatorBase):
-        return None  # a higher-order op: it takes graphs
-    if isinstance(value, enum.Enum):
-        cls = _function_path(type(value))
-        return None if cls is None else {"enum": [*cls, value.name]}
-    found = _function_path(value) if callable(value) else None
-    return None if found is None else {"function": found}
-
-
-def _function_path(value: object) -> list[str] | None:
-    """[module, qualname] of a module-level function or class, found by looking it up (no import)."""
-    module = getattr(value, "__module__", None) or getattr(getattr(value, "__objclass__", None), "__module__", None)
-    if not isinstance(module, str):
-        return None
-    for name in (getattr(value, "__qualname__", None), getattr(value, "__name__", None)):
-        if isinstance(name, str) and "<" not in name and _lookup(module, name) is value:
-            return [module, name]
-    return None
-
-
-def _lookup(module_name: str, qualname: str) -> object:
-    """module_name.qualname among the modules already imported, else None: naming a value while
-    saving (loading never looks a checkpoint's name up this way: codegen/allowlist.py)."""
-    first, *rest = module_name.split(".")
-    found = sys.modules.get(module_name) or _walk(sys.modules.get(first), rest)
-    return _walk(found, qualname.split("."))
-
-
-def _walk(obj: object, parts: list[str]) -> object:
-    """obj.a.b for parts [a, b], None where an attribute is missing (nothing raised while describing)."""
-    for part in parts:
-        obj = getattr(obj, part, None) if obj is not None else None
-    return obj
-
-
-def trusted_names(trusted: Mapping[str, Callable]) -> dict[str, Callable]:
-    """The caller's trusted functions under their given names and under the name a structure
-    records them by (`torch.logsumexp`, whose __qualname__ is `_VariableFunctionsClass.logsumexp`)."""
-    named = dict(trusted)
-    for function in trusted.values():
-        path = _function_path(function)
-        if path is not None:
-            named.setdefault(".".join(path), function)
-    return named
-
-
-def _resolve(key: str, value: Encoded, trusted: Mapping[str, Callable]) -> object:
-    """An op, function, class or enum member named by the data."""
-    if key == "op":
-        return _resolve_op(value, trusted)
-    if not (isinstance(value, list) and len(value) == (3 if key == "enum" else 2) and all(isinstance(v, str) for v in value)):
-        raise CheckpointError(f"a stage structure names a {key} as {value!r}")
-    if key == "function":
-        return resolve_function(value[0], value[1], trusted)
-    name = f"{value[0]}.{value[1]}"
-    found = allowlist.allowed_enum(name)
-    if found is None or not issubclass(found, enum.Enum) or value[2] not in found.__members__:
-        raise CheckpointError(f"it names the enum member {name}.{value[2]}, which is not among the enums a "
-                              "checkpoint may name (codegen/allowlist.py)")
-    return found[value[2]]
-
-
-def _resolve_op(path: object, trusted: Mapping[str, Callable]) -> object:
-    """torch.ops.aten.<op>[.<overload>] (not a refused one), or an op the caller trusts; never an
-    attribute of torch.ops other than `aten` (another namespace's ops may run Python)."""
-    parts = path.split(".") if isinstance(path, str) else []
-    # an op may be named like a dunder (aten.__and__); the overload may not
-    if len(parts) not in (2, 3) or not all(p.isidentifier() for p in parts) or parts[-1].startswith("__"):
-        raise CheckpointError(f"it names the op {path!r}, not namespace.op.overload")
-    for op in trusted.values():
-        if isinstance(op, torch._ops.OpOverload | torch._ops.OpOverloadPacket) and _op_path(op) == path:
-            return op
-    if parts[0] != "aten" or not allowlist.allowed_aten(parts[1]):
-        raise CheckpointError(
-            f"it calls the op torch.ops.{path}: a checkpoint calls ATen ops only, and not this one (it reaches "
-            "files, prints or changes global state); if you trust the op, pass it to the load: "
-            f"sw.load(directory, trusted_functions=[torch.ops.{path}])")
-    packet = getattr(torch.ops.aten, parts[1], None)
-    op = packet if len(parts) == 2 or packet is None else getattr(packet, parts[2], None)
-    if not isinstance(op, torch._ops.OpOverloadPacket if len(parts) == 2 else torch._ops.OpOverload):
-        raise CheckpointError(f"it calls the op torch.ops.{path}, which this PyTorch has not registered")
-    return op
-
-
-def _op_path(op: torch._ops.OpOverload | torch._ops.OpOverloadPacket) -> str:
-    """An op's name in a structure: namespace.op.overload (a packet: namespace.op)."""
-    if isinstance(op, torch._ops.OpOverload):
-        return f"{op.namespace}.{op._opname}.{op._overloadname}"
-    return op._qualified_op_name.replace("::", ".")
-
-
-def resolve_function(module_name: str, qualname: str, trusted: Mapping[str, Callable] = _NO_TRUSTED) -> Callable:
-    """A function or class by its exact qualified name: from `trusted` ({"module.qualname": it}),
-    else from the allowlist (codegen/allowlist.py), else a CheckpointError saying how to trust it."""
-    name = f"{module_name}.{qualname}"
-    found = trusted.get(name) or allowlist.allowed_function(name)
-    if callable(found):
-        return found
-    short = qualname.rsplit(".", 1)[-1]
-    raise CheckpointError(
-        f"it calls {name}, which is not among the functions a checkpoint may call (torch's tensor functions, "
-        "ATen ops, Python's operators and stagewise's own: codegen/allowlist.py); if it is a function you "
-        f"trust (your own loss function, or a torch function not on the list), pass it to the load: "
-        f"sw.load(directory, trusted_functions=[{short}])"
-    )
 
 
 def _rebuild_graph(records: object, trusted: Mapping[str, Callable]) -> fx.Graph:
@@ -306,7 +193,7 @@ def _node_target(op: str, target: object, trusted: Mapping[str, Callable]) -> An
         if not (isinstance(target, dict) and len(target) == 1 and set(target) <= {"op", "function"}):
             raise CheckpointError(f"it calls {target!r}, which is not an op or a function")
         (key, value), = target.items()
-        return _resolve(key, value, trusted)
+        return resolve(key, value, trusted)
     parts = target.split(".") if isinstance(target, str) else [""]
     if op in ("placeholder", "output"):
         parts = [target.lstrip("*")] if isinstance(target, str) else [""]
@@ -374,7 +261,7 @@ def _decoder(nodes: dict[str, fx.Node], trusted: Mapping[str, Callable]) -> Call
             raise CheckpointError(f"it passes {'.'.join(map(str, value))} on as a value, which a checkpoint may not "
                                   "(a function taking it could reach any attribute)")
         if key in ("op", "function", "enum"):
-            return _resolve(key, value, trusted)
+            return resolve(key, value, trusted)
         raise CheckpointError(f"it holds {{{key!r}: {value!r}}}, which names no value (or a later node)")
 
     def decode(data: Encoded) -> Any:
