@@ -20,7 +20,7 @@ from stagewise.cli.models import named_function
 from stagewise.compiler.checkpoint_files import read_checked, read_marker
 from stagewise.compiler.checkpoint_read import read_checkpoint, trusted_by_name
 from stagewise.compiler.checkpoint_verify import rebuild_checkpoint
-from stagewise.ir.errors import CheckpointError
+from stagewise.ir.errors import CheckpointError, UntrustedCodeError
 
 PARTS = ("plan", "programs", "code")
 
@@ -45,7 +45,11 @@ def run(args: argparse.Namespace) -> int:
         raise CheckpointError(f"{root} does not exist; give the folder pipe.save() wrote")
     trusted = [named_function(spec, "--trusted") for spec in args.trusted]
     saved = read_checkpoint(root, None)
-    rebuilt = rebuild_checkpoint(saved, trusted_by_name(trusted))
+    try:
+        rebuilt = rebuild_checkpoint(saved, trusted_by_name(trusted))
+    except UntrustedCodeError as error:
+        raise UntrustedCodeError(f"{error}; to inspect it, name each function of yours it calls: stagewise inspect "
+                                 f"{root} --trusted module:function") from None
     shown = args.show or PARTS
     if "plan" in shown:
         _section(f"plan ({saved.root / 'plan.json'})", str(saved.plan))

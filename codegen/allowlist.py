@@ -135,8 +135,9 @@ LEAF_MODULES: Mapping[str, str] = {
     "torch.nn.modules.sparse": "Embedding EmbeddingBag",
     "torch.nn.modules.upsampling": "Upsample UpsamplingBilinear2d UpsamplingNearest2d",
 }
-OPTIMIZERS: Mapping[str, str] = {
-    "torch.optim": "Adafactor Muon", "torch.optim.adadelta": "Adadelta", "torch.optim.adagrad": "Adagrad",
+OPTIMIZERS: Mapping[str, str] = {  # under the names they are saved by, and torch.optim's public ones
+    "torch.optim": "ASGD Adadelta Adafactor Adagrad Adam AdamW Adamax Muon NAdam RAdam RMSprop Rprop SGD SparseAdam",
+    "torch.optim.adadelta": "Adadelta", "torch.optim.adagrad": "Adagrad",
     "torch.optim.adam": "Adam", "torch.optim.adamax": "Adamax", "torch.optim.adamw": "AdamW",
     "torch.optim.asgd": "ASGD", "torch.optim.nadam": "NAdam", "torch.optim.radam": "RAdam",
     "torch.optim.rmsprop": "RMSprop", "torch.optim.rprop": "Rprop", "torch.optim.sgd": "SGD",

@@ -48,7 +48,7 @@ from stagewise.codegen.module_skeleton import (
     meta_attributes,
     stage_tensors,
 )
-from stagewise.ir.errors import CheckpointError, PlanError
+from stagewise.ir.errors import CheckpointError, PlanError, UntrustedCodeError
 from stagewise.ir.subgraph import MODEL_OUTPUT
 
 __all__ = ["FORMAT", "build_stage", "materialize", "stage_structure", "stage_tensors"]
@@ -162,7 +162,7 @@ def _rebuild_graph(records: object, trusted: Mapping[str, Callable]) -> fx.Graph
         try:
             nodes[name] = _rebuild_node(graph, record, nodes, trusted)
         except CheckpointError as error:
-            raise CheckpointError(f"node {name!r}: {error}") from None
+            raise type(error)(f"node {name!r}: {error}") from None  # an UntrustedCodeError stays one
     try:
         graph.lint()
     except RuntimeError as error:
@@ -211,7 +211,7 @@ def _annotation(record: dict, trusted: Mapping[str, Callable]) -> type | None:
     name = ".".join(path) if isinstance(path, list) and all(isinstance(p, str) for p in path) else ""
     found = trusted.get(name) or allowlist.allowed_class(name)
     if not isinstance(found, type):
-        raise CheckpointError(f"it is annotated with {encoded!r}, which is not among the classes a checkpoint may "
+        raise UntrustedCodeError(f"it is annotated with {encoded!r}, which is not among the classes a checkpoint may "
                               "name (torch.Tensor, Python's plain types: codegen/allowlist.py)")
     return found
 

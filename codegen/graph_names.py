@@ -18,7 +18,7 @@ import torch
 
 from stagewise.codegen import allowlist
 from stagewise.codegen.module_skeleton import Encoded
-from stagewise.ir.errors import CheckpointError
+from stagewise.ir.errors import CheckpointError, UntrustedCodeError
 
 _NO_TRUSTED: Mapping[str, Callable] = MappingProxyType({})
 
@@ -85,7 +85,7 @@ def resolve(key: str, value: Encoded, trusted: Mapping[str, Callable]) -> object
     name = f"{value[0]}.{value[1]}"
     found = allowlist.allowed_enum(name)
     if found is None or not issubclass(found, enum.Enum) or value[2] not in found.__members__:
-        raise CheckpointError(f"it names the enum member {name}.{value[2]}, which is not among the enums a "
+        raise UntrustedCodeError(f"it names the enum member {name}.{value[2]}, which is not among the enums a "
                               "checkpoint may name (codegen/allowlist.py)")
     return found[value[2]]
 
@@ -101,7 +101,7 @@ def _resolve_op(path: object, trusted: Mapping[str, Callable]) -> object:
         if isinstance(op, torch._ops.OpOverload | torch._ops.OpOverloadPacket) and _op_path(op) == path:
             return op
     if parts[0] != "aten" or not allowlist.allowed_aten(parts[1]):
-        raise CheckpointError(
+        raise UntrustedCodeError(
             f"it calls the op torch.ops.{path}: a checkpoint calls ATen ops only, and not this one (it reaches "
             "files, prints or changes global state); if you trust the op, pass it to the load: "
             f"sw.load(directory, trusted_functions=[torch.ops.{path}])")
@@ -127,7 +127,7 @@ def resolve_function(module_name: str, qualname: str, trusted: Mapping[str, Call
     if callable(found):
         return found
     short = qualname.rsplit(".", 1)[-1]
-    raise CheckpointError(
+    raise UntrustedCodeError(
         f"it calls {name}, which is not among the functions a checkpoint may call (torch's tensor functions, "
         "ATen ops, Python's operators and stagewise's own: codegen/allowlist.py); if it is a function you "
         f"trust (your own loss function, or a torch function not on the list), pass it to the load: "

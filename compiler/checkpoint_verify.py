@@ -46,7 +46,7 @@ def rebuild_checkpoint(saved: Checkpoint, trusted: Mapping[str, Callable]) -> Re
         try:
             recorded_class(recipe["class"], trusted)
         except CheckpointError as error:
-            raise CheckpointError(f"{saved.root}: {error}") from None
+            raise type(error)(f"{saved.root}: {error}") from None  # an UntrustedCodeError stays one
     return Rebuilt(stages, graph)
 
 
@@ -56,7 +56,7 @@ def _built(saved: Checkpoint, name: str, structure: object, class_name: str, tru
     try:
         return build_stage(structure, class_name, trusted)  # type: ignore[arg-type] - build_stage checks it
     except CheckpointError as error:
-        raise CheckpointError(f"{saved.root / name} is whole but cannot be used: {error}") from None
+        raise type(error)(f"{saved.root / name} is whole but cannot be used: {error}") from None
 
 
 def _class_name(saved_name: object) -> str:

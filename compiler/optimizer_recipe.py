@@ -21,7 +21,7 @@ import torch
 
 from stagewise.codegen.allowlist import allowed_optimizer
 from stagewise.compiler.optimizer_groups import NamedParameters, ParamGroups, sample_optimizer
-from stagewise.ir.errors import CheckpointError
+from stagewise.ir.errors import CheckpointError, UntrustedCodeError
 
 _PLAIN = (bool, int, float, str, type(None))
 
@@ -62,7 +62,7 @@ def recorded_class(path: object, trusted: Mapping[str, Callable]) -> type[torch.
     found = (trusted.get(path) or allowed_optimizer(path)) if isinstance(path, str) else None
     if not (isinstance(found, type) and issubclass(found, torch.optim.Optimizer)):
         short = path.rpartition(".")[2] if isinstance(path, str) else "YourOptimizer"
-        raise CheckpointError(
+        raise UntrustedCodeError(
             f"training.pt (key 'optimizer') names the optimizer class {path!r}, which is not among torch.optim's "
             "optimizers; a checkpoint never imports the module it names (its code would run). If it is an "
             f"optimizer class you trust, pass it to the load: sw.load(directory, trusted_functions=[{short}])")

@@ -13,7 +13,9 @@ import torch.fx as fx
 import torch.nn as nn
 
 import stagewise as sw
+from stagewise.codegen import allowlist
 from stagewise.codegen.graph_data import build_stage, materialize, stage_structure, stage_tensors
+from stagewise.codegen.graph_names import callable_name
 from stagewise.codegen.module_skeleton import describe_module, rebuild_module
 from stagewise.ir.errors import CheckpointError, PlanError
 from stagewise.ir.random_streams import drawing
@@ -305,3 +307,19 @@ def test_values_that_cannot_be_described_name_the_node():
     graph.output(graph.call_function(torch.add, (graph.placeholder("x"), 1j)))
     with pytest.raises(PlanError, match=r"node 'add'.*holds 1j \(a complex\)"):
         stage_structure(fx.GraphModule(root, graph))
+
+
+@pytest.mark.parametrize(("listing", "lookup"), [
+    (allowlist.FUNCTIONS, allowlist.allowed_function), (allowlist.CLASSES, allowlist.allowed_class),
+    (allowlist.ENUMS, allowlist.allowed_enum), (allowlist.LEAF_MODULES, allowlist.allowed_leaf),
+    (allowlist.OPTIMIZERS, allowlist.allowed_optimizer),
+], ids=["functions", "classes", "enums", "leaves", "optimizers"])
+def test_every_listed_name_is_found_under_the_name_a_structure_records(listing, lookup):
+    """A misspelt entry would quietly refuse what it meant to allow; a function listed under
+    another name than torch.fx records would be refused when loaded."""
+    names = [f"{module}.{name}" for module, listed in listing.items() for name in listed.split()]
+    assert [name for name in names if lookup(name) is None] == []
+    if listing is allowlist.FUNCTIONS:
+        recorded = {name: callable_name(lookup(name)) for name in names}
+        assert {n: r for n, r in recorded.items() if r != {"function": n.rsplit(".", 1)}} == {}
+    assert all(hasattr(torch.ops.aten, op) for op in allowlist.ATEN_REFUSED)
