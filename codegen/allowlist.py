@@ -144,12 +144,12 @@ OPTIMIZERS: Mapping[str, str] = {  # under the names they are saved by, and torc
     "torch.optim.sparse_adam": "SparseAdam",
 }
 # tensor attributes and methods a graph may read or call (`x.shape`, `x.view(...)`): torch.Tensor's
-# public names but those that reach storage or memory (a storage maps files), numpy (`tofile`),
-# autograd hooks and the backward pass, and in-place swaps of a tensor's data
+# public names but those that reach storage, raw pointers or streams (a storage maps files), numpy
+# (`tofile`), another class, autograd hooks and the backward pass, and swaps of a tensor's data
 TENSOR_ATTRIBUTES_REFUSED = frozenset({
-    "storage", "untyped_storage", "storage_type", "numpy", "data_ptr", "register_hook",
-    "register_post_accumulate_grad_hook", "apply_", "map_", "map2_", "set_", "share_memory_", "backward",
-    "grad_fn", "retain_grad", "module_load", "new", "to_dlpack", "pin_memory",
+    "storage", "untyped_storage", "storage_type", "data_ptr", "const_data_ptr", "mutable_data_ptr", "record_stream",
+    "numpy", "to_dlpack", "as_subclass", "new", "register_hook", "register_post_accumulate_grad_hook", "grad_fn",
+    "retain_grad", "backward", "apply_", "map_", "map2_", "set_", "share_memory_", "module_load", "pin_memory",
 })
 
 

@@ -12,15 +12,12 @@ from __future__ import annotations
 import enum
 import sys
 from collections.abc import Callable, Mapping
-from types import MappingProxyType
 
 import torch
 
 from stagewise.codegen import allowlist
 from stagewise.codegen.module_skeleton import Encoded
 from stagewise.ir.errors import CheckpointError, UntrustedCodeError
-
-_NO_TRUSTED: Mapping[str, Callable] = MappingProxyType({})
 
 
 def callable_name(value: object) -> dict | None:
@@ -81,12 +78,12 @@ def resolve(key: str, value: Encoded, trusted: Mapping[str, Callable]) -> object
     if not (isinstance(value, list) and len(value) == (3 if key == "enum" else 2) and all(isinstance(v, str) for v in value)):
         raise CheckpointError(f"a stage structure names a {key} as {value!r}")
     if key == "function":
-        return resolve_function(value[0], value[1], trusted)
+        return _resolve_function(value[0], value[1], trusted)
     name = f"{value[0]}.{value[1]}"
     found = allowlist.allowed_enum(name)
     if found is None or not issubclass(found, enum.Enum) or value[2] not in found.__members__:
         raise UntrustedCodeError(f"it names the enum member {name}.{value[2]}, which is not among the enums a "
-                              "checkpoint may name (codegen/allowlist.py)")
+                                 "checkpoint may name (codegen/allowlist.py)")
     return found[value[2]]
 
 
@@ -101,10 +98,10 @@ def _resolve_op(path: object, trusted: Mapping[str, Callable]) -> object:
         if isinstance(op, torch._ops.OpOverload | torch._ops.OpOverloadPacket) and _op_path(op) == path:
             return op
     if parts[0] != "aten" or not allowlist.allowed_aten(parts[1]):
-        raise UntrustedCodeError(
-            f"it calls the op torch.ops.{path}: a checkpoint calls ATen ops only, and not this one (it reaches "
-            "files, prints or changes global state); if you trust the op, pass it to the load: "
-            f"sw.load(directory, trusted_functions=[torch.ops.{path}])")
+        why = ("ATen ops that reach files, print or change global state are refused" if parts[0] == "aten" else
+               "a checkpoint calls ATen ops only (another namespace's may run Python)")
+        raise UntrustedCodeError(f"it calls the op torch.ops.{path}: {why}; if you trust the op, pass it to the "
+                                 f"load: sw.load(directory, trusted_functions=[torch.ops.{path}])")
     packet = getattr(torch.ops.aten, parts[1], None)
     op = packet if len(parts) == 2 or packet is None else getattr(packet, parts[2], None)
     if not isinstance(op, torch._ops.OpOverloadPacket if len(parts) == 2 else torch._ops.OpOverload):
@@ -119,9 +116,9 @@ def _op_path(op: torch._ops.OpOverload | torch._ops.OpOverloadPacket) -> str:
     return op._qualified_op_name.replace("::", ".")
 
 
-def resolve_function(module_name: str, qualname: str, trusted: Mapping[str, Callable] = _NO_TRUSTED) -> Callable:
+def _resolve_function(module_name: str, qualname: str, trusted: Mapping[str, Callable]) -> Callable:
     """A function or class by its exact qualified name: from `trusted` ({"module.qualname": it}),
-    else from the allowlist (codegen/allowlist.py), else a CheckpointError saying how to trust it."""
+    else from the allowlist (codegen/allowlist.py), else an UntrustedCodeError saying how to trust it."""
     name = f"{module_name}.{qualname}"
     found = trusted.get(name) or allowlist.allowed_function(name)
     if callable(found):
