@@ -17,7 +17,8 @@ from stagewise.codegen import allowlist
 from stagewise.codegen.graph_data import build_stage, materialize, stage_structure, stage_tensors
 from stagewise.codegen.graph_names import callable_name
 from stagewise.codegen.module_skeleton import describe_module, rebuild_module
-from stagewise.ir.errors import CheckpointError, PlanError
+from stagewise.compiler.checkpoint_read import trusted_by_name
+from stagewise.ir.errors import CheckpointError, PlanError, UntrustedCodeError
 from stagewise.ir.random_streams import drawing
 from tests.hf import gpt2, llama
 from tests.models.gpt import lm_loss
@@ -270,13 +271,17 @@ def test_targets_outside_the_allowlist_are_refused(name):
     assert "this" not in sys.modules  # refused by name, never imported
 
 
-def test_a_user_function_loads_only_when_trusted():
-    module = _calling(double)
+@pytest.mark.parametrize("function", [double, torch.trapezoid], ids=["own", "torch-not-listed"])
+def test_a_function_off_the_list_is_saved_and_loads_only_when_trusted(function):
+    """Saving names any function it finds by name; loading takes one off the list only from
+    trusted_functions, as sw.load passes them (torch.trapezoid's __qualname__ is not its name)."""
+    module = _calling(function)
     structure = stage_structure(module)
-    assert structure["nodes"][1]["target"] == {"function": ["tests.test_graph_data", "double"]}
-    with pytest.raises(CheckpointError, match=r"tests\.test_graph_data\.double.*trusted"):
+    name = f"{function.__module__}.{function.__name__}"
+    assert structure["nodes"][1]["target"] == {"function": name.rsplit(".", 1)}
+    with pytest.raises(UntrustedCodeError, match=rf"{re.escape(name)}.*trusted_functions=\[{function.__name__}\]"):
         build_stage(structure, "Stage0")
-    rebuilt = build_stage(structure, "Stage0", {"tests.test_graph_data.double": double})
+    rebuilt = build_stage(structure, "Stage0", trusted_by_name([function]))
     x = torch.randn(3)
     torch.testing.assert_close(rebuilt(x), module(x))
 
