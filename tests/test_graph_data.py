@@ -286,6 +286,19 @@ def test_a_function_off_the_list_is_saved_and_loads_only_when_trusted(function):
     torch.testing.assert_close(rebuilt(x), module(x))
 
 
+def test_an_op_outside_aten_loads_only_when_trusted():
+    """Another namespace's ops may run Python (torch.library): only the very op passed in."""
+    op = torch.ops.prims.view_of.default
+    module = _calling(op)
+    structure = stage_structure(module)
+    assert structure["nodes"][1]["target"] == {"op": "prims.view_of.default"}
+    with pytest.raises(UntrustedCodeError, match=r"torch\.ops\.prims\.view_of\.default: a checkpoint calls ATen"):
+        build_stage(structure, "Stage0")
+    rebuilt = build_stage(structure, "Stage0", trusted_by_name([op]))
+    x = torch.randn(3)
+    torch.testing.assert_close(rebuilt(x), module(x))
+
+
 _X = {"node": "x"}
 
 
