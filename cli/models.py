@@ -85,21 +85,31 @@ def _made(spec: str) -> dict[str, Any]:
                            "mymodels.py that returns the model")
 
 
-def _factory(module_name: str, factory_name: str, spec: str) -> Callable[[], Any]:
-    module = _imported(module_name, spec)
+def named_function(spec: str, role: str) -> Callable[..., Any]:
+    """The function or class `module:name` names, its module imported (the user names their own
+    code: `stagewise inspect --trusted`); `role` says what it is for in an error."""
+    module_name, _, name = spec.partition(":")
+    if not (module_name and name):
+        raise CommandLineError(f"{role} {spec!r} is not module:function; give e.g. mylosses:lm_loss for a function "
+                               "lm_loss in mylosses.py")
+    return _factory(module_name, name, spec, role)
+
+
+def _factory(module_name: str, factory_name: str, spec: str, role: str = "model") -> Callable[..., Any]:
+    module = _imported(module_name, spec, role)
     factory = getattr(module, factory_name, None)
     if not callable(factory):
         found = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))[:8]
-        raise CommandLineError(f"model {spec!r}: {module_name} has no function {factory_name!r}; "
+        raise CommandLineError(f"{role} {spec!r}: {module_name} has no function {factory_name!r}; "
                                f"it has {', '.join(found) or 'no public functions'}")
     return factory
 
 
-def _imported(module_name: str, spec: str) -> ModuleType:
+def _imported(module_name: str, spec: str, role: str) -> ModuleType:
     """The module, found in the current folder first (the console script's path does not hold it)."""
     if module_name.endswith(".py") or os.sep in module_name:
         stem = Path(module_name).stem
-        raise CommandLineError(f"model {spec!r}: write the module's import name, not its file: "
+        raise CommandLineError(f"{role} {spec!r}: write the module's import name, not its file: "
                                f"{stem}:{spec.partition(':')[2]}, run from the folder that holds {stem}.py")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
@@ -107,12 +117,12 @@ def _imported(module_name: str, spec: str) -> ModuleType:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as error:
         if error.name is not None and (module_name + ".").startswith(error.name + "."):
-            raise CommandLineError(f"model {spec!r}: no module {error.name!r} in {os.getcwd()} or the installed "
+            raise CommandLineError(f"{role} {spec!r}: no module {error.name!r} in {os.getcwd()} or the installed "
                                    "packages; run from the folder that holds it, or install it") from error
-        raise CommandLineError(f"model {spec!r}: importing {module_name} failed ({first_line(error)}); "
+        raise CommandLineError(f"{role} {spec!r}: importing {module_name} failed ({first_line(error)}); "
                                "install what it imports") from error
     except Exception as error:  # noqa: BLE001 - the user's module failed: said in one line, --debug shows it
-        raise CommandLineError(f"model {spec!r}: importing {module_name} raised {first_line(error)}; "
+        raise CommandLineError(f"{role} {spec!r}: importing {module_name} raised {first_line(error)}; "
                                "fix the module (--debug shows the traceback)") from error
 
 

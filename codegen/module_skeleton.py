@@ -7,13 +7,12 @@ name, so the arguments are read back from the instance (`inspect.signature(cls._
 tensor slot such as `bias` as whether it holds one. The reading is a heuristic, so every skeleton
 is rebuilt on the meta device when it is described and compared with the original (repr, the
 names and shapes of its parameters and buffers): a module it does not reproduce is recorded as
-not rebuildable rather than coming back different. Only classes reached by importing a
-`torch.nn...` path are ever rebuilt, so a skeleton cannot name code outside PyTorch.
+not rebuildable rather than coming back different. Only the torch.nn classes the allowlist
+names (codegen/allowlist.py) are ever rebuilt, so a skeleton cannot name code outside them.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 import math
@@ -25,11 +24,13 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from stagewise.codegen.allowlist import allowed_leaf
 from stagewise.codegen.stage_tensors import attribute, meta_tensors, put_tensor
 from stagewise.ir.errors import CheckpointError
 
 Encoded = Any  # a JSON value: None, bool, int, float, str, list, or a dict of str keys
 _SMALL_ARGUMENT = 1 << 16  # a kernel size, padding or head count any module may take, whatever its tensors
+
 
 class NotPlainValue(Exception):
     """Raised by an `other` hook of the codec for a value it cannot write either."""
@@ -209,24 +210,17 @@ def rebuild_module(skeleton: dict, limit: int | None = None) -> nn.Module:
 
 
 def torch_nn_class(path: object) -> type[nn.Module]:
-    """The class at [module, qualname], imported only from a `torch.nn...` module, else a CheckpointError."""
+    """The torch.nn class at [module, qualname] if the allowlist names it (codegen/allowlist.py),
+    else a CheckpointError: nothing is imported and no attribute is looked up from the name."""
     if not (isinstance(path, list) and len(path) == 2 and all(isinstance(p, str) for p in path)):
         raise CheckpointError(f"a module skeleton names its class as {path!r}, not [module, qualname]")
-    module_name, qualname = path
-    parts = module_name.split(".") + qualname.split(".")
-    if parts[:2] != ["torch", "nn"] or not all(p.isidentifier() and not p.startswith("__") for p in parts):
+    found = allowed_leaf(".".join(path))
+    if found is None:
         raise CheckpointError(
-            f"the checkpoint names the module class {module_name}.{qualname}, which is not in torch.nn; "
-            "load it with the model: compile the model again and restore the checkpoint into that pipeline"
+            f"the checkpoint names the module class {'.'.join(path)}, which is not among the torch.nn modules "
+            "stagewise rebuilds (codegen/allowlist.py); load it with the model: compile the model again and "
+            "restore the checkpoint into that pipeline"
         )
-    try:
-        found: object = importlib.import_module(module_name)
-        for part in qualname.split("."):
-            found = getattr(found, part)
-    except (ImportError, AttributeError):
-        raise CheckpointError(f"this PyTorch has no module class {module_name}.{qualname}") from None
-    if not (isinstance(found, type) and issubclass(found, nn.Module)):
-        raise CheckpointError(f"{module_name}.{qualname} is not a torch.nn.Module class")
     return found
 
 

@@ -26,11 +26,12 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.fx as fx
 
-from stagewise.codegen.graph_data import build_stage, materialize
+from stagewise.codegen.graph_data import materialize
 from stagewise.compiler.checkpoint_arguments import checkpoint_path
 from stagewise.compiler.checkpoint_arguments import trusted_functions as checked_trusted
 from stagewise.compiler.checkpoint_read import Checkpoint, read_checkpoint, trusted_by_name
 from stagewise.compiler.checkpoint_restore import restore_state, unheld_names
+from stagewise.compiler.checkpoint_verify import rebuild_checkpoint
 from stagewise.compiler.fx_sources import releasing_fx_sources
 from stagewise.compiler.loss_reduction import reduction_from_data
 from stagewise.compiler.optimizer_recipe import recorded_optimizer
@@ -40,7 +41,7 @@ from stagewise.compiler.runtime_setup import start_runtime
 from stagewise.compiler.training_state import TrainingState, put_saved_mode
 from stagewise.compiler.virtual_devices import remapped
 from stagewise.ir.devices import resolve_devices
-from stagewise.ir.errors import CheckpointError, OptionError
+from stagewise.ir.errors import OptionError
 from stagewise.runtime.launch import distributed_context
 
 
@@ -48,8 +49,9 @@ from stagewise.runtime.launch import distributed_context
 def load(directory, trusted_functions: Sequence[Callable] = (), devices=None, replan: bool | None = None,
          report: bool = True) -> Pipeline:
     """A Pipeline from `pipe.save(directory)`, trained on from where it was saved. `trusted_functions`:
-    functions of yours the stage code calls (a `loss_fn`), which a checkpoint names but never holds;
-    torch's, Python's and stagewise's are found by name.
+    functions and classes of yours the checkpoint names but never holds (a `loss_fn`, an optimizer
+    class, a torch function or op that stagewise's allowlist does not list, codegen/allowlist.py);
+    what the allowlist lists is found by its exact name, anything else is refused before it runs.
 
     `devices`: by default the devices it was saved on, with the saved plan. Other devices get a new
     plan, made from the graph the checkpoint keeps, without the model (Varuna's job morphing,
@@ -67,14 +69,17 @@ def load(directory, trusted_functions: Sequence[Callable] = (), devices=None, re
     directory, trusted_functions = checkpoint_path(directory, "sw.load"), checked_trusted(trusted_functions)
     context = distributed_context()
     saved = read_checkpoint(directory, context)
+    trusted = trusted_by_name(trusted_functions)
+    rebuilt = rebuild_checkpoint(saved, trusted)  # every name resolved before anything runs
     if _replans(saved, devices, replan):
         from stagewise.compiler.replan import replan as plan_again  # the re-plan compiles: it sits above
 
-        return plan_again(saved, devices, trusted_functions, report)
+        return plan_again(saved, rebuilt.graph, devices, trusted, report)
     plan = saved.plan if devices is None else remapped(saved.plan, devices)
-    modules = _stage_modules(saved, trusted_functions, None if context is None else context.rank)
+    modules = _stage_modules(saved, rebuilt.stages, None if context is None else context.rank)
     training = saved.training
-    optimizer = recorded_optimizer(training.get("optimizer"), training.get("optimizer_groups", []), plan.aliases)
+    optimizer = recorded_optimizer(training.get("optimizer"), training.get("optimizer_groups", []), plan.aliases,
+                                   trusted)
     runtime = start_runtime(plan, modules, optimizer, training.get("clip_grad_norm"),
                             frozenset(training.get("swapped", ())))
     unheld = _unheld(saved)
@@ -110,21 +115,11 @@ def _replans(saved: Checkpoint, devices, replan: bool | None) -> bool:
     return True
 
 
-def _stage_modules(saved: Checkpoint, trusted: Sequence[Callable], rank: int | None) -> list[fx.GraphModule | None]:
-    """Every stage's module rebuilt from its structure: this process's with CPU memory (filled by
-    the restore), another rank's on the meta device (its shapes only)."""
-    by_name = trusted_by_name(trusted)
-    modules: list[fx.GraphModule | None] = []
-    for stage, structure in zip(saved.plan.stages, saved.structures, strict=True):
-        try:
-            module = build_stage(structure, f"Stage{stage.index}", by_name)
-        except CheckpointError as error:
-            raise CheckpointError(f"{saved.root / f'stage_{stage.index}.json'} is whole but cannot be used: "
-                                  f"{error}") from error
-        if rank is None or stage.device == rank:
-            module = materialize(module, "cpu")
-        modules.append(module)
-    return modules
+def _stage_modules(saved: Checkpoint, stages: list[fx.GraphModule], rank: int | None) -> list[fx.GraphModule]:
+    """The rebuilt stages (meta): this process's given CPU memory (filled by the restore), another
+    rank's left on the meta device (its shapes only)."""
+    return [materialize(module, "cpu") if rank is None or stage.device == rank else module
+            for stage, module in zip(saved.plan.stages, stages, strict=True)]
 
 
 def _unheld(saved: Checkpoint) -> dict[str, torch.Tensor]:

@@ -7,8 +7,9 @@ as data (codegen/graph_data.py), each node with the layer it was in, every state
 kind, and the compile options that still mean something on other devices. `pipe.save` writes it
 beside the stages; `sw.load(directory, devices=...)` rebuilds from it a stand-in for the model
 (`stand_in`: the graph as a module under the model's own names) and plans it again
-(compiler/replan.py). Like the stages, nothing in it runs on load: calls resolve by name from
-the allowlist or the caller's `trusted_functions`.
+(compiler/replan.py). Like the stages, nothing in it runs on load: calls resolve by exact name
+from the allowlist (codegen/allowlist.py) or the caller's `trusted_functions`, and `sw.load`
+checks it (compiler/checkpoint_verify.py) whether it plans again or not.
 
     {"format": "stagewise.model/1", "model": "GPT2LMHeadModel", "tracer": "export",
      "graph": {... stage structure, each compute node with "layer": "transformer.h.0" ...},
@@ -22,13 +23,13 @@ devices through the model (`compile` + `pipe.restore`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict
 
 import torch
 import torch.fx as fx
 
-from stagewise.codegen.graph_data import build_stage, materialize, stage_structure
+from stagewise.codegen.graph_data import materialize, stage_structure
 from stagewise.compiler.analysis import Analysed
 from stagewise.compiler.checkpoint_dcp import CONSTANTS, MODEL, read_tensors
 from stagewise.compiler.checkpoint_read import Checkpoint
@@ -70,8 +71,9 @@ def _replan_options(options: CompileOptions, virtual_devices: int | None) -> dic
             "virtual_devices": virtual_devices}
 
 
-def usable(model_graph: dict | None, root: object) -> dict:
-    """`model_graph` if it describes a graph; else a CheckpointError saying how to load onto other devices."""
+def usable(model_graph: dict | None, graph: fx.GraphModule | None, root: object) -> dict:
+    """`model_graph` if it describes a graph (`graph`: it rebuilt); else a CheckpointError saying how to
+    load onto other devices."""
     fix = "compile the model for the new devices and call pipe.restore(directory)"
     if model_graph is None:
         raise CheckpointError(f"{root} holds no graph of the model to plan again from (saved before stagewise "
@@ -82,14 +84,16 @@ def usable(model_graph: dict | None, root: object) -> dict:
     if "unavailable" in model_graph:
         raise CheckpointError(f"{root} holds no graph of the model to plan again from: it could not be saved as "
                               f"data ({model_graph['unavailable']}); {fix}")
+    if graph is None:
+        raise CheckpointError(f"{root}/{FILE} holds no 'graph' to plan again from: {fix}")
     return model_graph
 
 
-def stand_in(model_graph: dict, saved: Checkpoint, trusted: Mapping[str, Callable]) -> fx.GraphModule:
-    """The saved graph as a module holding every state_dict entry under the model's names (ties
-    kept), on the CPU: weights drawn at random (the profiler times them; the restore replaces
-    them), buffers and constants read from the checkpoint (masks, position ids, statistics)."""
-    module = build_stage(model_graph["graph"], str(model_graph.get("model", "Model")), trusted)
+def stand_in(model_graph: dict, saved: Checkpoint, module: fx.GraphModule) -> fx.GraphModule:
+    """The saved graph (`module`: graph.json's, rebuilt on the meta device by compiler/checkpoint_verify.py)
+    as a module holding every state_dict entry under the model's names (ties kept), on the CPU:
+    weights drawn at random (the profiler times them; the restore replaces them), buffers and
+    constants read from the checkpoint (masks, position ids, statistics)."""
     layers = {r.get("name"): r["layer"] for r in model_graph["graph"]["nodes"] if isinstance(r, dict) and "layer" in r}
     for node in module.graph.nodes:
         if node.name in layers:

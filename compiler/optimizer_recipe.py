@@ -2,25 +2,26 @@
 
 A pickled factory makes a checkpoint run code when it is read, and one defined in the training
 script cannot be unpickled from any other script. What the stages' optimizers are made of is
-data: their class (`torch.optim.AdamW`, or any importable `torch.optim.Optimizer` subclass), its
-`defaults` (every constructor argument torch optimizers keep), and which parameters, by name,
-each group holds with its hyper-parameters (the groups come with the optimizer state). `sw.load`
-rebuilds the factory from that (`recorded_optimizer`); a class that is not importable by its
-name, or whose defaults do not rebuild it, is recorded as such and loading without the model
-says so.
+data: their class by its qualified name (`torch.optim.adamw.AdamW`, or any `torch.optim.Optimizer`
+subclass found by its name), its `defaults` (every constructor argument torch optimizers keep),
+and which parameters, by name, each group holds with its hyper-parameters (the groups come with
+the optimizer state). `sw.load` rebuilds the factory from that (`recorded_optimizer`), taking the
+class from torch.optim's optimizers (codegen/allowlist.py) or the caller's `trusted_functions`,
+never by importing the module a checkpoint names (its code would run). A class whose defaults do
+not rebuild it is recorded as such and loading without the model says so.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from stagewise.codegen.allowlist import allowed_optimizer
 from stagewise.compiler.optimizer_groups import NamedParameters, ParamGroups, sample_optimizer
-from stagewise.ir.errors import CheckpointError
+from stagewise.ir.errors import CheckpointError, UntrustedCodeError
 
 _PLAIN = (bool, int, float, str, type(None))
 
@@ -37,8 +38,8 @@ def optimizer_recipe(optimizer: torch.optim.Optimizer | None) -> dict | None:
     accepted = inspect.signature(cls.__init__).parameters  # AdamW keeps Adam's decoupled_weight_decay
     arguments = {k: v for k, v in defaults.items() if k in accepted}
     try:
-        rebuilt = sample_optimizer(functools.partial(_import_class(path), **arguments))
-    except (CheckpointError, TypeError, ValueError) as error:
+        rebuilt = sample_optimizer(functools.partial(cls, **arguments))
+    except (TypeError, ValueError) as error:
         return {"unrecorded": f"{path}(params, **defaults) does not rebuild it ({error})"}
     if rebuilt.defaults != defaults:
         return {"unrecorded": f"{path}(params, **{arguments!r}) makes other defaults ({rebuilt.defaults!r})"}
@@ -56,15 +57,15 @@ def _plain(value: object) -> bool:
     return isinstance(value, _PLAIN)
 
 
-def _import_class(path: str) -> type[torch.optim.Optimizer]:
-    module_name, _, name = path.rpartition(".")
-    try:
-        found = getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError, ValueError) as error:
-        raise CheckpointError(f"the checkpoint's optimizer {path} cannot be imported ({error}); install the package "
-                              "that defines it") from error
+def recorded_class(path: object, trusted: Mapping[str, Callable]) -> type[torch.optim.Optimizer]:
+    """The class training.pt names: torch.optim's of that exact name, or the caller's trusted one."""
+    found = (trusted.get(path) or allowed_optimizer(path)) if isinstance(path, str) else None
     if not (isinstance(found, type) and issubclass(found, torch.optim.Optimizer)):
-        raise CheckpointError(f"the checkpoint names {path} as its optimizer, which is not a torch.optim.Optimizer")
+        short = path.rpartition(".")[2] if isinstance(path, str) else "YourOptimizer"
+        raise UntrustedCodeError(
+            f"training.pt (key 'optimizer') names the optimizer class {path!r}, which is not among torch.optim's "
+            "optimizers; a checkpoint never imports the module it names (its code would run). If it is an "
+            f"optimizer class you trust, pass it to the load: sw.load(directory, trusted_functions=[{short}])")
     return found
 
 
@@ -90,18 +91,21 @@ class _SavedGroups:
         return made
 
 
-def recorded_optimizer(recipe: dict | None, groups: Sequence[dict], aliases: Sequence[Sequence[str]] = ()
-                       ) -> ParamGroups:
+def recorded_optimizer(recipe: dict | None, groups: Sequence[dict], aliases: Sequence[Sequence[str]] = (),
+                       trusted: Mapping[str, Callable] | None = None) -> ParamGroups:
     """The factory the stages of a loaded pipeline make their optimizers with: the recorded class
-    and defaults, grouped by the saved names (`aliases`: the plan's tied names) with each group's
-    saved hyper-parameters."""
+    (torch.optim's, or one of `trusted`, {"module.qualname": class}) and defaults, grouped by the
+    saved names (`aliases`: the plan's tied names) with each group's saved hyper-parameters."""
     if recipe is None:
         raise CheckpointError("the checkpoint holds no optimizer (no stage had a trainable parameter)")
     if "unrecorded" in recipe:
         raise CheckpointError(f"the checkpoint's optimizer could not be recorded: {recipe['unrecorded']}; load it "
                               "into the model instead: compile the model again with its optimizer, then "
                               "pipe.restore(directory)")
-    return ParamGroups(_import_class(recipe["class"]), _SavedGroups(groups, aliases), **recipe["defaults"])
+    optimizer = recorded_class(recipe.get("class"), trusted or {})
+    if not isinstance(recipe.get("defaults"), dict):
+        raise CheckpointError(f"training.pt (key 'optimizer') holds {str(recipe)[:120]!r}, not a class and defaults")
+    return ParamGroups(optimizer, _SavedGroups(groups, aliases), **recipe["defaults"])
 
 
 def check_same_optimizer(recipe: dict | None, factory) -> None:

@@ -17,14 +17,15 @@ global batch is the saved one either way; a microbatch count the user fixed stay
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import replace
+from types import MappingProxyType
 
 import torch
 import torch.fx as fx
 
 from stagewise.compiler.analysis import Analysis
-from stagewise.compiler.checkpoint_read import Checkpoint, trusted_by_name
+from stagewise.compiler.checkpoint_read import Checkpoint
 from stagewise.compiler.context import CompileContext
 from stagewise.compiler.loss_reduction import reduction_from_data
 from stagewise.compiler.model_graph import stand_in, usable
@@ -33,21 +34,26 @@ from stagewise.compiler.optimizer_recipe import recorded_optimizer
 from stagewise.compiler.options import CompileOptions, CompileRequest
 from stagewise.compiler.pipeline import Pipeline
 from stagewise.compiler.training_state import put_saved_mode
-from stagewise.ir.errors import CapacityError, PlanError
+from stagewise.ir.errors import CapacityError, CheckpointError, PlanError
 from stagewise.ir.plan import InputSpec, Plan
 from stagewise.ir.precision import LossScaling
 from stagewise.passes.capture import Capture, Objective
 
+_DTYPES = {name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}  # by name, not getattr
 
-def replan(saved: Checkpoint, devices, trusted: Sequence[Callable], report: bool) -> Pipeline:
-    """A pipeline planned for `devices` from `saved`'s graph, holding its state; trains on from it."""
+
+def replan(saved: Checkpoint, graph: fx.GraphModule | None, devices, trusted: Mapping[str, Callable],
+           report: bool) -> Pipeline:
+    """A pipeline planned for `devices` from `saved`'s graph (`graph`: graph.json rebuilt on the meta
+    device, compiler/checkpoint_verify.py), holding its state; trains on from it. `trusted`: the
+    caller's functions by name."""
     from stagewise.compiler import driver  # the driver sits above the checkpoint
 
-    model_graph = usable(saved.model_graph, saved.root)
-    model = stand_in(model_graph, saved, trusted_by_name(trusted))
+    model_graph = usable(saved.model_graph, graph, saved.root)
+    model = stand_in(model_graph, saved, graph)
     plan, training = saved.plan, saved.training
     inputs, target = _example_batch(plan)
-    options = _options(model_graph, plan, training, target)
+    options = _options(model_graph, plan, training, target, trusted)
     request = CompileRequest.make(model, devices, inputs, options)
     request = replace(request, input_names=plan.input_names, input_kind=plan.input_kind)
     captured = SavedGraph(model, plan, str(model_graph.get("tracer", "fx")))
@@ -96,7 +102,8 @@ def loss_in_saved_graph(output, target):
     raise PlanError("the loss of a re-planned pipeline is computed by its saved graph, not by a loss function")
 
 
-def _options(model_graph: dict, plan: Plan, training: dict, target: torch.Tensor | None) -> CompileOptions:
+def _options(model_graph: dict, plan: Plan, training: dict, target: torch.Tensor | None,
+             trusted: Mapping[str, Callable] = MappingProxyType({})) -> CompileOptions:
     """compile's options for the new plan: the saved ones (compiler/model_graph.py), the checkpoint's
     optimizer, clipping and seed; an export graph's microbatch sizes (module docstring)."""
     saved = dict(model_graph.get("options", {}))
@@ -107,7 +114,7 @@ def _options(model_graph: dict, plan: Plan, training: dict, target: torch.Tensor
     return CompileOptions(
         loss_fn=None if target is None else loss_in_saved_graph, example_target=target,
         optimizer=recorded_optimizer(training.get("optimizer"), training.get("optimizer_groups", []),
-                                     plan.aliases),
+                                     plan.aliases, trusted),
         microbatches=saved.get("microbatches"), microbatch_sizes=sizes, schedule=saved.get("schedule", "auto"),
         cost=saved.get("cost", "profile"),
         clip_grad_norm=training.get("clip_grad_norm"), swap=saved.get("swap", "auto"),
@@ -131,7 +138,9 @@ def _example_batch(plan: Plan) -> tuple[tuple | dict, torch.Tensor | None]:
 
 
 def _example_tensor(spec: InputSpec, batch: int, generator: torch.Generator) -> torch.Tensor:
-    dtype = getattr(torch, spec.dtype.removeprefix("torch."))
+    dtype = _DTYPES.get(str(spec.dtype).removeprefix("torch."))
+    if dtype is None:
+        raise CheckpointError(f"plan.json gives an input the dtype {spec.dtype!r}, which is no torch dtype")
     shape = (batch, *spec.shape) if spec.batched else spec.shape
     if dtype.is_floating_point:
         return torch.randn(shape, dtype=dtype, generator=generator)

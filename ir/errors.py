@@ -47,6 +47,12 @@ class CheckpointError(PlanError):
     file missing, truncated or corrupted); a PlanError, as the missing-plan check that came first."""
 
 
+class UntrustedCodeError(CheckpointError):
+    """A checkpoint names a function, class or op that is neither on stagewise's allowlist
+    (codegen/allowlist.py) nor among the caller's trusted functions: loading it would run code
+    the checkpoint chose. The fix is to pass it in `trusted_functions` if one trusts it."""
+
+
 class StateDictError(StagewiseError):
     """A state_dict given to `load_state_dict` has a key the model lacks, lacks one (strict), or
     holds a tensor of another shape than the model's under some key."""

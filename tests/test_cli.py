@@ -1,6 +1,6 @@
 """The `stagewise` command line, run as a user runs it (the console script and `python -m stagewise`):
 `plan` from a Hugging Face config file and from `module:factory`, printing the plan and writing its
-timeline; `recommend` under constraints; `inspect` of a saved checkpoint without unpickling anything;
+timeline; `recommend` under constraints; `inspect` of a saved checkpoint, checked as `sw.load` checks it;
 and every error a user can cause as one line on stderr, exit status 2, no traceback."""
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ import stagewise as sw
 from stagewise.cli.errors import CommandLineError
 from stagewise.cli.main import build_parser, main
 from stagewise.cli.models import load_workload
+from stagewise.ir.errors import CheckpointError
 from tests.models.gpt import TinyGPT, lm_loss
+from tests.test_checkpoint_attacks import crafted, with_node
 
 ROOT = Path(__file__).resolve().parents[1]
 CONSOLE_SCRIPT = Path(sys.executable).with_name("stagewise")  # installed by `pip install -e .`
@@ -108,15 +110,29 @@ def copied(checkpoint: Path, tmp_path: Path) -> Path:
     return copy
 
 
-def test_inspect_shows_plan_programs_and_code_without_unpickling(checkpoint: Path, tmp_path: Path):
-    unreadable = copied(checkpoint, tmp_path)
-    for pickled in unreadable.glob("*.pt"):
-        pickled.write_bytes(b"not a pickle: inspect must never read this")
-    run = stagewise("inspect", unreadable)
+def test_inspect_shows_the_plan_programs_and_the_code_load_runs(checkpoint: Path, tmp_path: Path):
+    """The code shown is torch.fx's for each stage rebuilt from stage_<i>.json, which sw.load runs:
+    a stage_<i>.py rewritten (its marker entry too) to look harmless is not what is shown."""
+    shown = crafted(checkpoint, tmp_path, "stage_1.py", lambda _: b"# looks clean\n")
+    run = stagewise("inspect", shown)
     assert run.returncode == 0, run.stderr
     assert "stagewise plan: TinyGPT (" in run.stdout and "1f1b, 2 microbatches of 4)" in run.stdout
     assert "program dev0" in run.stdout and "program dev1" in run.stdout
     assert "== stage 1 on device 1: cpu" in run.stdout and "def forward(self" in run.stdout
+    assert "looks clean" not in run.stdout
+
+
+def test_inspect_refuses_what_load_refuses_and_shows_it_with_trusted_functions(checkpoint: Path, tmp_path: Path,
+                                                                             capsys: pytest.CaptureFixture):
+    calling = crafted(checkpoint, tmp_path, "stage_0.json",
+                      with_node({"target": {"function": ["tests.models.gpt", "lm_loss"]}, "args": ["X", "X"]}))
+    with pytest.raises(CheckpointError, match=r"node 'payload': it calls tests\.models\.gpt\.lm_loss"):
+        sw.load(calling)
+    assert main(["inspect", str(calling), "--show", "code"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "node 'payload': it calls tests.models.gpt.lm_loss" in line and "--trusted module:function" in line
+    assert main(["inspect", str(calling), "--show", "code", "--trusted", "tests.models.gpt:lm_loss"]) == 0
+    assert "lm_loss(idx, idx)" in capsys.readouterr().out
 
 
 def test_inspect_names_a_damaged_file(checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture):

@@ -3,6 +3,7 @@ generated code and the same outputs, without exec, pickle or imports outside the
 
 import functools
 import json
+import re
 import sys
 from itertools import chain
 
@@ -12,9 +13,12 @@ import torch.fx as fx
 import torch.nn as nn
 
 import stagewise as sw
+from stagewise.codegen import allowlist
 from stagewise.codegen.graph_data import build_stage, materialize, stage_structure, stage_tensors
+from stagewise.codegen.graph_names import callable_name
 from stagewise.codegen.module_skeleton import describe_module, rebuild_module
-from stagewise.ir.errors import CheckpointError, PlanError
+from stagewise.compiler.checkpoint_read import trusted_by_name
+from stagewise.ir.errors import CheckpointError, PlanError, UntrustedCodeError
 from stagewise.ir.random_streams import drawing
 from tests.hf import gpt2, llama
 from tests.models.gpt import lm_loss
@@ -262,18 +266,35 @@ def test_a_custom_leaf_is_recorded_and_refused_on_load():
 def test_targets_outside_the_allowlist_are_refused(name):
     structure = stage_structure(_calling(torch.relu))
     structure["nodes"][1]["target"] = {"function": name}
-    with pytest.raises(CheckpointError, match=rf"{'.'.join(name)}.*trusted="):
+    with pytest.raises(CheckpointError, match=re.escape(f"node 'relu': it calls {'.'.join(name)}") + r".*trusted_functions=\["):
         build_stage(structure, "Stage0")
     assert "this" not in sys.modules  # refused by name, never imported
 
 
-def test_a_user_function_loads_only_when_trusted():
-    module = _calling(double)
+@pytest.mark.parametrize("function", [double, torch.trapezoid], ids=["own", "torch-not-listed"])
+def test_a_function_off_the_list_is_saved_and_loads_only_when_trusted(function):
+    """Saving names any function it finds by name; loading takes one off the list only from
+    trusted_functions, as sw.load passes them (torch.trapezoid's __qualname__ is not its name)."""
+    module = _calling(function)
     structure = stage_structure(module)
-    assert structure["nodes"][1]["target"] == {"function": ["tests.test_graph_data", "double"]}
-    with pytest.raises(CheckpointError, match=r"tests\.test_graph_data\.double.*trusted"):
+    name = f"{function.__module__}.{function.__name__}"
+    assert structure["nodes"][1]["target"] == {"function": name.rsplit(".", 1)}
+    with pytest.raises(UntrustedCodeError, match=rf"{re.escape(name)}.*trusted_functions=\[{function.__name__}\]"):
         build_stage(structure, "Stage0")
-    rebuilt = build_stage(structure, "Stage0", {"tests.test_graph_data.double": double})
+    rebuilt = build_stage(structure, "Stage0", trusted_by_name([function]))
+    x = torch.randn(3)
+    torch.testing.assert_close(rebuilt(x), module(x))
+
+
+def test_an_op_outside_aten_loads_only_when_trusted():
+    """Another namespace's ops may run Python (torch.library): only the very op passed in."""
+    op = torch.ops.prims.view_of.default
+    module = _calling(op)
+    structure = stage_structure(module)
+    assert structure["nodes"][1]["target"] == {"op": "prims.view_of.default"}
+    with pytest.raises(UntrustedCodeError, match=r"torch\.ops\.prims\.view_of\.default: a checkpoint calls ATen"):
+        build_stage(structure, "Stage0")
+    rebuilt = build_stage(structure, "Stage0", trusted_by_name([op]))
     x = torch.randn(3)
     torch.testing.assert_close(rebuilt(x), module(x))
 
@@ -304,3 +325,19 @@ def test_values_that_cannot_be_described_name_the_node():
     graph.output(graph.call_function(torch.add, (graph.placeholder("x"), 1j)))
     with pytest.raises(PlanError, match=r"node 'add'.*holds 1j \(a complex\)"):
         stage_structure(fx.GraphModule(root, graph))
+
+
+@pytest.mark.parametrize(("listing", "lookup"), [
+    (allowlist.FUNCTIONS, allowlist.allowed_function), (allowlist.CLASSES, allowlist.allowed_class),
+    (allowlist.ENUMS, allowlist.allowed_enum), (allowlist.LEAF_MODULES, allowlist.allowed_leaf),
+    (allowlist.OPTIMIZERS, allowlist.allowed_optimizer),
+], ids=["functions", "classes", "enums", "leaves", "optimizers"])
+def test_every_listed_name_is_found_under_the_name_a_structure_records(listing, lookup):
+    """A misspelt entry would quietly refuse what it meant to allow; a function listed under
+    another name than torch.fx records would be refused when loaded."""
+    names = [f"{module}.{name}" for module, listed in listing.items() for name in listed.split()]
+    assert [name for name in names if lookup(name) is None] == []
+    if listing is allowlist.FUNCTIONS:
+        recorded = {name: callable_name(lookup(name)) for name in names}
+        assert {n: r for n, r in recorded.items() if r != {"function": n.rsplit(".", 1)}} == {}
+    assert all(hasattr(torch.ops.aten, op) for op in allowlist.ATEN_REFUSED)
