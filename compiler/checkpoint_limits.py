@@ -25,10 +25,11 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from stagewise.codegen.graph_data import FORMAT as STRUCTURE_FORMAT
-from stagewise.codegen.stage_tensors import declared_tensor, plain_shape
+from stagewise.codegen.stage_tensors import declared_tensor
 from stagewise.compiler.checkpoint_dcp import CONSTANTS, MODEL
 from stagewise.compiler.checkpoint_paths import plain_name
 from stagewise.compiler.state_dict import aliases_of
+from stagewise.ir.declared import plain_shape
 from stagewise.ir.errors import CheckpointError
 from stagewise.ir.plan import Plan
 
@@ -118,7 +119,7 @@ def _check_tiling(key: str, size: tuple[int, ...], boxes: list[tuple[tuple[int, 
 
 
 def checked_shape(value: object, where: object) -> tuple[int, ...]:
-    """`value` as a shape (stage_tensors.plain_shape), else a CheckpointError naming `where`."""
+    """`value` as a shape (ir/declared.py's plain_shape), else a CheckpointError naming `where`."""
     shape = plain_shape(value)
     if shape is None:
         raise CheckpointError(f"{where} declares the shape {str(value)[:200]}, which no tensor has; {_CRAFTED}")

@@ -34,12 +34,11 @@ from stagewise.compiler.optimizer_recipe import recorded_optimizer
 from stagewise.compiler.options import CompileOptions, CompileRequest
 from stagewise.compiler.pipeline import Pipeline
 from stagewise.compiler.training_state import put_saved_mode
-from stagewise.ir.errors import CapacityError, CheckpointError, PlanError
+from stagewise.ir.declared import dtype_named
+from stagewise.ir.errors import CapacityError, PlanError
 from stagewise.ir.plan import InputSpec, Plan
 from stagewise.ir.precision import LossScaling
 from stagewise.passes.capture import Capture, Objective
-
-_DTYPES = {name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}  # by name, not getattr
 
 
 def replan(saved: Checkpoint, graph: fx.GraphModule | None, devices, trusted: Mapping[str, Callable],
@@ -138,9 +137,7 @@ def _example_batch(plan: Plan) -> tuple[tuple | dict, torch.Tensor | None]:
 
 
 def _example_tensor(spec: InputSpec, batch: int, generator: torch.Generator) -> torch.Tensor:
-    dtype = _DTYPES.get(str(spec.dtype).removeprefix("torch."))
-    if dtype is None:
-        raise CheckpointError(f"plan.json gives an input the dtype {spec.dtype!r}, which is no torch dtype")
+    dtype = dtype_named(spec.dtype, "plan.json (an input's spec)")
     shape = (batch, *spec.shape) if spec.batched else spec.shape
     if dtype.is_floating_point:
         return torch.randn(shape, dtype=dtype, generator=generator)

@@ -20,6 +20,7 @@ import warnings
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -113,8 +114,7 @@ def refused(entry: str, pipe: sw.Pipeline, directory: Path, capsys: pytest.Captu
     return str(raised.value)
 
 
-ENTRIES = ["load", "replan", "restore"]
-ALL_ENTRIES = [*ENTRIES, "inspect"]  # inspect reads the marker and the files it shows, not the weights' metadata
+ENTRIES = ["load", "replan", "restore", "inspect"]  # inspect reads the checkpoint as sw.load does, weights' metadata too
 
 
 # --- names that leave the folder ----------------------------------------------------------------------------------
@@ -148,7 +148,7 @@ def test_a_shard_in_the_folder_that_the_marker_does_not_list_is_not_read(pipe, t
 
 
 @pytest.mark.parametrize(("name", "entry"), [
-    *[("weights/../../secret", entry) for entry in ALL_ENTRIES],
+    *[("weights/../../secret", entry) for entry in ENTRIES],
     *[(name, "load") for name in ["/tmp/secret", "weights/..", "weights//x", "weights\\..\\x", "weights/x\x00y", "",
                                   "weights/ x"]],
 ])
@@ -163,7 +163,7 @@ def test_a_marker_name_outside_the_folder_is_refused_before_opening(pipe, target
 
 
 @pytest.mark.parametrize(("name", "points_to", "entry"), [
-    *[(SHARD, "/dev/zero", entry) for entry in ALL_ENTRIES],
+    *[(SHARD, "/dev/zero", entry) for entry in ENTRIES],
     *[(name, points_to, "load") for name, points_to in [
         ("plan.json", "COPY"), ("training.pt", "/dev/zero"), ("weights", "COPY"), (METADATA, "COPY")]],
 ])
@@ -179,14 +179,14 @@ def test_a_symbolic_link_in_the_checkpoint_is_refused(pipe, target, capsys, name
     assert str(path) in message and "symbolic link" in message
 
 
-@pytest.mark.parametrize("entry", ALL_ENTRIES)
+@pytest.mark.parametrize("entry", ENTRIES)
 def test_the_checkpoint_folder_itself_a_link_is_refused(pipe, target, capsys, entry):
     link = target.parent / "link"
     os.symlink(target, link)
     assert "symbolic link" in refused(entry, pipe, link, capsys)
 
 
-@pytest.mark.parametrize(("name", "entry"), [*[(SHARD, entry) for entry in ALL_ENTRIES], ("training.pt", "load")])
+@pytest.mark.parametrize(("name", "entry"), [*[(SHARD, entry) for entry in ENTRIES], ("training.pt", "load")])
 def test_a_fifo_is_refused_without_opening_it_for_reading(pipe, target, capsys, name, entry):
     """Opening a FIFO to read blocks until a writer comes: the file type is checked first, so it never hangs."""
     (target / name).unlink()
@@ -292,6 +292,78 @@ def test_crafted_dcp_metadata_is_refused(pipe, target, capsys, change, message):
     edit_metadata(target, change)
     got = refused("load", pipe, target, capsys)
     assert str(target / METADATA) in got and message in got
+
+
+# --- numbers and names plan.json declares ---------------------------------------------------------------------------
+
+
+def _set(path: str, value: object) -> Callable[[dict], None]:
+    """A change of plan.json's entry at `path` ("transfers.0.shape") to `value`."""
+    *parents, last = path.split(".")
+
+    def change(plan: dict) -> None:
+        owner: Any = plan
+        for part in parents:
+            owner = owner[int(part)] if isinstance(owner, list) else owner[part]
+        owner[int(last) if isinstance(owner, list) else last] = value
+
+    return change
+
+
+@pytest.fixture
+def no_example_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The re-plan's example batch (what plan.json's sizes would allocate) is never built."""
+    from stagewise.compiler import replan
+
+    monkeypatch.setattr(replan, "_example_batch", lambda plan: pytest.fail("built an example batch"))
+
+
+@pytest.mark.parametrize(("path", "value", "message"), [
+    ("microbatch_size", 2 ** 40, "microbatch_size as 1099511627776"),
+    ("microbatches", 2 ** 40, "microbatches as 1099511627776"),
+    ("microbatches", -2, "microbatches as -2"),
+    ("microbatches", 0, "microbatches as 0"),
+    ("microbatches", "2", "microbatches as '2'"),
+    ("smallest_microbatch", 3, "smallest_microbatch as 3"),
+    ("input_specs.0.shape", [2 ** 30], "declares input_specs as"),
+    ("input_specs.0.shape", [-8], "input_specs[0].shape as (-8,)"),
+    ("input_specs.0.dtype", "load", "input_specs[0] gives the dtype 'load'"),
+    ("transfers.0.shape", [2 ** 31, 2 ** 10], "declares transfers[0]"),
+    ("transfers.0.dtype", "set_default_device", "transfers[0] ('_4') gives the dtype 'set_default_device'"),
+    ("transfers.0.dst", 7, "transfers[0] ('_4').dst as 7"),
+    ("stages.1.device", 99, "stages[1].device as 99"),
+    ("stages.1.index", 0, "stages[1].index as 0"),
+    ("devices", [], "the number of devices as 0"),
+    ("stages", [], "the number of stages as 0"),
+])
+def test_plan_json_numbers_beyond_any_plan_are_refused_before_allocating(pipe, target, capsys, no_example_batch,
+                                                                        path, value, message):
+    edit_json(target, "plan.json", _set(path, value))
+    got = refused("replan", pipe, target, capsys)
+    assert str(target / "plan.json") in got and message in got
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_a_huge_example_batch_in_plan_json_is_refused_by_every_entry(pipe, target, capsys, no_example_batch, entry):
+    edit_json(target, "plan.json", _set("microbatch_size", 2 ** 23))  # 2**31 samples of 8 floats and an id: 80 GiB
+    edit_json(target, "plan.json", _set("microbatches", 2 ** 8))
+    got = refused(entry, pipe, target, capsys)
+    assert str(target / "plan.json") in got and "declares input_specs as" in got and "4 GiB" in got
+
+
+def test_a_dtype_name_from_a_file_is_looked_up_in_torchs_dtypes_only(pipe, target, capsys, monkeypatch):
+    """A name torch does not hold goes to `torch.__getattr__`, which imports torch's lazy submodules:
+    a checkpoint's dtype name never reaches it (nor returns a function like torch.load)."""
+    asked: list[str] = []
+
+    def lazy(name: str) -> object:
+        asked.append(name)
+        raise AttributeError(name)
+
+    monkeypatch.setattr(torch, "__getattr__", lazy, raising=False)
+    edit_json(target, "stage_0.json", lambda s: s["tensors"]["0.weight"].update(dtype="crafted_lazy_submodule"))
+    message = refused("load", pipe, target, capsys)
+    assert str(target / "stage_0.json") in message and "0.weight" in message and asked == []
 
 
 # --- duplicate keys, training.pt ----------------------------------------------------------------------------------
