@@ -150,3 +150,14 @@ def check_declared(structure: object, plan: Plan, saved: Mapping[str, TensorStor
             got = "nothing" if entry is None else f"{tuple(entry.size)} {entry.properties.dtype}"
             raise CheckpointError(f"{where} declares the tensor {fqn} as {shape} {dtype}, but the weights hold {got} "
                                   f"under {key!r}; {_CRAFTED}")
+
+
+def check_model_graph(model_graph: object) -> dict:
+    """graph.json's content once it is a table whose options are a table: what `sw.load` reads of
+    it before any check of its graph (whether to plan again, the saved options)."""
+    if not isinstance(model_graph, dict):
+        raise CheckpointError(f"it holds a {type(model_graph).__name__}, not a table; {_CRAFTED}")
+    options = model_graph.get("options", {})
+    if not isinstance(options, dict):
+        raise CheckpointError(f"its 'options' are {repr(options)[:80]}, not a table; {_CRAFTED}")
+    return model_graph

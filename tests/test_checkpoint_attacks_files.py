@@ -351,6 +351,17 @@ def test_a_huge_example_batch_in_plan_json_is_refused_by_every_entry(pipe, targe
     assert str(target / "plan.json") in got and "declares input_specs as" in got and "4 GiB" in got
 
 
+@pytest.mark.parametrize(("path", "value", "message"), [
+    ("options", [1, 2], "its 'options' are [1, 2]"),
+    ("options.loss_scaling", {"x": 1}, "gives the loss scaling {'x': 1}"),
+    ("options.loss_scaling", {"init": -1.0}, "gives the loss scaling {'init': -1.0}"),
+])
+def test_graph_json_options_no_compile_takes_are_refused(pipe, target, capsys, path, value, message):
+    edit_json(target, "graph.json", _set(path, value))
+    got = refused("replan", pipe, target, capsys)
+    assert str(target / "graph.json") in got and message in got
+
+
 def test_a_dtype_name_from_a_file_is_looked_up_in_torchs_dtypes_only(pipe, target, capsys, monkeypatch):
     """A name torch does not hold goes to `torch.__getattr__`, which imports torch's lazy submodules:
     a checkpoint's dtype name never reaches it (nor returns a function like torch.load)."""
