@@ -175,6 +175,8 @@ def _parse(root: Path, name: str, files: dict[str, FileRecord], parse: Callable[
     data = read_checked(root, name, files)
     try:
         return parse(data)
+    except CheckpointError as error:  # a refusal of a check: it says what is wrong and what to do
+        raise type(error)(f"{root / name} is whole but cannot be used: {error}") from None
     except Exception as error:  # noqa: BLE001 - any failure of a whole file: this stagewise cannot use it
         raise CheckpointError(
             f"{root / name} is whole but cannot be used ({type(error).__name__}: {error}); it was written by "
