@@ -362,19 +362,32 @@ def test_graph_json_options_no_compile_takes_are_refused(pipe, target, capsys, p
     assert str(target / "graph.json") in got and message in got
 
 
-def test_a_dtype_name_from_a_file_is_looked_up_in_torchs_dtypes_only(pipe, target, capsys, monkeypatch):
+def lazy_name_in_the_metadata(root: Path) -> None:
+    """DCP's metadata as a pickle naming torch.crafted_lazy_submodule (a dtype's place in a real one)."""
+    (root / METADATA).write_bytes(b"ctorch\ncrafted_lazy_submodule\n.")
+    reseal(root)
+
+
+@pytest.mark.parametrize(("name", "craft"), [
+    ("stage_0.json", lambda root: edit_json(root, "stage_0.json", lambda s: s["tensors"]["0.weight"].update(
+        dtype="crafted_lazy_submodule"))),
+    ("plan.json", lambda root: edit_json(root, "plan.json", _set("transfers.0.dtype", "crafted_lazy_submodule"))),
+    (METADATA, lazy_name_in_the_metadata),
+])
+def test_a_torch_name_from_a_file_is_looked_up_in_torchs_own_table_only(pipe, target, capsys, monkeypatch, name,
+                                                                        craft):
     """A name torch does not hold goes to `torch.__getattr__`, which imports torch's lazy submodules:
     a checkpoint's dtype name never reaches it (nor returns a function like torch.load)."""
     asked: list[str] = []
 
-    def lazy(name: str) -> object:
-        asked.append(name)
-        raise AttributeError(name)
+    def lazy(attribute: str) -> object:
+        asked.append(attribute)
+        raise AttributeError(attribute)
 
+    craft(target)
     monkeypatch.setattr(torch, "__getattr__", lazy, raising=False)
-    edit_json(target, "stage_0.json", lambda s: s["tensors"]["0.weight"].update(dtype="crafted_lazy_submodule"))
     message = refused("load", pipe, target, capsys)
-    assert str(target / "stage_0.json") in message and "0.weight" in message and asked == []
+    assert str(target / name) in message and "crafted_lazy_submodule" in message and asked == []
 
 
 # --- duplicate keys, training.pt ----------------------------------------------------------------------------------
