@@ -54,7 +54,23 @@ def check_plan(plan: Plan) -> Plan:
              "× each input's shape)")
     for position, shape in enumerate(plan.state_shapes):
         _shape(f"state_shapes[{position}]", shape)
+    _check_programs(plan)
     return plan
+
+
+def _check_programs(plan: Plan) -> None:
+    """Every program on a device of the plan, its instructions naming stages, devices and
+    microbatches the plan has (the runtime indexes by them), a swap or stash at most
+    MAX_DECLARED_BYTES."""
+    highest = {"stage": len(plan.stages) - 1, "peer_stage": len(plan.stages) - 1, "peer": len(plan.devices) - 1,
+               "microbatch": plan.microbatches - 1, "nbytes": MAX_DECLARED_BYTES}
+    for position, program in enumerate(plan.programs):
+        _count(f"programs[{position}].device", program.device, 0, len(plan.devices) - 1)
+        for index, instruction in enumerate(program.instructions):
+            for name, high in highest.items():
+                if hasattr(instruction, name):
+                    _count(f"programs[{position}] instruction {index} ({instruction}): {name}",
+                           getattr(instruction, name), 0, high)
 
 
 def _spec_bytes(name: str, spec: InputSpec, batch: int) -> int:

@@ -77,6 +77,11 @@ def no_example_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     ("stages.1.device", 99, "stages[1].device as 99"),
     ("stages.1.index", 0, "stages[1].index as 0"),
     ("devices", [], "the number of devices as 0"),
+    ("programs", "program dev0 (1 instructions)\n    0  compute  F stage=0 mb=9", "instruction 0 (compute  F stage=0 mb=9): "
+     "microbatch as 9"),
+    ("programs", "program dev0 (1 instructions)\n    0  p2p_out  send stage=0 mb=0 act peer=5 peer_stage=1 [_4]",
+     "peer as 5"),
+    ("programs", "program dev7 (1 instructions)\n    0  compute  F stage=0 mb=0", "programs[0].device as 7"),
     ("stages", [], "the number of stages as 0"),
 ])
 def test_plan_json_numbers_beyond_any_plan_are_refused_before_allocating(pipe, target, capsys, no_example_batch,
