@@ -9,7 +9,6 @@ allocates them.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Mapping
 from itertools import chain
 from typing import Any, TypeVar
@@ -18,11 +17,10 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from stagewise.ir.declared import known_dtype, plain_shape
 from stagewise.ir.errors import CheckpointError, PlanError
 
 _M = TypeVar("_M", bound=nn.Module)
-_MAX_DIMS = 64
-_MAX_NUMEL = 1 << 62  # beyond it numel × element size overflows torch's int64
 
 
 def stage_tensors(module: fx.GraphModule) -> dict[str, torch.Tensor]:
@@ -90,20 +88,12 @@ def _reads(module: fx.GraphModule) -> Iterator[tuple[str, torch.Tensor]]:
                             "not a tensor or a torch.nn module")
 
 
-def plain_shape(value: object) -> tuple[int, ...] | None:
-    """`value` as a shape (at most 64 non-negative ints of a product torch can index), else None."""
-    if not (isinstance(value, tuple | list) and len(value) <= _MAX_DIMS and all(type(s) is int and s >= 0
-                                                                                  for s in value)):
-        return None
-    return tuple(value) if math.prod(value) < _MAX_NUMEL else None
-
-
 def declared_tensor(fqn: str, record: object) -> tuple[tuple[int, ...], torch.dtype]:
     """The shape and dtype a stage structure's record of a tensor (not a tie) declares."""
     name = str(record.get("dtype")) if isinstance(record, dict) else ""
-    dtype = getattr(torch, name, None) if name.isidentifier() else None
+    dtype = known_dtype(name)
     shape = plain_shape(record.get("shape")) if isinstance(record, dict) else None
-    if not isinstance(dtype, torch.dtype) or shape is None:
+    if dtype is None or shape is None:
         raise CheckpointError(f"the stage structure describes the tensor {fqn} as {str(record)[:200]}")
     return shape, dtype
 

@@ -50,9 +50,9 @@ class _MetadataUnpickler(pickle.Unpickler):
             found = getattr(__import__(module, fromlist=[name]), name, None)
             if isinstance(found, type):
                 return found
-        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None),
-                                                               torch.dtype | torch.layout | torch.memory_format)):
-            return getattr(torch, name)
+        found = vars(torch).get(name)  # what torch holds, never its __getattr__ (which imports lazy submodules)
+        if module == "torch" and (name == "Size" or isinstance(found, torch.dtype | torch.layout | torch.memory_format)):
+            return found
         if (module, name) == ("torch.serialization", "_get_layout"):
             return torch.serialization._get_layout
         if module == "pathlib" and name in _PATHS:

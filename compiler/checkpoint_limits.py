@@ -25,10 +25,11 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from stagewise.codegen.graph_data import FORMAT as STRUCTURE_FORMAT
-from stagewise.codegen.stage_tensors import declared_tensor, plain_shape
+from stagewise.codegen.stage_tensors import declared_tensor
 from stagewise.compiler.checkpoint_dcp import CONSTANTS, MODEL
 from stagewise.compiler.checkpoint_paths import plain_name
 from stagewise.compiler.state_dict import aliases_of
+from stagewise.ir.declared import plain_shape
 from stagewise.ir.errors import CheckpointError
 from stagewise.ir.plan import Plan
 
@@ -118,7 +119,7 @@ def _check_tiling(key: str, size: tuple[int, ...], boxes: list[tuple[tuple[int, 
 
 
 def checked_shape(value: object, where: object) -> tuple[int, ...]:
-    """`value` as a shape (stage_tensors.plain_shape), else a CheckpointError naming `where`."""
+    """`value` as a shape (ir/declared.py's plain_shape), else a CheckpointError naming `where`."""
     shape = plain_shape(value)
     if shape is None:
         raise CheckpointError(f"{where} declares the shape {str(value)[:200]}, which no tensor has; {_CRAFTED}")
@@ -149,3 +150,14 @@ def check_declared(structure: object, plan: Plan, saved: Mapping[str, TensorStor
             got = "nothing" if entry is None else f"{tuple(entry.size)} {entry.properties.dtype}"
             raise CheckpointError(f"{where} declares the tensor {fqn} as {shape} {dtype}, but the weights hold {got} "
                                   f"under {key!r}; {_CRAFTED}")
+
+
+def check_model_graph(model_graph: object) -> dict:
+    """graph.json's content once it is a table whose options are a table: what `sw.load` reads of
+    it before any check of its graph (whether to plan again, the saved options)."""
+    if not isinstance(model_graph, dict):
+        raise CheckpointError(f"it holds a {type(model_graph).__name__}, not a table; {_CRAFTED}")
+    options = model_graph.get("options", {})
+    if not isinstance(options, dict):
+        raise CheckpointError(f"its 'options' are {repr(options)[:80]}, not a table; {_CRAFTED}")
+    return model_graph

@@ -32,7 +32,7 @@ from stagewise.compiler.checkpoint_files import (
     read_checked,
     read_marker,
 )
-from stagewise.compiler.checkpoint_limits import check_declared, check_metadata
+from stagewise.compiler.checkpoint_limits import check_declared, check_metadata, check_model_graph
 from stagewise.compiler.checkpoint_paths import strict_json
 from stagewise.compiler.checkpoint_swap import previous_path
 from stagewise.compiler.checkpoint_write import GRAPH_FILE
@@ -102,7 +102,8 @@ def _read(root: Path, rank: int, ranks: int) -> Checkpoint:
         raise CheckpointError(f"{root / MARKER} lists no weights: {root} is not a complete checkpoint")
     for name in shards[rank::ranks]:
         check_file(root, name, files)
-    graph = _parse(root, GRAPH_FILE, files, _json(root / GRAPH_FILE)) if GRAPH_FILE in files else None
+    graph = (_parse(root, GRAPH_FILE, files, lambda data: check_model_graph(strict_json(data, root / GRAPH_FILE)))
+             if GRAPH_FILE in files else None)
     tensors = _saved_tensors(root, files)
     for stage, structure in zip(plan.stages, structures, strict=True):
         check_declared(structure, plan, tensors, root / f"stage_{stage.index}.json")
@@ -174,6 +175,8 @@ def _parse(root: Path, name: str, files: dict[str, FileRecord], parse: Callable[
     data = read_checked(root, name, files)
     try:
         return parse(data)
+    except CheckpointError as error:  # a refusal of a check: it says what is wrong and what to do
+        raise type(error)(f"{root / name} is whole but cannot be used: {error}") from None
     except Exception as error:  # noqa: BLE001 - any failure of a whole file: this stagewise cannot use it
         raise CheckpointError(
             f"{root / name} is whole but cannot be used ({type(error).__name__}: {error}); it was written by "

@@ -26,6 +26,7 @@ import torch.fx as fx
 
 from stagewise.compiler.analysis import Analysis
 from stagewise.compiler.checkpoint_read import Checkpoint
+from stagewise.compiler.checkpoint_write import GRAPH_FILE
 from stagewise.compiler.context import CompileContext
 from stagewise.compiler.loss_reduction import reduction_from_data
 from stagewise.compiler.model_graph import stand_in, usable
@@ -34,12 +35,11 @@ from stagewise.compiler.optimizer_recipe import recorded_optimizer
 from stagewise.compiler.options import CompileOptions, CompileRequest
 from stagewise.compiler.pipeline import Pipeline
 from stagewise.compiler.training_state import put_saved_mode
-from stagewise.ir.errors import CapacityError, CheckpointError, PlanError
+from stagewise.ir.declared import ALTERED, dtype_named
+from stagewise.ir.errors import CapacityError, CheckpointError, PlanError, StagewiseError
 from stagewise.ir.plan import InputSpec, Plan
 from stagewise.ir.precision import LossScaling
 from stagewise.passes.capture import Capture, Objective
-
-_DTYPES = {name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}  # by name, not getattr
 
 
 def replan(saved: Checkpoint, graph: fx.GraphModule | None, devices, trusted: Mapping[str, Callable],
@@ -53,7 +53,7 @@ def replan(saved: Checkpoint, graph: fx.GraphModule | None, devices, trusted: Ma
     model = stand_in(model_graph, saved, graph)
     plan, training = saved.plan, saved.training
     inputs, target = _example_batch(plan)
-    options = _options(model_graph, plan, training, target, trusted)
+    options = _options(model_graph, plan, training, target, trusted, saved.root / GRAPH_FILE)
     request = CompileRequest.make(model, devices, inputs, options)
     request = replace(request, input_names=plan.input_names, input_kind=plan.input_kind)
     captured = SavedGraph(model, plan, str(model_graph.get("tracer", "fx")))
@@ -103,14 +103,13 @@ def loss_in_saved_graph(output, target):
 
 
 def _options(model_graph: dict, plan: Plan, training: dict, target: torch.Tensor | None,
-             trusted: Mapping[str, Callable] = MappingProxyType({})) -> CompileOptions:
-    """compile's options for the new plan: the saved ones (compiler/model_graph.py), the checkpoint's
-    optimizer, clipping and seed; an export graph's microbatch sizes (module docstring)."""
-    saved = dict(model_graph.get("options", {}))
+             trusted: Mapping[str, Callable] = MappingProxyType({}), where: object = GRAPH_FILE) -> CompileOptions:
+    """compile's options for the new plan: the saved ones (compiler/model_graph.py, read from `where`),
+    the checkpoint's optimizer, clipping and seed; an export graph's microbatch sizes (module docstring)."""
+    saved = model_graph.get("options", {})  # a table: checkpoint_limits.check_model_graph
     sizes = None
     if model_graph.get("tracer") != "fx":
         sizes = (plan.smallest_microbatch or plan.microbatch_size, plan.microbatch_size)
-    scaling = saved.get("loss_scaling")
     return CompileOptions(
         loss_fn=None if target is None else loss_in_saved_graph, example_target=target,
         optimizer=recorded_optimizer(training.get("optimizer"), training.get("optimizer_groups", []),
@@ -120,7 +119,17 @@ def _options(model_graph: dict, plan: Plan, training: dict, target: torch.Tensor
         clip_grad_norm=training.get("clip_grad_norm"), swap=saved.get("swap", "auto"),
         replicas=saved.get("replicas", 1), stages=saved.get("stages"),
         optimizer_on_host=bool(saved.get("optimizer_on_host", False)), seed=plan.seed, precision=plan.precision,
-        loss_scaling=None if scaling is None else LossScaling(**scaling))
+        loss_scaling=_loss_scaling(saved.get("loss_scaling"), where))
+
+
+def _loss_scaling(saved: object, where: object) -> LossScaling | None:
+    """graph.json's loss scaling (None: none), its fields LossScaling's and checked by it."""
+    if saved is None:
+        return None
+    try:
+        return LossScaling(**saved)  # type: ignore[arg-type] - a non-mapping is refused below
+    except (TypeError, StagewiseError) as error:
+        raise CheckpointError(f"{where} gives the loss scaling {repr(saved)[:120]} ({error}); {ALTERED}") from None
 
 
 def _example_batch(plan: Plan) -> tuple[tuple | dict, torch.Tensor | None]:
@@ -138,9 +147,7 @@ def _example_batch(plan: Plan) -> tuple[tuple | dict, torch.Tensor | None]:
 
 
 def _example_tensor(spec: InputSpec, batch: int, generator: torch.Generator) -> torch.Tensor:
-    dtype = _DTYPES.get(str(spec.dtype).removeprefix("torch."))
-    if dtype is None:
-        raise CheckpointError(f"plan.json gives an input the dtype {spec.dtype!r}, which is no torch dtype")
+    dtype = dtype_named(spec.dtype, "plan.json (an input's spec)")
     shape = (batch, *spec.shape) if spec.batched else spec.shape
     if dtype.is_floating_point:
         return torch.randn(shape, dtype=dtype, generator=generator)

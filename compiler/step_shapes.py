@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from stagewise.ir.declared import dtype_named
 from stagewise.ir.errors import ExampleInputsError
 from stagewise.ir.plan import Plan, Stage
 from stagewise.ir.precision import autocast_for
@@ -122,7 +123,7 @@ def _example_signature(plan: Plan) -> Signature:
     """A microbatch of the example's sizes, as `_signature` reads it."""
     result = []
     for name, spec in zip(plan.graph_inputs, plan.input_specs, strict=False):
-        dtype = getattr(torch, spec.dtype.removeprefix("torch."))
+        dtype = dtype_named(spec.dtype, f"the plan's input {name!r}")
         size = (plan.microbatch_size, *spec.shape) if spec.batched else spec.shape
         result.append((name, tuple(size), dtype))
     return tuple(result)

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from stagewise.ir.costs import RuntimeCosts
 from stagewise.ir.devices import DeviceSpec
 from stagewise.ir.instructions import Phase
+from stagewise.ir.plan_checks import check_plan
 from stagewise.ir.program import Program, programs_from_text
 from stagewise.ir.topology import Level, Topology
 
@@ -189,9 +190,10 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
+        """The plan `text` holds, every number checked (ir/plan_checks.py): it may come from a crafted file."""
         data = json.loads(text)
         programs = programs_from_text(data.pop("programs", ""))
-        return replace(_build(cls, data), programs=programs)
+        return check_plan(replace(_build(cls, data), programs=programs))
 
     def __str__(self) -> str:
         from stagewise.ir.report import render_plan

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from stagewise.ir.declared import dtype_named
 from stagewise.ir.errors import PlanError
 from stagewise.ir.instructions import ALL_REDUCES, Recv, Send, message_keys
 from stagewise.ir.plan import Plan
@@ -106,4 +107,4 @@ class MessageTags:
         spec = None if self.step_specs is None else self.step_specs.get((transfer.value, tag % self.plan.microbatches))
         if spec is not None:
             return spec
-        return tuple(transfer.shape), getattr(torch, transfer.dtype.removeprefix("torch."))
+        return tuple(transfer.shape), dtype_named(transfer.dtype, f"the plan's transfer of {transfer.value!r}")

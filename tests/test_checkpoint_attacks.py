@@ -136,7 +136,7 @@ def test_a_leaf_module_class_outside_torch_nn_leaves_is_refused(saved, tmp_path:
         return json.dumps(structure).encode()
 
     crafted_path = crafted(saved[1], tmp_path, "stage_0.json", rewrite)
-    message = r"stage_0\.json is whole but cannot be used: module 'leaf': .*DistributedDataParallel, which is not"
+    message = r"stage_0\.json is whole but cannot be used: the leaf module leaf: .*DistributedDataParallel, which is not"
     with pytest.raises(CheckpointError, match=message):
         sw.load(crafted_path)
     assert "DistributedDataParallel, which is not" in _inspect(crafted_path, capsys)

@@ -143,3 +143,22 @@ def test_in_process_cpu_devices_that_oversubscribe_the_cores_warn(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error", sw.OversubscribedWarning)
         compile_mlp(3, cost="analytic")
+
+
+def _subclasses(cls: type) -> set[type]:
+    return {sub for direct in cls.__subclasses__() for sub in {direct, *_subclasses(direct)}}
+
+
+def test_every_error_and_warning_class_is_exported():
+    """A user catches what stagewise raises by its public name: every StagewiseError subclass and
+    every warning class ir/errors.py defines is in `stagewise.__all__` (the command line's own error
+    class, cli/errors.py, is the command's, not the API's)."""
+    from stagewise.ir import errors
+
+    defined = {cls for cls in vars(errors).values() if isinstance(cls, type) and cls.__module__ == errors.__name__}
+    raised = {cls for cls in _subclasses(sw.StagewiseError) if cls.__module__ == errors.__name__}
+    warned = {cls for cls in defined if issubclass(cls, Warning)}
+    assert raised and warned and raised | warned | {sw.StagewiseError} == defined
+    missing = sorted(cls.__name__ for cls in raised | warned | {sw.StagewiseError}
+                     if cls.__name__ not in sw.__all__ or getattr(sw, cls.__name__, None) is not cls)
+    assert not missing, f"not exported from stagewise: {missing}"

@@ -78,7 +78,9 @@ def test_an_fx_graph_is_planned_again_at_any_microbatch_count_and_again_from_its
 def test_an_export_graph_is_planned_at_microbatches_no_larger_than_saved(tmp_path):
     """Hugging Face Llama (torch.export) saved as one microbatch of 16 on two devices, planned again
     for three devices of too little memory for that: more, smaller microbatches (the saved code
-    takes any size down to its smallest), never larger ones; the loss is the saved run's."""
+    takes any size down to its smallest), never larger ones; the loss is the saved run's. Its graph
+    reads constants (rotary inv_freq, lifted masks) that only the checkpoint's constants hold:
+    checkpoint_limits.check_declared finds each, so a legitimate checkpoint with them loads."""
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(1, 128, (16, 8), generator=generator)
     torch.manual_seed(0)
@@ -87,6 +89,8 @@ def test_an_export_graph_is_planned_at_microbatches_no_larger_than_saved(tmp_pat
     pipe.save(tmp_path / "ck")
     assert (pipe.plan.microbatches, pipe.plan.microbatch_size) == (1, 16)
     saved = read_checkpoint(tmp_path / "ck", None)
+    constants = {key.removeprefix("constants.") for key in saved.tensors if key.startswith("constants.")}
+    assert "model.rotary_emb.inv_freq" in constants and constants <= set(saved.model_graph["graph"]["tensors"])
     options = _options(saved.model_graph, saved.plan, saved.training, None)
     assert options.microbatches is None and options.microbatch_sizes == (saved.plan.smallest_microbatch, 16)
     moved = sw.load(tmp_path / "ck", devices=[sw.Device("cpu", memory="300KiB")] * 3, report=False)

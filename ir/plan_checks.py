@@ -1,0 +1,108 @@
+"""A plan read from a file (plan.json) checked before anything uses its numbers.
+
+Why: a checkpoint is untrusted input and plan.json's numbers drive what loading allocates and
+loops over: the re-plan's example batch is microbatches × microbatch size × each input's
+shape (compiler/replan.py), a receiver's buffer is a transfer's shape, and message tags,
+programs and stage placement index by counts and device numbers. A crafted plan.json with a
+negative, absurd or mistyped number is refused here, naming the entry, instead of a raw error,
+a hang or a huge allocation. The sizes are bounded by fixed limits far above any real plan
+(an attacker controls every number the checkpoint holds, so none of them can bound another).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from stagewise.ir.declared import ALTERED, dtype_named, plain_shape
+from stagewise.ir.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from stagewise.ir.plan import InputSpec, Plan
+
+MAX_COUNT = 1 << 16  # devices, stages, microbatches: far above any pipeline
+MAX_MICROBATCH_SIZE = 1 << 24  # samples in one microbatch
+MAX_DECLARED_BYTES = 4 << 30  # the example batch a re-plan builds; one message a receiver allocates
+_WHERE = "plan.json"
+
+
+def check_plan(plan: Plan) -> Plan:
+    """`plan` once every count, index, shape and dtype it declares is possible (module docstring)."""
+    _count("microbatches", plan.microbatches, 1, MAX_COUNT)
+    _count("microbatch_size", plan.microbatch_size, 1, MAX_MICROBATCH_SIZE)
+    _count("smallest_microbatch", plan.smallest_microbatch, 0, plan.microbatch_size)
+    _count("the number of devices", len(plan.devices), 1, MAX_COUNT)
+    _count("the number of stages", len(plan.stages), 1, MAX_COUNT)
+    if plan.input_kind not in ("positional", "keyword"):
+        _refuse("input_kind", plan.input_kind, "'positional' or 'keyword'")
+    for position, stage in enumerate(plan.stages):
+        name = f"stages[{position}]"
+        _count(f"{name}.index", stage.index, position, position)
+        _count(f"{name}.device", stage.device, 0, len(plan.devices) - 1)
+        for microbatch in stage.microbatches:
+            _count(f"{name}.microbatches", microbatch, 0, plan.microbatches - 1)
+    for position, transfer in enumerate(plan.transfers):
+        name = f"transfers[{position}] ({transfer.value!r})"
+        _count(f"{name}.src", transfer.src, 0, len(plan.stages) - 1)
+        _count(f"{name}.dst", transfer.dst, 0, len(plan.stages) - 1)
+        dtype = dtype_named(transfer.dtype, f"{_WHERE} {name}")
+        _bounded(name, math.prod(_shape(f"{name}.shape", transfer.shape)) * dtype.itemsize, "one microbatch's message")
+    example = 0
+    for position, spec in enumerate(plan.input_specs):
+        example += _spec_bytes(f"input_specs[{position}]", spec, plan.microbatches * plan.microbatch_size)
+    _bounded("input_specs", example, "the example batch a re-plan builds (microbatches × microbatch_size "
+             "× each input's shape)")
+    for position, shape in enumerate(plan.state_shapes):
+        _shape(f"state_shapes[{position}]", shape)
+    _check_programs(plan)
+    return plan
+
+
+def _check_programs(plan: Plan) -> None:
+    """Every program on a device of the plan, its instructions naming stages, devices and
+    microbatches the plan has (the runtime indexes by them), a swap or stash at most
+    MAX_DECLARED_BYTES."""
+    highest = {"stage": len(plan.stages) - 1, "peer_stage": len(plan.stages) - 1, "peer": len(plan.devices) - 1,
+               "microbatch": plan.microbatches - 1, "nbytes": MAX_DECLARED_BYTES}
+    for position, program in enumerate(plan.programs):
+        _count(f"programs[{position}].device", program.device, 0, len(plan.devices) - 1)
+        for index, instruction in enumerate(program.instructions):
+            for name, high in highest.items():
+                if hasattr(instruction, name):
+                    _count(f"programs[{position}] instruction {index} ({instruction}): {name}",
+                           getattr(instruction, name), 0, high)
+
+
+def _spec_bytes(name: str, spec: InputSpec, batch: int) -> int:
+    """The bytes of an input's example (`batch` samples where it is batched), its sizes checked."""
+    shape = _shape(f"{name}.shape", spec.shape)
+    lowest = _shape(f"{name}.lowest", spec.lowest)
+    if lowest and (len(lowest) != len(shape) or any(low > size for low, size in zip(lowest, shape, strict=True))):
+        _refuse(f"{name}.lowest", spec.lowest, f"a size no larger than each of the shape's {shape}")
+    dtype = dtype_named(spec.dtype, f"{_WHERE} {name}")
+    return math.prod(shape) * (batch if spec.batched is True else 1) * dtype.itemsize
+
+
+def _bounded(name: str, size: int, what: str) -> None:
+    """A CheckpointError where `size` bytes of `what` exceed MAX_DECLARED_BYTES."""
+    if size > MAX_DECLARED_BYTES:
+        raise CheckpointError(f"{_WHERE} declares {name} as {size} bytes for {what}, above the "
+                              f"{MAX_DECLARED_BYTES >> 30} GiB stagewise allocates for it from a checkpoint; {ALTERED} "
+                              "(a real plan this large: compile the model and call pipe.restore(directory))")
+
+
+def _shape(name: str, value: object) -> tuple[int, ...]:
+    shape = plain_shape(value)
+    if shape is None:
+        _refuse(name, value, "a shape: at most 64 non-negative ints")
+    assert shape is not None
+    return shape
+
+
+def _count(name: str, value: object, low: int, high: int) -> None:
+    if type(value) is not int or not low <= value <= high:
+        _refuse(name, value, f"an int from {low} to {high}")
+
+
+def _refuse(name: str, value: object, expected: str) -> None:
+    raise CheckpointError(f"{_WHERE} gives {name} as {repr(value)[:80]}, where a plan holds {expected}; {ALTERED}")
