@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from stagewise.ir.declared import DTYPES
 from stagewise.ir.errors import PeerError
 from stagewise.runtime.failure_notice import FailureNotice, PeerFailed
 from stagewise.runtime.links import MessageTags
@@ -138,7 +139,7 @@ class EndOfStep:
     def _zero_reduction(self, group: tuple[int, ...], numel: int, dtype: str) -> Pending:
         """Complete an all-reduce the other members of `group` entered: contribute zeros of its size."""
         what = "ranks " + ",".join(str(r) for r in group)
-        zeros = torch.zeros(numel, dtype=getattr(torch, dtype), device=self.pools[self.rank].device)
+        zeros = torch.zeros(numel, dtype=DTYPES[dtype], device=self.pools[self.rank].device)
         work = self._issue(lambda: dist.all_reduce(zeros, group=self.groups[group], async_op=True),
                            "completing an all-reduce of the failed step", what)
         return Pending(work, self.blocking_wait, "completing an all-reduce of the failed step", what)
