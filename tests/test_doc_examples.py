@@ -130,6 +130,8 @@ def test_examples_run_and_print_what_they_show(page: Path, tmp_path: Path,
     if not runnable:
         return
     pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    threads = torch.get_num_threads()  # an example may set it for its CPU devices; the suite keeps its own
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("STAGEWISE_CACHE", str(tmp_path / "cache"))
     namespace: dict[str, object] = {"__name__": "__doc_example__"}
@@ -137,7 +139,10 @@ def test_examples_run_and_print_what_they_show(page: Path, tmp_path: Path,
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
             code = compile("\n" * block.line + block.body, os.fspath(page), "exec")
-            exec(code, namespace)  # noqa: S102 - the docs' own example
+            try:
+                exec(code, namespace)  # noqa: S102 - the docs' own example
+            finally:
+                torch.set_num_threads(threads)
         if _is_output_of_run_block(found, index + 1):
             shown = found[index + 1].body
             assert output_matches(shown, printed.getvalue()), (
