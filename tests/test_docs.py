@@ -108,3 +108,9 @@ def test_code_map_lists_every_module() -> None:
 def test_user_docs_keep_short_lines(doc: Path) -> None:
     long = [number for number, line in enumerate(doc.read_text().splitlines(), 1) if len(line) > MAX_LINE]
     assert not long, f"{doc.name}: lines over {MAX_LINE} characters: {long}"
+
+
+def test_readme_is_a_front_page() -> None:
+    """At most 250 lines: what stagewise is, the commands, one example, where to read on."""
+    lines = len((ROOT / "README.md").read_text().splitlines())
+    assert lines <= 250, f"README.md has {lines} lines: move the detail to a page of docs/guide/"
