@@ -66,6 +66,23 @@ def test_links_stay_inside_the_repository(doc: Path) -> None:
     assert not problems, f"{doc.name}:\n  " + "\n  ".join(problems)
 
 
+def _anchors(doc: Path) -> set[str]:
+    """The anchors GitHub makes of a markdown file's headings (fenced blocks aside)."""
+    headings = re.findall(r"^#+ (.*)$", _FENCE.sub("", doc.read_text()), re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-") for heading in headings}
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda d: d.relative_to(ROOT).as_posix())
+def test_links_to_a_heading_find_it(doc: Path) -> None:
+    broken = []
+    for link in _links(doc):
+        path, _, anchor = link.partition("#")
+        target = ROOT / _target(doc, path) if path else doc
+        if anchor and target.suffix == ".md" and target.exists() and anchor not in _anchors(target):
+            broken.append(link)
+    assert not broken, f"{doc.name} links to headings that do not exist: {broken}"
+
+
 @pytest.mark.parametrize("doc", DOCS, ids=lambda d: d.relative_to(ROOT).as_posix())
 def test_named_paths_exist(doc: Path) -> None:
     missing = []
