@@ -127,7 +127,7 @@ def _loss_scaling(saved: object, where: object) -> LossScaling | None:
     if saved is None:
         return None
     try:
-        return LossScaling(**saved)  # type: ignore[arg-type] - a non-mapping is refused below
+        return LossScaling(**saved)  # type: ignore[arg-type]  # a non-mapping is refused below
     except (TypeError, StagewiseError) as error:
         raise CheckpointError(f"{where} gives the loss scaling {repr(saved)[:120]} ({error}); {ALTERED}") from None
 
