@@ -54,7 +54,7 @@ def _built(saved: Checkpoint, name: str, structure: object, class_name: str, tru
            ) -> fx.GraphModule:
     """One structure built on the meta device; a refusal names its file."""
     try:
-        return build_stage(structure, class_name, trusted)  # type: ignore[arg-type] - build_stage checks it
+        return build_stage(structure, class_name, trusted)  # type: ignore[arg-type]  # build_stage checks it
     except CheckpointError as error:
         raise type(error)(f"{saved.root / name} is whole but cannot be used: {error}") from None
 
