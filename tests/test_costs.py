@@ -163,7 +163,7 @@ def test_second_call_hits_the_disk_cache(mlp_graph, monkeypatch, tmp_path):
 def test_a_cache_entry_timed_under_load_is_measured_again(mlp_graph, monkeypatch, tmp_path):
     """Times 20x what the layers take now (as when other jobs loaded the machine) are not trusted."""
     _, gm, layers = mlp_graph
-    first = profile_layers(gm, layers, "cpu", quiet=True, repeats=1)
+    profile_layers(gm, layers, "cpu", quiet=True, repeats=1)  # writes the cache entry
     (path,) = (tmp_path / "cache" / "profiles").glob("*.json")
     data = json.loads(path.read_text())
     for profile in data["profiles"]:

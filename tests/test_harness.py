@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from tests.harness.slow import SLOW_FILES
+
 TESTS = Path(__file__).resolve().parent
 
 
@@ -36,3 +38,8 @@ def test_no_test_file_imports_another():
     importing = {str(path.relative_to(TESTS)): names for path in sorted(TESTS.rglob("*.py"))
                  if (names := imported_test_files(path.read_text()))}
     assert importing == {}, f"move what they share into tests/harness/: {importing}"
+
+
+def test_every_file_marked_slow_is_a_test_file():
+    """A renamed file would otherwise drop out of the slow marker, and into the quick loop, silently."""
+    assert sorted(SLOW_FILES - {path.name for path in TESTS.glob("test_*.py")}) == []

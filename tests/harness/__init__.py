@@ -9,6 +9,7 @@ any_shape: batches of varying shape and eager training over the pipeline's uneve
 precision: eager torch.autocast training, the reference for mixed precision.
 cuda: training on the GPU against eager training on the GPU.
 stages: hand-made stages for the simulator and schedules.
+slow: the test files marked slow (tests/conftest.py), which the quick loop leaves out.
 
 tests/reference.py (eager reference training), tests/hf.py (small Hugging Face configs),
 tests/training_problems.py and tests/models/ are shared the same way. tests/test_harness.py fails
