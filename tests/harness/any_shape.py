@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+import stagewise as sw
 from tests.reference import SGD, model_loss
 
 LENGTHS = (12, 7, 10, 12)  # per step; the example is the longest
@@ -30,7 +33,8 @@ def varied_gpt_batches(seed: int = 0) -> list:
     return batches
 
 
-def eager_split_train(model, batches, *, microbatches: int, loss_fn=None, optimizer=SGD) -> list[torch.Tensor]:
+def eager_split_train(model: torch.nn.Module, batches: list, *, microbatches: int, loss_fn: Callable | None = None,
+                      optimizer: Callable = SGD) -> list[torch.Tensor]:
     """Eager training on the pipeline's split (torch.tensor_split), each microbatch weighing its share
     of the samples: equal to eager training on the whole batch, up to rounding, for models whose
     samples do not interact (no BatchNorm): for those it is what the pipeline computes exactly."""
@@ -54,7 +58,7 @@ def eager_split_train(model, batches, *, microbatches: int, loss_fn=None, optimi
     return losses
 
 
-def train_steps(pipe, batches) -> list[torch.Tensor]:
+def train_steps(pipe: sw.Pipeline, batches: list) -> list[torch.Tensor]:
     """One pipe.step per batch, inputs given as the batch holds them (keywords or positions)."""
     losses = []
     for inputs, target in batches:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
+import stagewise as sw
 
-def optimizer_state(pipe) -> dict[tuple[int, str, str], torch.Tensor]:
+
+def optimizer_state(pipe: sw.Pipeline) -> dict[tuple[int, str, str], torch.Tensor]:
     """Every stage's optimizer state as (stage, parameter name, key) -> tensor; a swapped stage's
     state read from the host memory where it lives between steps."""
     found = {}

@@ -4,6 +4,7 @@ tests/test_activation_swap.py); used only where a CUDA device is present."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 
@@ -12,7 +13,8 @@ from tests.models.gpt import lm_loss
 from tests.reference import ADAMW, ATOL, RTOL, eager_train, pipeline_train
 
 
-def check_on_gpu(model, batches, devices, *, loss_fn=lm_loss, **compile_kwargs):
+def check_on_gpu(model: torch.nn.Module, batches: list, devices: list[str], *, loss_fn: Callable | None = lm_loss,
+                 **compile_kwargs: object) -> sw.Pipeline:
     """Train on the GPU(s) and eagerly on the GPU over the same microbatches (the same kernels; fp32,
     no TF32); equal losses and parameters. Eager on the CPU differs by the GPU's rounding, which
     AdamW turns into visible parameter differences."""
@@ -33,7 +35,7 @@ def check_on_gpu(model, batches, devices, *, loss_fn=lm_loss, **compile_kwargs):
     return pipe
 
 
-def _on_gpu(batches):
+def _on_gpu(batches: list) -> list:
     def moved(value):
         if isinstance(value, dict):
             return {k: moved(v) for k, v in value.items()}

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import statistics
 
+import stagewise as sw
 from stagewise.ir.instructions import Backward, Forward, HostUpdate, Recompute, Stream, Update
 from stagewise.passes.simulate import SimCost, transfer_bytes
 
 
-def measured_cost(pipe) -> SimCost:
+def measured_cost(pipe: sw.Pipeline) -> SimCost:
     """The plan's programs, charged the sizes the runtime holds: state per stage and stash per microbatch."""
     stages = pipe.plan.stages
     state, grads = [0.0] * len(stages), [0.0] * len(stages)
@@ -30,7 +31,7 @@ def measured_cost(pipe) -> SimCost:
                    value_bytes=transfer_bytes(pipe.plan.transfers, pipe.plan.microbatch_size))
 
 
-def measured_seconds(pipe) -> tuple[tuple[float, ...], ...]:
+def measured_seconds(pipe: sw.Pipeline) -> tuple[tuple[float, ...], ...]:
     """Each stage's median forward, backward and update seconds in the step just run: the overlaps
     that decide a peak depend on how long each stage computes."""
     spans: dict[tuple[type, int], list[float]] = {}
@@ -44,7 +45,7 @@ def measured_seconds(pipe) -> tuple[tuple[float, ...], ...]:
                  for kind in (Forward, Backward, HostUpdate))
 
 
-def stream_orders(pipe) -> dict[tuple[int, Stream], list[int]]:
+def stream_orders(pipe: sw.Pipeline) -> dict[tuple[int, Stream], list[int]]:
     """Per device and stream, the instructions it ran, in the order they started."""
     runs: dict[tuple[int, Stream], list[tuple[float, int]]] = {}
     for device, stream, index, start, _ in pipe.executor.timeline:

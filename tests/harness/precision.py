@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -15,8 +16,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 LOSS_RTOL, PARAM_ATOL = 2e-3, 5e-4
 
 
-def eager_autocast_train(model, batches, precision: str, microbatches: int, loss_fn=None, clip=None, norms=None,
-                         device: str = "cpu"):
+def eager_autocast_train(model: torch.nn.Module, batches: list, precision: str, microbatches: int,
+                         loss_fn: Callable | None = None, clip: float | None = None, norms: list | None = None,
+                         device: str = "cpu") -> list[float]:
     """Eager training as torch's AMP recipe writes it: forward and loss under autocast, backward outside
     (the model and batches on `device`)."""
     opt = SGD(model.parameters())

@@ -21,7 +21,7 @@ MODES = {"off": {"swap": "off"}, "on": {"swap": "on"}, "all": {"swap": "all"},
          "host": {"swap": "off", "optimizer_on_host": True}, "one-stage": {"swap": "off", "stages": 1}}
 
 
-def problem(name: str, mode: str = "off"):
+def problem(name: str, mode: str = "off") -> tuple[torch.nn.Module, list, dict]:
     """(model, batches, options for compile and eager_train): "mlp", "tied-gpt" or "hf-gpt2"."""
     torch.manual_seed(0)
     if name == "mlp":
@@ -40,7 +40,7 @@ def problem(name: str, mode: str = "off"):
     return model, batches, {"loss_fn": lm_loss, "optimizer": ADAMW, "microbatches": 4, **clip}
 
 
-def compile_case(name: str, schedule: str, mode: str):
+def compile_case(name: str, schedule: str, mode: str) -> tuple[sw.Pipeline, list]:
     """With analytic costs: measured ones differ between the ranks, which could partition differently
     (a PlanError by design); these tests are about the runtime, not the planner."""
     model, batches, options = problem(name, mode)

@@ -11,7 +11,7 @@ import os
 import pickle
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from pathlib import Path
 
 import pytest
@@ -28,14 +28,15 @@ def join(init_file: str, rank: int, timeout_s: float, ranks: int = RANKS) -> Non
                             timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def save_result(path: Path, result) -> None:
+def save_result(path: Path, result: object) -> None:
     """Written beside and renamed into place: a rank killed mid-write leaves its previous save."""
     partial = path.with_suffix(".partial")
     partial.write_bytes(pickle.dumps(result))
     partial.replace(path)
 
 
-def run_cases(rank: int, init_file: str, out: str, cases: Iterable, run_case: Callable) -> None:
+def run_cases(rank: int, init_file: str, out: str, cases: Iterable[Hashable],
+              run_case: Callable[[Hashable], dict]) -> None:
     """On one rank: join, then `run_case(case)` for every case in turn, saving the results after each;
     the first failure (saved as its traceback) ends the matrix on this rank (the peer then fails on a
     PeerError: later collectives could not be matched)."""
@@ -54,7 +55,7 @@ def run_cases(rank: int, init_file: str, out: str, cases: Iterable, run_case: Ca
     dist.destroy_process_group()
 
 
-def case_results(per_rank: list[dict], case, limit_s: float) -> list[dict]:
+def case_results(per_rank: list[dict], case: Hashable, limit_s: float) -> list[dict]:
     """Every rank's result of `case` from `run_cases`, each rank's own failure shown."""
     results = [results.get(case) for results in per_rank]
     for rank, result in enumerate(results):
@@ -65,8 +66,8 @@ def case_results(per_rank: list[dict], case, limit_s: float) -> list[dict]:
     return results
 
 
-def spawn(fn, tmp_path: Path, *args, limit_s: float = SPAWN_LIMIT_S, fail_on_hang: bool = True,
-          ranks: int = RANKS) -> list[dict]:
+def spawn(fn: Callable[..., None], tmp_path: Path, *args: object, limit_s: float = SPAWN_LIMIT_S, fail_on_hang: bool = True,
+          ranks: int = RANKS) -> list[dict | None]:
     """Run `fn(rank, init_file, out, *args)` on `ranks` processes; kill them past `limit_s` (and fail,
     unless the caller reads what they saved before that); what each saved in out/rank<r>.pkl."""
     init_file = str(tmp_path / "store")
