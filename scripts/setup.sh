@@ -4,7 +4,7 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$root/.venv"
-stamp="$venv/.stagewise-setup-v3"
+stamp="$venv/.stagewise-setup-v4"
 if [ ! -f "$stamp" ]; then
   python3 -m venv "$venv"
   "$venv/bin/python" -m pip install -q --upgrade pip

@@ -1,7 +1,18 @@
 import pytest
 import torch
 
+from tests.harness.slow import SLOW_FILES, longest_first
+
 torch.set_num_threads(1)  # device threads already run side by side on this machine's 2 cores
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the slow files' tests `slow`, and run the longest files first (pytest-xdist hands files
+    to its workers in this order)."""
+    for item in items:
+        if item.path.name in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: longest_first(item.path.name))
 
 
 @pytest.fixture(autouse=True)

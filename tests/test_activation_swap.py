@@ -233,7 +233,7 @@ def test_a_backward_without_its_stash_is_an_error():
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "harmony-pp"])
 def test_stash_swapping_on_cuda_streams_trains_like_eager(schedule):
     """Pinned host buffers, the copies on the swap streams, the backward after its swap-in's event."""
-    from tests.test_cuda import check_on_gpu, gpus
+    from tests.harness.cuda import check_on_gpu, gpus
 
     pipe = check_on_gpu(TinyGPT(layers=4), token_batches(), gpus(2), microbatches=4, schedule=schedule, swap="all")
     assert all(w.device.type == "cuda" for w in pipe.workers)

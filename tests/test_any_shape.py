@@ -16,65 +16,12 @@ import torch
 import torch.nn.functional as F
 
 import stagewise as sw
+from tests.harness.any_shape import eager_split_train, train_steps, varied_gpt_batches, varied_lm_batches
 from tests.hf import gpt2, llama
 from tests.models.cnn import ResNet
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.models.mlp import mlp
-from tests.reference import ADAMW, ATOL, RTOL, SGD, assert_state_equal, model_loss
-
-LENGTHS = (12, 7, 10, 12)  # per step; the example is the longest
-BATCHES = (8, 8, 7, 5)  # the last two do not divide into 2 or 4 microbatches
-
-
-def _lm_batches(vocab: int = 128, seed: int = 0) -> list:
-    generator = torch.Generator().manual_seed(seed)
-    batches = []
-    for batch, length in zip(BATCHES, LENGTHS, strict=True):
-        ids = torch.randint(1, vocab, (batch, length), generator=generator)
-        batches.append(({"input_ids": ids, "labels": ids.clone()}, None))
-    return batches
-
-
-def _tied_gpt_batches(seed: int = 0) -> list:
-    generator = torch.Generator().manual_seed(seed)
-    batches = []
-    for batch, length in zip(BATCHES, LENGTHS, strict=True):
-        ids = torch.randint(0, 64, (batch, length + 1), generator=generator)
-        batches.append(((ids[:, :-1],), ids[:, 1:]))
-    return batches
-
-
-def eager_split_train(model, batches, *, microbatches: int, loss_fn=None, optimizer=SGD) -> list[torch.Tensor]:
-    """Eager training on the pipeline's split (torch.tensor_split), each microbatch weighing its share
-    of the samples: equal to eager training on the whole batch, up to rounding, for models whose
-    samples do not interact (no BatchNorm): for those it is what the pipeline computes exactly."""
-    opt = optimizer(model.parameters())
-    losses = []
-    for inputs, target in batches:
-        opt.zero_grad()
-        batch = (target if target is not None else next(iter(inputs.values()))).shape[0]
-        total = torch.zeros(())
-        for index in range(microbatches):
-            def part(v, i=index):
-                return v.tensor_split(microbatches)[i]
-            mb_inputs = {k: part(v) for k, v in inputs.items()} if isinstance(inputs, dict) else tuple(map(part, inputs))
-            mb_target = part(target) if target is not None else None
-            share = next(iter(mb_inputs.values()) if isinstance(mb_inputs, dict) else iter(mb_inputs)).shape[0] / batch
-            loss = model_loss(model, mb_inputs, mb_target, loss_fn) * share
-            loss.backward()
-            total += loss.detach()
-        opt.step()
-        losses.append(total)
-    return losses
-
-
-def _train(pipe, batches) -> list[torch.Tensor]:
-    losses = []
-    for inputs, target in batches:
-        kwargs = {"target": target} if target is not None else {}
-        losses.append(pipe.step(**inputs, **kwargs) if isinstance(inputs, dict) else pipe.step(*inputs, **kwargs))
-    return losses
-
+from tests.reference import ADAMW, ATOL, RTOL, SGD, assert_state_equal
 
 LM_CASES = {
     "hf-gpt2-1": (gpt2, 1, 2, "gpipe"), "hf-gpt2-2": (gpt2, 2, 2, "1f1b"), "hf-gpt2-4": (gpt2, 4, 4, "1f1b"),
@@ -89,11 +36,11 @@ def test_hf_lm_trains_on_any_length_and_an_uneven_last_batch(build, devices, mic
     torch.manual_seed(0)
     model = build(2)
     reference = copy.deepcopy(model)
-    batches = _lm_batches()
+    batches = varied_lm_batches()
     pipe = sw.compile(model, devices, batches[0][0], microbatches=microbatches, schedule=schedule,
                       optimizer=ADAMW, cost="analytic")
     assert any("sym_size" in stage.code for stage in pipe.stages), "the stage code should read sizes"
-    got = _train(pipe, batches)
+    got = train_steps(pipe, batches)
     want = eager_split_train(reference, batches, microbatches=1, optimizer=ADAMW)  # eager on the whole batch
     torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=RTOL, atol=ATOL)
     assert_state_equal(pipe.state_dict(), reference.state_dict())
@@ -105,11 +52,11 @@ def test_fx_gpt_trains_on_any_length_and_an_uneven_last_batch(devices, swap):
     torch.manual_seed(0)
     model = TinyGPT()
     reference = copy.deepcopy(model)
-    batches = _tied_gpt_batches()
+    batches = varied_gpt_batches()
     inputs, target = batches[0]
     pipe = sw.compile(model, devices, inputs, loss_fn=lm_loss, example_target=target, microbatches=4,
                       optimizer=ADAMW, cost="analytic", swap=swap)
-    got = _train(pipe, batches)
+    got = train_steps(pipe, batches)
     want = eager_split_train(reference, batches, microbatches=1, loss_fn=lm_loss, optimizer=ADAMW)
     torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=RTOL, atol=ATOL)
     assert_state_equal(pipe.state_dict(), reference.state_dict())
@@ -126,7 +73,7 @@ def test_cnn_trains_on_smaller_images_and_uneven_microbatches():
     inputs, target = batches[0]
     pipe = sw.compile(model, 2, inputs, loss_fn=F.cross_entropy, example_target=target, microbatches=4,
                       optimizer=SGD, cost="analytic")
-    got = _train(pipe, batches)
+    got = train_steps(pipe, batches)
     want = eager_split_train(reference, batches, microbatches=4, loss_fn=F.cross_entropy, optimizer=SGD)
     torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=RTOL, atol=ATOL)
     assert_state_equal(pipe.state_dict(), reference.state_dict())
@@ -135,7 +82,7 @@ def test_cnn_trains_on_smaller_images_and_uneven_microbatches():
 def test_evaluate_takes_other_lengths_too():
     torch.manual_seed(0)
     model = gpt2(2)
-    batches = _lm_batches()
+    batches = varied_lm_batches()
     pipe = sw.compile(model, 2, batches[0][0], microbatches=2, cost="analytic")
     inputs = batches[3][0]  # 5 samples of 12 tokens: microbatches of 3 and 2
     model.eval()

@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 
 import stagewise as sw
+from tests.harness.any_shape import eager_split_train, train_steps, varied_gpt_batches, varied_lm_batches
+from tests.harness.ranks import run_cases, spawn
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.models.mlp import mlp
 from tests.reference import ADAMW, ATOL, RTOL, assert_state_equal
-from tests.test_any_shape import _lm_batches, _tied_gpt_batches, _train, eager_split_train
-from tests.test_distributed import _spawn, run_cases
 
 # (problem, schedule, resumed): a resumed case saves after the first step and trains on with the
 # pipeline sw.load gives every rank (another rank's stage code comes back on the meta device)
@@ -30,13 +30,13 @@ def _problem(name: str):
     if name == "hf-gpt2":
         from tests.hf import gpt2
 
-        return gpt2(2), _lm_batches(), {"microbatches": 2}
+        return gpt2(2), varied_lm_batches(), {"microbatches": 2}
     if name == "mlp-bf16":  # after its first Linear every activation is bf16 under autocast, so are transfers
         generator = torch.Generator().manual_seed(0)
         batches = [((torch.randn(b, 8, generator=generator),), torch.randint(0, 5, (b,), generator=generator))
                    for b in (8, 7, 5)]
         return mlp(), batches, {"microbatches": 2, "loss_fn": F.cross_entropy, "precision": "bf16"}
-    return TinyGPT(), _tied_gpt_batches(), {"microbatches": 4, "loss_fn": lm_loss}
+    return TinyGPT(), varied_gpt_batches(), {"microbatches": 4, "loss_fn": lm_loss}
 
 
 def _ranks(rank: int, init_file: str, out: str) -> None:
@@ -51,17 +51,17 @@ def _run_case(out: Path, case) -> dict:
         options["example_target"] = target
     pipe = sw.compile(model, 2, inputs, schedule=schedule, optimizer=ADAMW, cost="analytic", **options)
     pipe.timeout_s = 20.0
-    losses = _train(pipe, batches[:1])
+    losses = train_steps(pipe, batches[:1])
     if resumed:
         pipe.save(out / "checkpoint")
         pipe = sw.load(out / "checkpoint")
-    losses += _train(pipe, batches[1:])
+    losses += train_steps(pipe, batches[1:])
     return {"losses": losses, "state": {k: v.clone() for k, v in pipe.state_dict().items()}}
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> list[dict]:
-    results = _spawn(_ranks, tmp_path_factory.mktemp("shapes"), limit_s=120.0, fail_on_hang=False)
+    results = spawn(_ranks, tmp_path_factory.mktemp("shapes"), limit_s=120.0, fail_on_hang=False)
     return [result or {} for result in results]
 
 
@@ -88,7 +88,7 @@ def _assert_like_one_process(trained, case, model, batches, options) -> None:
                       **options)
     pieces = [{pipe.plan.graph_inputs[0]: inputs[0][:4], pipe.plan.graph_inputs[1]: target[:4]}]
     assert {dtype for _, dtype in pipe.step_shapes.of_step(pieces).values()} == {torch.bfloat16}
-    want = _train(pipe, batches)
+    want = train_steps(pipe, batches)
     for result in trained:
         torch.testing.assert_close(torch.stack(result[case]["losses"]), torch.stack(want), rtol=0, atol=0)
         assert_state_equal(result[case]["state"], pipe.state_dict())

@@ -11,7 +11,6 @@ import functools
 import io
 import json
 import os
-import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -21,8 +20,8 @@ import torch
 
 import stagewise as sw
 from stagewise.cli.main import main
-from stagewise.compiler.checkpoint_files import MARKER, FileRecord, marker_text, read_marker
 from stagewise.ir.errors import CheckpointError
+from tests.harness.crafted import crafted, with_node
 from tests.models.gpt import TinyGPT, lm_loss
 
 CANARY = "canary"  # the file a payload makes, in the test's own folder
@@ -38,32 +37,6 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[sw.Pipeline, Path]:
     path = tmp_path_factory.mktemp("attacks") / "ckpt"
     pipe.save(path)
     return pipe, path
-
-
-def crafted(original: Path, folder: Path, name: str, rewrite: Callable[[bytes], bytes]) -> Path:
-    """A copy of `original` with file `name` rewritten and the marker written again over every
-    file's fresh size and SHA-256, as an attacker would: the marker accepts the copy."""
-    copy = folder / "crafted"
-    shutil.copytree(original, copy)
-    (copy / name).write_bytes(rewrite((copy / name).read_bytes()))
-    records = {listed: FileRecord.of_file(copy / listed) for listed in read_marker(original)}
-    (copy / MARKER).write_text(marker_text(records))
-    return copy
-
-
-def with_node(record: dict) -> Callable[[bytes], bytes]:
-    """A stage or graph structure with the node `record` (named "payload") before its output."""
-
-    def rewrite(data: bytes) -> bytes:
-        document = json.loads(data)
-        structure = document.get("graph", document)  # graph.json holds the structure under "graph"
-        first = next(n["name"] for n in structure["nodes"] if n["op"] == "placeholder")
-        node = {"op": "call_function", "name": "payload", "args": [], "kwargs": [], **record}
-        node["args"] = [{"node": first} if a == "X" else a for a in node["args"]]
-        structure["nodes"].insert(len(structure["nodes"]) - 1, node)
-        return json.dumps(document).encode()
-
-    return rewrite
 
 
 def _payloads(canary: str) -> dict[str, dict]:

@@ -11,14 +11,11 @@ re-plan), pipe.restore and `stagewise inspect`.
 from __future__ import annotations
 
 import io
-import json
 import os
 import pickle
 import re
 import shutil
-import warnings
 import zipfile
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,20 +23,17 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorStorageMetadata
 
 import stagewise as sw
-from stagewise.cli.main import main
-from stagewise.compiler.checkpoint_files import FileRecord, marker_text
-from tests.models.mlp import mlp
-from tests.reference import SGD
-
-X, Y = torch.randn(4, 8), torch.randint(0, 5, (4,))
-METADATA = "weights/.metadata"
-SHARD = "weights/__0_0.distcp"
-
-
-def compiled(seed: int) -> sw.Pipeline:
-    torch.manual_seed(seed)
-    return sw.compile(mlp(), 2, (X,), loss_fn=torch.nn.functional.cross_entropy, example_target=Y,
-                      optimizer=SGD, microbatches=2, cost="analytic")
+from stagewise.compiler.checkpoint_files import FileRecord
+from tests.harness.crafted import (
+    ENTRIES,
+    METADATA,
+    SHARD,
+    compiled,
+    edit_json,
+    edit_metadata,
+    refused,
+    reseal,
+)
 
 
 @pytest.fixture(scope="module")
@@ -67,53 +61,6 @@ def target(saved, tmp_path) -> Path:
     copy = tmp_path / "ck"
     shutil.copytree(saved, copy)
     return copy
-
-
-def reseal(root: Path, records: dict[str, FileRecord] | None = None) -> None:
-    """The marker an attacker writes: every listed file's real size and SHA-256, plus `records`
-    (for a name that is not a regular file inside the folder, which must not be read here)."""
-    listed = json.loads((root / "stagewise.json").read_text())["files"]
-    files = {n: FileRecord.of_file(root / n) for n in listed if (root / n).is_file() and not (root / n).is_symlink()}
-    files.update({n: FileRecord(r["bytes"], r["sha256"]) for n, r in listed.items() if n not in files})
-    (root / "stagewise.json").write_text(marker_text({**files, **(records or {})}))
-
-
-def edit_metadata(root: Path, change: Callable[[Metadata], None]) -> None:
-    metadata = pickle.loads((root / METADATA).read_bytes())  # the test's own save: trusted
-    change(metadata)
-    (root / METADATA).write_bytes(pickle.dumps(metadata))
-    reseal(root)
-
-
-def edit_json(root: Path, name: str, change: Callable[[dict], None]) -> None:
-    data = json.loads((root / name).read_text())
-    change(data)
-    (root / name).write_text(json.dumps(data))
-    reseal(root)
-
-
-def quiet_load(directory: Path, **kwargs) -> sw.Pipeline:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return sw.load(directory, **kwargs)
-
-
-def refused(entry: str, pipe: sw.Pipeline, directory: Path, capsys: pytest.CaptureFixture) -> str:
-    """The CheckpointError's message from reading `directory` through `entry`."""
-    if entry == "inspect":
-        assert main(["inspect", str(directory)]) == 2
-        return capsys.readouterr().err
-    with pytest.raises(sw.CheckpointError) as raised:
-        if entry == "load":
-            quiet_load(directory)
-        elif entry == "replan":
-            quiet_load(directory, devices=3)
-        else:
-            pipe.restore(directory)
-    return str(raised.value)
-
-
-ENTRIES = ["load", "replan", "restore", "inspect"]  # inspect reads the checkpoint as sw.load does, weights' metadata too
 
 
 # --- names that leave the folder ----------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """A crafted plan.json or graph.json declares no number loading would act on unchecked, and a
 name from a checkpoint file is looked up in torch's own tables only (issue #21, items 1 and 2).
 
-As in tests/test_checkpoint_attacks_files.py (whose fixtures and helpers these share), the
+As in tests/test_checkpoint_attacks_files.py (whose helpers, in tests/harness/crafted.py, these share), the
 attacker rewrites any file and the marker with it: plan.json's counts, indices, shapes and dtype
 names, graph.json's options, a dtype name in the weights' metadata. Each is refused as the file
 is read, naming the file and entry, before the re-plan builds its example batch.
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import stagewise as sw
-from tests.test_checkpoint_attacks_files import ENTRIES, METADATA, compiled, edit_json, refused, reseal
+from tests.harness.crafted import ENTRIES, METADATA, compiled, edit_json, refused, reseal
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,8 @@ from stagewise.cli.errors import CommandLineError
 from stagewise.cli.main import build_parser, main
 from stagewise.cli.models import load_workload
 from stagewise.ir.errors import CheckpointError
+from tests.harness.crafted import crafted, with_node
 from tests.models.gpt import TinyGPT, lm_loss
-from tests.test_checkpoint_attacks import crafted, with_node
 
 ROOT = Path(__file__).resolve().parents[1]
 CONSOLE_SCRIPT = Path(sys.executable).with_name("stagewise")  # installed by `pip install -e .`

@@ -163,17 +163,20 @@ def test_second_call_hits_the_disk_cache(mlp_graph, monkeypatch, tmp_path):
 def test_a_cache_entry_timed_under_load_is_measured_again(mlp_graph, monkeypatch, tmp_path):
     """Times 20x what the layers take now (as when other jobs loaded the machine) are not trusted."""
     _, gm, layers = mlp_graph
-    first = profile_layers(gm, layers, "cpu", quiet=True, repeats=1)
+    profile_layers(gm, layers, "cpu", quiet=True, repeats=1)  # writes the cache entry
     (path,) = (tmp_path / "cache" / "profiles").glob("*.json")
     data = json.loads(path.read_text())
     for profile in data["profiles"]:
         for key in ("fwd_s", "bwd_s", "recompute_s"):
             profile[key]["ys"] = [20 * y for y in profile[key]["ys"]]
     path.write_text(json.dumps(data))
+    inflated = [LayerProfile.from_dict(profile) for profile in data["profiles"]]
     calls = count_measurements(monkeypatch)
     again = profile_layers(gm, layers, "cpu", quiet=True, repeats=1)
     assert len(calls) > 1  # profiled again, not read back
-    assert sum(p.fwd_s(8) for p in again) < 0.5 * 20 * sum(p.fwd_s(8) for p in first)  # not the inflated entry
+    # not the inflated entry: a read-back equals it exactly (as a cache hit equals the first profile); a
+    # comparison with the first profile's seconds would depend on the load on the machine now
+    assert all(a.fwd_s != b.fwd_s for a, b in zip(again, inflated, strict=True))
 
 
 def test_layer_profile_round_trips_through_json(mlp_graph):

@@ -7,47 +7,12 @@ import pytest
 import torch
 
 import stagewise as sw
+from tests.harness.cuda import check_on_gpu, gpus
 from tests.hf import gpt2, lm_batches
 from tests.models.gpt import TinyGPT, lm_loss
-from tests.reference import ADAMW, ATOL, RTOL, eager_train, pipeline_train, token_batches
+from tests.reference import ADAMW, ATOL, RTOL, pipeline_train, token_batches
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-def check_on_gpu(model, batches, devices, *, loss_fn=lm_loss, **compile_kwargs):
-    """Train on the GPU(s) and eagerly on the GPU over the same microbatches (the same kernels; fp32,
-    no TF32); equal losses and parameters. Eager on the CPU differs by the GPU's rounding, which
-    AdamW turns into visible parameter differences."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    reference = copy.deepcopy(model).cuda()
-    inputs, target = batches[0]
-    pipe = sw.compile(model, devices, inputs, loss_fn=loss_fn, example_target=target, optimizer=ADAMW,
-                      **compile_kwargs)
-    got = torch.stack([loss.cpu() for loss in pipeline_train(pipe, batches)])
-    want = torch.stack([loss.cpu() for loss in eager_train(
-        reference, _on_gpu(batches), loss_fn=loss_fn, optimizer=ADAMW,
-        microbatches=compile_kwargs.get("microbatches", 1), clip_grad_norm=compile_kwargs.get("clip_grad_norm"))])
-    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
-    state = reference.state_dict()
-    for name, tensor in pipe.state_dict().items():
-        torch.testing.assert_close(tensor.cpu(), state[name].cpu(), rtol=RTOL, atol=ATOL)
-    return pipe
-
-
-def _on_gpu(batches):
-    def moved(value):
-        if isinstance(value, dict):
-            return {k: moved(v) for k, v in value.items()}
-        if isinstance(value, tuple | list):
-            return type(value)(moved(v) for v in value)
-        return value.cuda() if isinstance(value, torch.Tensor) else value
-    return [moved(batch) for batch in batches]
-
-
-def gpus(n: int) -> list[str]:
-    """n logical devices over the GPUs present (several on one GPU when there are fewer)."""
-    return [f"cuda:{i % torch.cuda.device_count()}" for i in range(n)]
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "harmony-pp"])
@@ -78,7 +43,7 @@ def test_stream_work_overlaps_on_the_gpu():
 def test_mixed_precision_on_cuda_trains_as_eager_autocast(precision):
     """Stage forwards under CUDA autocast (bf16 / fp16), fp32 masters, against eager torch.autocast on
     the GPU over the same microbatches (tolerances of tests/test_precision.py)."""
-    from tests.test_precision import LOSS_RTOL, PARAM_ATOL, SGD, eager_autocast_train
+    from tests.harness.precision import LOSS_RTOL, PARAM_ATOL, SGD, eager_autocast_train
 
     torch.manual_seed(0)
     model = TinyGPT(layers=4)
@@ -100,18 +65,18 @@ def test_any_batch_shape_on_cuda_with_pinned_swaps():
     """Sequence lengths vary per step and the last batch is uneven: the shapes of a step are derived
     on fake CUDA tensors from the swapped (pinned host) stages, as on the CPU (tests/test_any_shape.py).
     Batches come from host memory or the GPU."""
-    from tests.test_any_shape import _lm_batches, _train, eager_split_train
+    from tests.harness.any_shape import eager_split_train, train_steps, varied_lm_batches
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
     model = gpt2(2)
     reference = copy.deepcopy(model)
-    batches = _lm_batches()
+    batches = varied_lm_batches()
     pipe = sw.compile(model, gpus(2), batches[0][0], microbatches=2, schedule="1f1b", swap="on", optimizer=ADAMW,
                       cost="analytic")
     gpu_batches = [({k: v.cuda() if step % 2 else v for k, v in inputs.items()}, None)  # from the CPU or the GPU
                    for step, (inputs, _) in enumerate(batches)]
-    got = torch.stack([loss.cpu() for loss in _train(pipe, gpu_batches)])
+    got = torch.stack([loss.cpu() for loss in train_steps(pipe, gpu_batches)])
     want = torch.stack(eager_split_train(reference, batches, microbatches=1, optimizer=ADAMW))
     torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
     state = reference.state_dict()

@@ -9,15 +9,15 @@ which the two do not share (tests/test_opportunistic.py covers it).
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import replace
 
 import pytest
 import torch
 
 import stagewise as sw
-from stagewise.ir.instructions import Backward, Forward, HostUpdate, Recompute, Stream, Update
-from stagewise.passes.simulate import SimCost, simulate, transfer_bytes
+from stagewise.ir.instructions import Backward, Forward, Recompute, Stream
+from stagewise.passes.simulate import simulate
+from tests.harness.measured import measured_cost, stream_orders
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.reference import ADAMW
 
@@ -54,48 +54,6 @@ def run_both(schedule: str, swap: str, clip: float | None = 1.0):
                 for bandwidth in (cost.host_bandwidth, max(cost.stash_bytes + cost.grad_bytes) / 1e-2)]
     simulated = [simulate(pipe.plan.programs, c, opportunistic=False) for c in variants]
     return pipe, measured, (simulated[0], simulated)  # the first: measured seconds, instant copies
-
-
-def measured_cost(pipe) -> SimCost:
-    """The plan's programs, charged the sizes the runtime holds: state per stage and stash per microbatch."""
-    stages = pipe.plan.stages
-    state, grads = [0.0] * len(stages), [0.0] * len(stages)
-    for worker in pipe.workers:
-        layers = pipe.plan.layers  # a swapped stage's parameters are empty on the device between uses
-        grads[worker.stage.index] = float(sum(layers[i].param_bytes for i in worker.stage.layers))
-        if not worker.swapped:  # weights, optimizer state and buffers stay; gradients come and go
-            weights = sum(p.numel() * p.element_size() for p in worker.params.values())
-            optimizer = sum(t.numel() * t.element_size() for t in worker.tensors("optimizer").values())
-            buffers = sum(b.numel() * b.element_size() for b in worker.module.buffers())
-            state[worker.stage.index] = float(weights + optimizer + buffers)
-    stash = [0.0] * len(stages)
-    for worker in pipe.workers:
-        stash[worker.stage.index] = float(max((v for (grad, _), v in worker.stash_size.items() if grad), default=0))
-    forward, backward, update = measured_seconds(pipe)
-    return SimCost(forward_s=forward, backward_s=backward, update_s=update, state_bytes=tuple(state),
-                   grad_bytes=tuple(grads), stash_bytes=tuple(stash),
-                   value_bytes=transfer_bytes(pipe.plan.transfers, pipe.plan.microbatch_size))
-
-
-def measured_seconds(pipe) -> tuple[tuple[float, ...], ...]:
-    """Each stage's median forward, backward and update seconds in the step just run: the overlaps
-    that decide a peak depend on how long each stage computes."""
-    spans: dict[tuple[type, int], list[float]] = {}
-    for device, _, index, start, end in pipe.executor.timeline:
-        ins = pipe.plan.programs[device].instructions[index]
-        if isinstance(ins, (Forward, Recompute, Backward, Update, HostUpdate)):
-            kind = Forward if isinstance(ins, Recompute) else HostUpdate if isinstance(ins, Update) else type(ins)
-            spans.setdefault((kind, ins.stage), []).append(end - start)
-    stages = range(len(pipe.plan.stages))
-    return tuple(tuple(statistics.median(spans.get((kind, s), [0.0])) for s in stages)
-                 for kind in (Forward, Backward, HostUpdate))
-
-
-def stream_orders(pipe) -> dict[tuple[int, Stream], list[int]]:
-    runs: dict[tuple[int, Stream], list[tuple[float, int]]] = {}
-    for device, stream, index, start, _ in pipe.executor.timeline:
-        runs.setdefault((device, stream), []).append((start, index))
-    return {key: [i for _, i in sorted(v)] for key, v in runs.items()}
 
 
 @pytest.fixture(scope="module")

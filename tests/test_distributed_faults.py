@@ -31,10 +31,10 @@ import stagewise as sw
 from stagewise.runtime.failure_notice import PeerFailed
 from stagewise.runtime.step_records import missing_sides
 from stagewise.runtime.sync import Aborted, Sync
+from tests.harness.checkpoints import optimizer_state
+from tests.harness.ranks import RANKS, join, save_result, spawn
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.reference import ADAMW, ATOL, RTOL, assert_state_equal, eager_train, pipeline_train, token_batches
-from tests.test_distributed import RANKS, _join, _save, _spawn
-from tests.test_save_load import optimizer_state
 
 TIMEOUT_S = 20.0
 
@@ -86,7 +86,7 @@ def _transport_pieces(rank: int, init_file: str, out: str) -> None:
     """Rank 0 sends two activations (rank 1 takes one), then enters the shared-gradient all-reduce
     alone; rank 1 posts a receive rank 0 never sends to, then fails and notifies. Rank 0 must stop
     on the notice, both must agree and drain, and then train like eager training."""
-    _join(init_file, rank, 30.0)
+    join(init_file, rank, 30.0)
     torch.set_num_threads(1)
     result: dict = {}
     try:
@@ -125,12 +125,12 @@ def _transport_pieces(rank: int, init_file: str, out: str) -> None:
         result["state"] = {k: v.clone() for k, v in pipe.state_dict().items()}
     except Exception:  # noqa: BLE001 - the parent shows it
         result["error"] = traceback.format_exc()
-    _save(Path(out) / f"rank{rank}.pkl", result)
+    save_result(Path(out) / f"rank{rank}.pkl", result)
     os._exit(0)
 
 
 def test_notice_conclude_and_drain_leave_both_ranks_clean(tmp_path):
-    results = _spawn(_transport_pieces, tmp_path)
+    results = spawn(_transport_pieces, tmp_path)
     for rank, result in enumerate(results):
         assert result is not None and "error" not in result, (rank, result)
     assert results[0]["stopped"] == PeerFailed.__name__  # the notice stopped rank 0, not its timeout (a PeerError)
@@ -250,7 +250,7 @@ def _schedule_faults(rank: int, schedule: str) -> dict:
 def _fault_cases(rank: int, init_file: str, out: str) -> None:
     """Every schedule in turn on one pair of ranks, saving after each; the first unexpected error
     ends the run (the ranks could not go on together)."""
-    _join(init_file, rank, 30.0)
+    join(init_file, rank, 30.0)
     torch.set_num_threads(1)
     path = Path(out) / f"rank{rank}.pkl"
     results = {}
@@ -261,13 +261,13 @@ def _fault_cases(rank: int, init_file: str, out: str) -> None:
             results[schedule] = {"error": traceback.format_exc()}
             break
         finally:
-            _save(path, results)
+            save_result(path, results)
     os._exit(0)
 
 
 @pytest.fixture(scope="module")
 def faulted(tmp_path_factory) -> list[dict]:
-    results = _spawn(_fault_cases, tmp_path_factory.mktemp("faults"), limit_s=CASES_LIMIT_S, fail_on_hang=False)
+    results = spawn(_fault_cases, tmp_path_factory.mktemp("faults"), limit_s=CASES_LIMIT_S, fail_on_hang=False)
     return [result or {} for result in results]
 
 

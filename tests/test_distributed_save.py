@@ -24,9 +24,11 @@ import torch.distributed as dist
 
 import stagewise as sw
 from stagewise.compiler import checkpoint_write
+from tests.harness.async_save import check_saved_on_two_ranks, save_on_this_rank
+from tests.harness.checkpoints import assert_optimizer_state_equal, optimizer_state
+from tests.harness.rank_problems import compile_case
+from tests.harness.ranks import join, save_result, spawn
 from tests.reference import ATOL, RTOL, assert_state_equal, pipeline_train, token_batches
-from tests.test_async_save import check_saved_on_two_ranks, save_on_this_rank
-from tests.test_distributed import _compile, _join, _save, _spawn
 
 # (schedule, swap): the tied embedding and head on different ranks with clipping; two stages per
 # rank; Harmony's wrap-around packs with weights and optimizer state swapped to host memory.
@@ -53,14 +55,14 @@ def _case_dir(out: str, case: tuple[str, str]) -> Path:
 
 # ---- what each rank runs --------------------------------------------------------------------
 def _save_and_load(rank: int, init_file: str, out: str, cases) -> None:
-    _join(init_file, rank, 30.0)
+    join(init_file, rank, 30.0)
     torch.set_num_threads(1)
     path = Path(out) / f"rank{rank}.pkl"
     results = {}
     try:
         pipes = []
         for case in cases:
-            pipe, batches = _compile("tied-gpt", *case)
+            pipe, batches = compile_case("tied-gpt", *case)
             pipe.timeout_s = TIMEOUT_S
             pipeline_train(pipe, batches[:SAVED_AFTER])
             directory = _case_dir(out, case)
@@ -76,18 +78,18 @@ def _save_and_load(rank: int, init_file: str, out: str, cases) -> None:
                 "original": pipeline_train(pipe, _more()),
             }
             pipes.append(pipe)
-            _save(path, results)
+            save_result(path, results)
         for how in ("write", "snapshot"):
             results[f"failing {how}"] = _failing_save(pipes[0], rank, out, how)
         try:
             results["asynchronous"] = save_on_this_rank(Path(out) / "asynchronous")
         except Exception:  # noqa: BLE001 - its own test shows it
             results["asynchronous"] = {"error": traceback.format_exc()}
-        _save(path, results)
+        save_result(path, results)
         results["rank 0 alone"] = _save_on_rank_0_only(pipes[0], rank, out)
     except Exception:  # noqa: BLE001 - the parent shows it
         results["error"] = traceback.format_exc()
-    _save(path, results)
+    save_result(path, results)
     os._exit(0)  # the last case leaves a barrier unmatched on purpose; do not wait on it at exit
 
 
@@ -148,7 +150,7 @@ def _save_on_rank_0_only(pipe, rank: int, out: str) -> dict | None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> tuple[Path, list[dict]]:
     out = tmp_path_factory.mktemp("saves")
-    results = _spawn(_save_and_load, out, CASES, limit_s=LIMIT_S)
+    results = spawn(_save_and_load, out, CASES, limit_s=LIMIT_S)
     for rank, result in enumerate(results):
         assert result is not None, f"rank {rank} saved nothing"
         assert "error" not in result, f"rank {rank} failed:\n{result['error']}"
@@ -158,10 +160,9 @@ def ranks(tmp_path_factory) -> tuple[Path, list[dict]]:
 @pytest.mark.parametrize("case", CASES, ids="-".join)
 def test_distributed_save_loads_in_one_process_like_a_single_process_run(ranks, case):
     # imported here, not at the top: it imports transformers, 1.5 s in each spawned rank
-    from tests.test_save_load import assert_optimizer_state_equal, optimizer_state
 
     out, results = ranks
-    alone, batches = _compile("tied-gpt", *case)  # the same training in one process
+    alone, batches = compile_case("tied-gpt", *case)  # the same training in one process
     pipeline_train(alone, batches[:SAVED_AFTER])
     loaded = sw.load(_case_dir(out, case))
     assert [(s.index, s.device, s.layers) for s in loaded.plan.stages] == [

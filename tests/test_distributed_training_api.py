@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 import stagewise as sw
 from stagewise.compiler.state_dict import model_name
+from tests.harness.ranks import case_results, run_cases, spawn
 from tests.reference import ADAMW, ATOL, RTOL, SGD, assert_state_equal, chunks, eager_train, model_loss
-from tests.test_distributed import _spawn, case_results, run_cases
 from tests.training_problems import (
     GROUPED,
     LOSS_FNS,
@@ -204,7 +204,7 @@ def four_devices(tmp_path_factory) -> tuple[Path, dict]:
 
 @pytest.fixture(scope="module")
 def ranks(four_devices) -> list[dict]:
-    results = _spawn(_run_cases, four_devices[0], CASES, limit_s=LIMIT_S, fail_on_hang=False)
+    results = spawn(_run_cases, four_devices[0], CASES, limit_s=LIMIT_S, fail_on_hang=False)
     return [result or {} for result in results]
 
 

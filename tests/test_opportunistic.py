@@ -26,10 +26,10 @@ from stagewise.ir.instructions import Backward, Carried, Forward, Recompute, Rec
 from stagewise.passes.lower import lower
 from stagewise.passes.schedule import schedule_tasks
 from stagewise.passes.simulate import SimCost, simulate
+from tests.harness.ranks import spawn
+from tests.harness.stages import chain
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.reference import ADAMW, ATOL, RTOL, assert_state_equal, eager_train, pipeline_train, token_batches
-from tests.test_distributed import _spawn
-from tests.test_simulator import chain
 
 SLOW_BACKWARD_S = 0.1  # the last stage's backward sleeps this long: its gradients arrive late
 MICROBATCH_COMPUTES = (Forward, Recompute, Backward)  # F, R, B: every compute but the update
@@ -228,7 +228,7 @@ def _rank(rank: int, init_file: str, out: str) -> None:
 
 
 def test_three_gloo_ranks_run_ready_forwards_early_and_train_like_eager(tmp_path):
-    results = _spawn(_rank, tmp_path, ranks=RANKS, limit_s=SPAWN_LIMIT_S)
+    results = spawn(_rank, tmp_path, ranks=RANKS, limit_s=SPAWN_LIMIT_S)
     for rank, result in enumerate(results):
         assert result is not None and "error" not in result, f"rank {rank} failed:\n{result}"
     torch.manual_seed(0)

@@ -16,7 +16,6 @@ and parameters within 3e-8; Llama on 4 devices losses within 1e-5 relative, para
 from __future__ import annotations
 
 import copy
-import functools
 from dataclasses import replace
 
 import pytest
@@ -24,49 +23,16 @@ import torch
 
 import stagewise as sw
 from stagewise.passes.simulate import simulate
+from tests.harness.measured import measured_cost
+from tests.harness.precision import LOSS_RTOL, PARAM_ATOL, SGD, eager_autocast_train
 from tests.hf import gpt2, llama, lm_batches
 from tests.models.gpt import TinyGPT, lm_loss
-from tests.reference import chunks, model_loss
-from tests.test_differential import measured_cost
-
-SGD = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-LOSS_RTOL, PARAM_ATOL = 2e-3, 5e-4
+from tests.reference import chunks
 
 
 def gpt_batches(steps: int = 3):
     generator = torch.Generator().manual_seed(0)
     return [(((ids := torch.randint(0, 64, (8, 16), generator=generator)),), ids) for _ in range(steps)]
-
-
-def eager_autocast_train(model, batches, precision: str, microbatches: int, loss_fn=None, clip=None, norms=None,
-                         device: str = "cpu"):
-    """Eager training as torch's AMP recipe writes it: forward and loss under autocast, backward outside
-    (the model and batches on `device`)."""
-    opt = SGD(model.parameters())
-    scaler = torch.amp.GradScaler(device) if precision == "fp16" else None
-    batches = [(torch.utils._pytree.tree_map(lambda t: t.to(device), inputs),
-                None if target is None else target.to(device)) for inputs, target in batches]
-    losses = []
-    for inputs, target in batches:
-        opt.zero_grad()
-        total = 0.0
-        for mb_inputs, mb_target in chunks(inputs, target, microbatches):
-            with torch.autocast(device, dtype=DTYPES[precision]):
-                loss = model_loss(model, mb_inputs, mb_target, loss_fn) / microbatches
-            (scaler.scale(loss) if scaler else loss).backward()
-            total += loss.detach()
-        if scaler:
-            scaler.unscale_(opt)
-        if clip is not None:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
-        if scaler:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-        losses.append(float(total))
-    return losses
 
 
 def run_pipeline(pipe, batches):

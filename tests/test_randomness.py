@@ -18,11 +18,11 @@ import stagewise as sw
 from stagewise.ir.errors import OptionError
 from stagewise.ir.instructions import Recompute
 from stagewise.ir.random_streams import DrawKey, drawing, keyed_dropout
+from tests.harness.ranks import join, save_result, spawn
 from tests.models.cnn import ResNet
 from tests.models.dropout import DropoutGPT, MaskProbe, RandomLeaves
 from tests.models.gpt import lm_loss
 from tests.reference import ADAMW, ATOL, RTOL, assert_state_equal, check_equal_training, pipeline_train
-from tests.test_distributed import _join, _save, _spawn
 
 STEPS = 3
 
@@ -249,7 +249,7 @@ def test_resuming_from_a_checkpoint_draws_the_masks_of_uninterrupted_training(tm
 # ---- across processes --------------------------------------------------------------------------
 def _train_on_rank(rank: int, init_file: str, out: str) -> None:
     """What each of the two gloo ranks runs: the in-process test's compile and training."""
-    _join(init_file, rank, 30.0)
+    join(init_file, rank, 30.0)
     torch.set_num_threads(1)
     try:
         pipe, losses = _train_gpt(2, "varuna", _token_batches())
@@ -257,12 +257,12 @@ def _train_on_rank(rank: int, init_file: str, out: str) -> None:
                   "seed": pipe.plan.seed}
     except Exception as error:  # noqa: BLE001 - the parent shows it
         result = {"error": repr(error)}
-    _save(Path(out) / f"rank{rank}.pkl", result)
+    save_result(Path(out) / f"rank{rank}.pkl", result)
     os._exit(0)  # skip the process group's teardown: the parent has what it needs
 
 
 def test_two_gloo_ranks_draw_what_one_process_draws(tmp_path):
-    ranks = _spawn(_train_on_rank, tmp_path)
+    ranks = spawn(_train_on_rank, tmp_path)
     pipe, losses = _train_gpt(2, "varuna", _token_batches())
     for result in ranks:
         assert result is not None and "error" not in result, result

@@ -11,9 +11,12 @@ import pytest
 import torch
 
 import stagewise as sw
+from stagewise.compiler import costing
+from stagewise.compiler.calibrate import OptimizerCost
 from stagewise.compiler.checkpoint_read import read_checkpoint
 from stagewise.compiler.optimizer_recipe import recorded_optimizer
 from stagewise.compiler.replan import _options
+from stagewise.ir.topology import Topology
 from tests import hf
 from tests.models.dropout import DropoutGPT
 from tests.models.gpt import lm_loss
@@ -42,7 +45,20 @@ def _compiled(devices: int) -> sw.Pipeline:
 
 
 @pytest.fixture(scope="module")
-def saved_run(tmp_path_factory):
+def fixed_runtime_costs():
+    """The figures analytic planning measures on this machine (the per-instruction hand-off, the
+    optimizer step, the links), fixed at an idle 2-core machine's: the microbatch counts the planner
+    chooses are then the model's, not the machine load's (a hand-off slowed by load made the 4-device
+    plan choose 1 microbatch, as the 1-device plan does)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(costing, "handoff_seconds", lambda: 1.1e-5)
+        patch.setattr(costing, "optimizer_cost", lambda *_: OptimizerCost(per_tensor_s=3e-5, per_byte_s=1e-9))
+        patch.setattr(costing, "local_topology", lambda devices: Topology.uniform(len(devices), 32e9))
+        yield
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory, fixed_runtime_costs):
     """Trained STEPS steps on 4 devices, saved, then STEPS more: what a re-planned run must match."""
     pipe = _compiled(4)
     batches = _batches()
@@ -54,7 +70,8 @@ def saved_run(tmp_path_factory):
     return directory, losses, pipe.state_dict()
 
 
-def test_an_fx_graph_is_planned_again_at_any_microbatch_count_and_again_from_its_own_checkpoint(saved_run, tmp_path):
+def test_an_fx_graph_is_planned_again_at_any_microbatch_count_and_again_from_its_own_checkpoint(
+        saved_run, fixed_runtime_costs, tmp_path):
     """Onto one device (the planner free to choose the microbatches: fx code takes any size), one
     step there, saved, and onto two: each checkpoint keeps the graph, and the run ends as the
     uninterrupted one within fp32 rounding."""

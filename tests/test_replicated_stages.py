@@ -38,6 +38,8 @@ from stagewise.passes.pipedream_dp import (
 from stagewise.passes.replicate import replicate_stages
 from stagewise.passes.schedule import instance_tasks
 from stagewise.passes.simulate import simulate
+from tests.harness.measured import measured_cost, stream_orders
+from tests.harness.ranks import spawn
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.models.mlp import mlp
 from tests.reference import (
@@ -51,8 +53,6 @@ from tests.reference import (
     pipeline_train,
     token_batches,
 )
-from tests.test_differential import measured_cost, stream_orders
-from tests.test_distributed import _spawn
 
 # ---------------------------------------------------------------- a model where 2-1 is fastest
 
@@ -221,7 +221,7 @@ def _tied_gpt_problem():
 
 def test_a_2_1_plan_trains_like_eager_on_three_ranks(tmp_path) -> None:
     """Under torch.distributed each rank runs its own instance: replica 0 or 1 of stage 0, or stage 1."""
-    results = _spawn(_train_2_1_on_three_ranks, tmp_path, ranks=3)
+    results = spawn(_train_2_1_on_three_ranks, tmp_path, ranks=3)
     for rank, result in enumerate(results):
         assert result is not None and "error" not in result, (rank, result)
         assert result["devices"] == {rank}

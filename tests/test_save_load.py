@@ -7,31 +7,11 @@ import pytest
 import torch
 
 import stagewise as sw
+from tests.harness.checkpoints import assert_optimizer_state_equal, optimizer_state
 from tests.hf import gpt2, lm_batches
 from tests.models.cnn import ResNet
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.reference import ADAMW, assert_state_equal, pipeline_train, token_batches
-
-
-def optimizer_state(pipe) -> dict[tuple[int, str, str], torch.Tensor]:
-    """Every stage's optimizer state as (stage, parameter name, key) -> tensor; a swapped stage's
-    state read from the host memory where it lives between steps."""
-    found = {}
-    for worker in pipe.workers:
-        names = {id(p): n for n, p in worker.params.items()}
-        for param, values in (worker.optimizer.state.items() if worker.optimizer else ()):
-            for key, value in values.items():
-                if value.numel() == 0:
-                    value = worker.host[("optimizer", f"{names[id(param)]}.{key}")]
-                found[(worker.stage.index, names[id(param)], key)] = value
-    return found
-
-
-def assert_optimizer_state_equal(got: dict, want: dict, exact: bool = False) -> None:
-    assert set(got) == set(want) and want, f"optimizer state keys differ: {set(got) ^ set(want)}"
-    for key, tensor in want.items():
-        tol = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-5, "atol": 1e-6}
-        torch.testing.assert_close(got[key], tensor, **tol, msg=lambda m, k=key: f"{k}: {m}")
 
 
 @pytest.mark.parametrize("stages", [None, 2], ids=["every-device", "idle-device"])

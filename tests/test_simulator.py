@@ -24,32 +24,15 @@ from stagewise.ir.instructions import (
     Send,
     Stream,
 )
-from stagewise.ir.plan import SharedTensor, Stage, Transfer
+from stagewise.ir.plan import SharedTensor
 from stagewise.ir.program import Program
 from stagewise.passes.lower import lower
 from stagewise.passes.schedule import one_f_one_b, schedule_tasks
 from stagewise.passes.simulate import SimCost, simulate
+from tests.harness.stages import chain
 
 ACT = 1000.0  # bytes one stage stashes per microbatch
 STATE = 50.0  # bytes of parameters, gradients and optimizer state per stage
-
-
-def chain(p: int) -> tuple[tuple[Stage, ...], tuple[Transfer, ...]]:
-    """p stages in a line: stage s gets h{s-1} from s - 1 and sends h{s} to s + 1; the last returns the loss."""
-    stages = tuple(
-        Stage(
-            index=s,
-            device=s,
-            layers=(s,),
-            inputs=("x",) if s == 0 else (f"h{s - 1}",),
-            outputs=("loss",) if s == p - 1 else (f"h{s}",),
-            params=(f"w{s}",),
-            buffers=(),
-        )
-        for s in range(p)
-    )
-    transfers = tuple(Transfer(f"h{s}", s, s + 1, 4.0, True) for s in range(p - 1))
-    return stages, transfers
 
 
 def programs(schedule: str, p: int, m: int, shared: tuple[SharedTensor, ...] = ()) -> tuple[Program, ...]:
