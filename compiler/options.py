@@ -238,7 +238,7 @@ class CompileRequest:
         if runs_here:
             check_present(resolved)
         elif options.cost != CostModel.ANALYTIC:
-            raise OptionError(f"cost={options.cost!r} times layers on this machine's devices; a plan for devices that "
+            raise OptionError(f"cost='{options.cost}' times layers on this machine's devices; a plan for devices that "
                               "need not be here is costed from their figures: cost='analytic'")
         _check_model_precision(model, options.precision, resolved)
         distributed = distributed_context() if runs_here else None

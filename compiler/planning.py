@@ -101,7 +101,7 @@ class PlanBuilder:
             starts = starts_from_split_points(graph.layers, graph.cuts, list(options.split_points))
             if name not in HARMONY and len(starts) != layout.positions:  # Harmony's packs may be any number
                 raise PartitionError(
-                    f"split_points gives {len(starts)} stages but {len(request.devices)} devices with schedule {name!r} "
+                    f"split_points gives {len(starts)} stages but {len(request.devices)} devices with schedule '{name}' "
                     f"need {layout.positions}; give {layout.positions - 1} split points, or stages={len(starts)}"
                 )
             stage_devices = [layout.device_of(s, 0) for s in range(len(starts))]

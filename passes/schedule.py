@@ -195,7 +195,7 @@ def lane_tasks(name: Schedule, n_stages: int, microbatches: int, n_devices: int,
         return harmony_pp(n_stages, n_devices, microbatches, jit_update)
     if name == Schedule.HARMONY_DP:
         return harmony_pp(n_stages, 1, microbatches, jit_update)
-    raise OptionError(f"unknown schedule {name!r}; choose one of {choice_names(Schedule)}")
+    raise OptionError(f"unknown schedule '{name}'; choose one of {choice_names(Schedule)}")
 
 
 def schedule_tasks(
