@@ -132,6 +132,7 @@ class LayerProfile:
         for key in TIMES + SIZES:
             data[key] = PiecewiseLinear(tuple(data[key]["xs"]), tuple(data[key]["ys"]))
         data["probes"] = tuple(LayerCost(**p) for p in data["probes"])
+        data["source"] = CostModel(data["source"])  # a cache file holds its string
         return cls(**data)
 
 

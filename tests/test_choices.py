@@ -8,6 +8,7 @@ import io
 import json
 import tokenize
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +16,8 @@ import torch.nn.functional as F
 
 import stagewise as sw
 from stagewise.compiler.options import CompileOptions
+from stagewise.ir.plan import LayerCost
+from stagewise.passes.profile_fit import LayerProfile
 from tests.models.mlp import mlp
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,3 +97,12 @@ def test_the_library_compares_members_not_string_literals():
              if path.resolve() not in ENUM_DEFINITIONS
              for line, text in _literals(path.resolve())]
     assert not found, "use the enum members (ir/choices.py, passes/swap.py):\n" + "\n".join(found)
+
+
+
+def test_a_cached_profile_reads_its_source_back_as_a_member():
+    """The profile cache is JSON: the cost model comes back from its string."""
+    probes = [LayerCost(0, u, 1e-3 * u, 2e-3 * u, 1e-3 * u, 64, 64, 128, 32 * u, 32 * u, 0) for u in (1, 2)]
+    profile = LayerProfile.from_probes(SimpleNamespace(index=0, name="fc"), "sig", probes)
+    again = LayerProfile.from_dict(json.loads(json.dumps(profile.to_dict())))
+    assert again == profile and type(again.source) is sw.CostModel
