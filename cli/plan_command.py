@@ -19,7 +19,7 @@ from stagewise.cli.devices import requested_devices
 from stagewise.cli.errors import CommandLineError
 from stagewise.cli.models import load_workload
 from stagewise.cli.progress import progress
-from stagewise.passes.schedule import SCHEDULES
+from stagewise.ir.choices import Schedule
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
@@ -31,7 +31,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser], co
                         help="accelerators ('8xH100') or instance types ('p4d.24xlarge', '2xp4d.24xlarge') of the "
                              "catalogue; repeat, comma-separate or join with + to mix")
     add_training_arguments(parser)
-    parser.add_argument("--schedule", choices=SCHEDULES, default="auto", help="default: the planner's choice")
+    parser.add_argument("--schedule", choices=tuple(Schedule), default=Schedule.AUTO, help="default: the planner's choice")
     parser.add_argument("--microbatches", type=positive_int, metavar="M", help="default: the planner's choice")
     parser.add_argument("--trace", type=Path, metavar="FILE.json",
                         help="write the predicted timeline as a Chrome trace (open in Perfetto)")

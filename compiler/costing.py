@@ -18,6 +18,7 @@ from stagewise.compiler.calibrate import (
 from stagewise.compiler.cluster import cluster_topology
 from stagewise.compiler.modelled_costs import modelled_runtime_costs, modelled_topology
 from stagewise.compiler.options import CompileRequest
+from stagewise.ir.choices import CostModel
 from stagewise.ir.costs import RuntimeCosts, training_state_per_param_byte
 from stagewise.ir.devices import Device
 from stagewise.ir.plan import LayerCost
@@ -31,7 +32,7 @@ from stagewise.passes.profile_sizes import MAX_MICROBATCH
 class LayerCostModel:
     """Per-layer costs at a microbatch size, from one profile (or analytic model) of the first graph."""
 
-    def __init__(self, cost_model: str, analysis: Analysis, device: Device, optimizer_ratio: float,
+    def __init__(self, cost_model: CostModel, analysis: Analysis, device: Device, optimizer_ratio: float,
                  precision: str = "fp32", largest: int = MAX_MICROBATCH):
         self.cost_model, self.analysis, self.device, self.optimizer_ratio = cost_model, analysis, device, optimizer_ratio
         self.precision = precision  # layers are costed under its autocast
@@ -40,7 +41,7 @@ class LayerCostModel:
     @functools.cached_property
     def profiles(self) -> list[LayerProfile]:
         first = self.analysis.first
-        if self.cost_model == "analytic":
+        if self.cost_model == CostModel.ANALYTIC:
             return analytic_layers(first.graph, first.layers, first.microbatch_size, self.device,
                                    optimizer_state_factor=self.optimizer_ratio, precision=self.precision)
         return profile_layers(first.graph, first.layers, self.device, traced_microbatch=first.microbatch_size,
@@ -100,7 +101,7 @@ def runtime_costs(request: CompileRequest, analysis: Analysis, layer_costs: Laye
     concurrency: tuple[float, ...] = ()
     update_concurrency: tuple[float, ...] = ()
     wake_s = 0.0
-    if sharing > 1 and request.options.cost == "profile":
+    if sharing > 1 and request.options.cost == CostModel.PROFILE:
         measured = host_contention(first.graph, first.layers, layer_costs.at(first.microbatch_size),
                                    first.microbatch_size, sharing, optimizer)
         concurrency, wake_s, update_concurrency = measured.speeds, measured.wake_s, measured.update_speeds

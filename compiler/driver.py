@@ -16,6 +16,7 @@ from stagewise.compiler.phases import PHASES, analyse, run_phases
 from stagewise.compiler.phases import plan as plan_phase
 from stagewise.compiler.pipeline import Compiled, Pipeline
 from stagewise.compiler.virtual_devices import virtual_layout
+from stagewise.ir.choices import CostModel, Schedule
 from stagewise.ir.devices import format_bytes
 from stagewise.ir.errors import CapacityError, ExampleInputsError, LossError, OptionError
 from stagewise.ir.plan import Plan
@@ -26,6 +27,7 @@ from stagewise.passes.costs import plan_charges
 from stagewise.passes.shared import unheld_state
 from stagewise.passes.sim_result import SimResult
 from stagewise.passes.simulate import simulate as simulate_programs
+from stagewise.passes.swap import SwapMode
 
 
 @releasing_fx_sources
@@ -38,11 +40,11 @@ def compile(  # noqa: A001 - the public name of the API
     loss_reduction=None,
     optimizer=None,
     microbatches: int | None = None,
-    schedule: str = "auto",
-    cost: str = "profile",
+    schedule: Schedule | str = Schedule.AUTO,
+    cost: CostModel | str = CostModel.PROFILE,
     split_points: list[str] | None = None,
     clip_grad_norm: float | None = None,
-    swap: str = "auto",
+    swap: SwapMode | str = SwapMode.AUTO,
     replicas: int | str | tuple[int, ...] = 1,
     stages: int | str | None = None,
     optimizer_on_host: bool = False,
@@ -107,9 +109,9 @@ def plan(
     loss_fn=None, example_target=None,
     optimizer=None,
     microbatches: int | None = None,
-    schedule: str = "auto",
+    schedule: Schedule | str = Schedule.AUTO,
     split_points: list[str] | None = None,
-    swap: str = "auto",
+    swap: SwapMode | str = SwapMode.AUTO,
     replicas: int | str | tuple[int, ...] = 1,
     stages: int | str | None = None,
     optimizer_on_host: bool = False,
@@ -125,7 +127,7 @@ def plan(
     """
     _check_arguments(model, split_points, example_inputs, loss_fn, None)
     options = make_options(loss_fn=loss_fn, example_target=example_target, optimizer=optimizer,
-                           microbatches=microbatches, schedule=schedule, cost="analytic", split_points=split_points,
+                           microbatches=microbatches, schedule=schedule, cost=CostModel.ANALYTIC, split_points=split_points,
                            clip_grad_norm=None, swap=swap, replicas=replicas, stages=stages,
                            optimizer_on_host=optimizer_on_host, seed=0, precision=precision, topology=topology)
     return planned(CompileRequest.make(model, devices, example_inputs, options, runs_here=False))[0]

@@ -13,6 +13,7 @@ import torch
 
 from stagewise.compiler.batches import batch_size, check_microbatches, input_specs
 from stagewise.compiler.optimizer_groups import ParamGroups, check_param_groups, sample_optimizer
+from stagewise.ir.choices import CostModel, Schedule, parse_choice
 from stagewise.ir.devices import Device, check_present, resolve_devices
 from stagewise.ir.errors import (
     BatchSizeError,
@@ -29,12 +30,10 @@ from stagewise.ir.topology import Topology
 from stagewise.passes.capture import input_names
 from stagewise.passes.contention import available_cores, computes_at_full_speed
 from stagewise.passes.layout import PER_STAGE
-from stagewise.passes.schedule import SCHEDULES
-from stagewise.passes.swap import CHOICES as SWAP_CHOICES
+from stagewise.passes.swap import SwapMode
 from stagewise.runtime.launch import DistributedContext, distributed_context
 
 DEFAULT_OPTIMIZER = functools.partial(torch.optim.SGD, lr=0.01)
-COST_MODELS = ("profile", "analytic")
 
 
 @dataclass(frozen=True)
@@ -45,11 +44,11 @@ class CompileOptions:
     example_target: object = None
     optimizer: Callable = DEFAULT_OPTIMIZER
     microbatches: int | None = None
-    schedule: str = "auto"
-    cost: str = "profile"
+    schedule: Schedule = Schedule.AUTO  # a member or its string: read as the member when made
+    cost: CostModel = CostModel.PROFILE
     split_points: tuple[str, ...] | None = None
     clip_grad_norm: float | None = None
-    swap: str = "auto"
+    swap: SwapMode = SwapMode.AUTO
     replicas: int | str | tuple[int, ...] = 1
     stages: int | str | None = None
     optimizer_on_host: bool = False
@@ -75,7 +74,7 @@ class CompileOptions:
         """Whether the planner simulates candidates rather than building the one plan asked for."""
         if self.split_points is not None:
             return False
-        return ("auto" in (self.replicas, self.stages) or self.replicas == PER_STAGE or self.schedule == "auto"
+        return ("auto" in (self.replicas, self.stages) or self.replicas == PER_STAGE or self.schedule == Schedule.AUTO
                 or self.microbatches is None)
 
     @property
@@ -144,8 +143,7 @@ def _check_scalars(options: CompileOptions) -> None:
         raise BatchSizeError(f"microbatches must be a positive int, got {m!r}; e.g. microbatches=4, or None to let "
                              "the planner choose")
     check_flags(optimizer_on_host=options.optimizer_on_host)
-    if not isinstance(options.swap, str) or options.swap not in SWAP_CHOICES:
-        raise OptionError(f"unknown swap={options.swap!r}; choose one of {', '.join(map(repr, SWAP_CHOICES))}")
+    object.__setattr__(options, "swap", parse_choice(SwapMode, options.swap, "swap="))
     seed = options.seed
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64):
         raise OptionError(f"seed={seed!r} must be an int from 0 to 2**64 - 1 (what random ops' streams are keyed "
@@ -158,11 +156,8 @@ def _check_scalars(options: CompileOptions) -> None:
 
 def _check_layout(options: CompileOptions) -> None:
     """Cost model, schedule, replicas and stages: known names, positive counts, no contradictions."""
-    if not isinstance(options.cost, str) or options.cost not in COST_MODELS:
-        raise PlanError(f"unknown cost={options.cost!r}; choose 'profile' (measure) or 'analytic' (FLOPs and peak "
-                        "rates)")
-    if not isinstance(options.schedule, str) or options.schedule not in SCHEDULES:
-        raise PlanError(f"unknown schedule {options.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    object.__setattr__(options, "cost", parse_choice(CostModel, options.cost, "cost="))
+    object.__setattr__(options, "schedule", parse_choice(Schedule, options.schedule, "schedule "))
     replicas, stages = options.replicas, options.stages
     if not _valid_replicas(replicas):
         raise PlanError(f"replicas must be a positive int, 'auto', '{PER_STAGE}' or a tuple with a positive count "
@@ -242,8 +237,8 @@ class CompileRequest:
         _check_topology(options.topology, len(resolved))
         if runs_here:
             check_present(resolved)
-        elif options.cost != "analytic":
-            raise OptionError(f"cost={options.cost!r} times layers on this machine's devices; a plan for devices that "
+        elif options.cost != CostModel.ANALYTIC:
+            raise OptionError(f"cost='{options.cost}' times layers on this machine's devices; a plan for devices that "
                               "need not be here is costed from their figures: cost='analytic'")
         _check_model_precision(model, options.precision, resolved)
         distributed = distributed_context() if runs_here else None

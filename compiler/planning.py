@@ -12,6 +12,7 @@ import torch
 from stagewise.compiler.analysis import Analysed, Analysis
 from stagewise.compiler.costing import Costs
 from stagewise.compiler.options import CompileRequest
+from stagewise.ir.choices import Schedule
 from stagewise.ir.errors import AssumedFiguresWarning, PartitionError
 from stagewise.ir.plan import LayerCost
 from stagewise.passes.analytic import DEFAULT_PEAK_FLOPS
@@ -36,6 +37,7 @@ from stagewise.passes.planner import (
     sim_cost,
 )
 from stagewise.passes.simulate import SimCost
+from stagewise.passes.swap import SwapMode
 
 
 class Built(NamedTuple):
@@ -99,7 +101,7 @@ class PlanBuilder:
             starts = starts_from_split_points(graph.layers, graph.cuts, list(options.split_points))
             if name not in HARMONY and len(starts) != layout.positions:  # Harmony's packs may be any number
                 raise PartitionError(
-                    f"split_points gives {len(starts)} stages but {len(request.devices)} devices with schedule {name!r} "
+                    f"split_points gives {len(starts)} stages but {len(request.devices)} devices with schedule '{name}' "
                     f"need {layout.positions}; give {layout.positions - 1} split points, or stages={len(starts)}"
                 )
             stage_devices = [layout.device_of(s, 0) for s in range(len(starts))]
@@ -160,7 +162,7 @@ def choose_plan(request: CompileRequest, analysis: Analysis, costs: Costs) -> Ch
     if options.searched:
         found, prediction, considered = _search(request, builder, analysis, costs)
     else:
-        name = "gpipe" if options.schedule == "auto" else options.schedule
+        name = Schedule.GPIPE if options.schedule == Schedule.AUTO else options.schedule
         replicas = options.replicas if isinstance(options.replicas, int) else 1
         depth = options.stages if isinstance(options.stages, int) else None
         per_stage = options.replicas if isinstance(options.replicas, tuple) else ()
@@ -219,9 +221,9 @@ def _stages_at_full_speed(request: CompileRequest) -> int | None:
 def _needs_swap(request: CompileRequest, analysis: Analysis, costs: Costs) -> bool:
     """Whether the devices' memory cannot hold the training state without swapping (with margin)."""
     swap = request.options.swap
-    if swap in ("on", "all", "per-device"):
+    if swap in (SwapMode.ON, SwapMode.ALL, SwapMode.PER_DEVICE):
         return True
-    if swap == "off" or all(c is None for c in request.capacities):
+    if swap == SwapMode.OFF or all(c is None for c in request.capacities):
         return False
     layers = costs.layers.at(analysis.first.microbatch_size)
     # gradients and optimizer state only for trainable parameters (a frozen one has neither)

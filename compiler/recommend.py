@@ -28,10 +28,12 @@ from stagewise.compiler.options import CompileOptions, CompileRequest
 from stagewise.compiler.recommend_report import Candidate, Out, Recommendation, binding_constraint, rank
 from stagewise.ir.catalogue import Catalogue, InstanceType
 from stagewise.ir.catalogue_file import shipped_catalogue
+from stagewise.ir.choices import CostModel, Schedule
 from stagewise.ir.devices import format_bytes
 from stagewise.ir.errors import CapacityError, DeviceError, OptionError, PartitionError
 from stagewise.ir.topology import Topology
 from stagewise.passes.pipedream_dp import NoFeasiblePlan
+from stagewise.passes.swap import SwapMode
 
 Progress = Callable[[int, int, str], None]  # (candidates done, candidates in all, the one starting)
 OBJECTIVES = ("cost", "time")
@@ -79,7 +81,7 @@ def recommend(
         raise OptionError(f"no candidate device set: the catalogue has no priced instance type of at most "
                           f"{max_devices} devices; give candidates=['8xH100', ...] or raise max_devices")
     options = make_options(loss_fn=loss_fn, example_target=example_target, optimizer=optimizer, microbatches=None,
-                           schedule="auto", cost="analytic", split_points=None, clip_grad_norm=None, swap="auto",
+                           schedule=Schedule.AUTO, cost=CostModel.ANALYTIC, split_points=None, clip_grad_norm=None, swap=SwapMode.AUTO,
                            replicas=1, stages=None, optimizer_on_host=False, seed=0, precision=precision)
     rows, analysis = [], None
     for done, request in enumerate(requests):

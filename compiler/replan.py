@@ -35,11 +35,13 @@ from stagewise.compiler.optimizer_recipe import recorded_optimizer
 from stagewise.compiler.options import CompileOptions, CompileRequest
 from stagewise.compiler.pipeline import Pipeline
 from stagewise.compiler.training_state import put_saved_mode
+from stagewise.ir.choices import CostModel, Schedule
 from stagewise.ir.declared import ALTERED, dtype_named
 from stagewise.ir.errors import CapacityError, CheckpointError, PlanError, StagewiseError
 from stagewise.ir.plan import InputSpec, Plan
 from stagewise.ir.precision import LossScaling
 from stagewise.passes.capture import Capture, Objective
+from stagewise.passes.swap import SwapMode
 
 
 def replan(saved: Checkpoint, graph: fx.GraphModule | None, devices, trusted: Mapping[str, Callable],
@@ -114,9 +116,9 @@ def _options(model_graph: dict, plan: Plan, training: dict, target: torch.Tensor
         loss_fn=None if target is None else loss_in_saved_graph, example_target=target,
         optimizer=recorded_optimizer(training.get("optimizer"), training.get("optimizer_groups", []),
                                      plan.aliases, trusted),
-        microbatches=saved.get("microbatches"), microbatch_sizes=sizes, schedule=saved.get("schedule", "auto"),
-        cost=saved.get("cost", "profile"),
-        clip_grad_norm=training.get("clip_grad_norm"), swap=saved.get("swap", "auto"),
+        microbatches=saved.get("microbatches"), microbatch_sizes=sizes, schedule=saved.get("schedule", Schedule.AUTO),
+        cost=saved.get("cost", CostModel.PROFILE),
+        clip_grad_norm=training.get("clip_grad_norm"), swap=saved.get("swap", SwapMode.AUTO),
         replicas=saved.get("replicas", 1), stages=saved.get("stages"),
         optimizer_on_host=bool(saved.get("optimizer_on_host", False)), seed=plan.seed, precision=plan.precision,
         loss_scaling=_loss_scaling(saved.get("loss_scaling"), where))

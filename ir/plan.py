@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields, replace
 
+from stagewise.ir.choices import CostModel, Schedule, parse_choice
 from stagewise.ir.costs import RuntimeCosts
 from stagewise.ir.devices import DeviceSpec
 from stagewise.ir.instructions import Phase
@@ -158,7 +159,7 @@ class Plan:
     graph_inputs: tuple[str, ...]  # graph node names of input_names (+ the target), in that order
     microbatches: int
     microbatch_size: int
-    schedule: str
+    schedule: Schedule
     layers: tuple[Layer, ...]
     cuts: tuple[Cut, ...]
     shared: tuple[SharedTensor, ...]
@@ -168,7 +169,7 @@ class Plan:
     state_names: tuple[str, ...] = ()  # every key of the original model's state_dict
     aliases: tuple[tuple[str, ...], ...] = ()  # groups of FQNs naming one tensor (tied weights)
     state_shapes: tuple[tuple[int, ...], ...] = ()  # per state_names: what load_state_dict accepts
-    cost_model: str = ""  # "profile" | "analytic": where the predictions come from
+    cost_model: CostModel | None = None  # where the predictions come from (None: a plan made by hand)
     predicted_iteration_s: float | None = None
     predicted_stage_s: tuple[float, ...] = ()  # forward + backward of one microbatch, per stage
     predicted_peak_bytes: tuple[int, ...] = ()  # per device
@@ -220,6 +221,10 @@ _NESTED = {}
 
 
 def _convert(hint: str, value):
+    if hint == "Schedule":
+        return parse_choice(Schedule, value, "schedule ")
+    if hint == "CostModel | None":  # "": a hand-made plan's, written before the cost model was an enum
+        return None if value in (None, "") else parse_choice(CostModel, value, "cost_model=")
     if isinstance(value, dict):  # a nested dataclass: `Name` or `Name | None`
         return _build(_NESTED[hint.split("|")[0].strip()], value)
     if isinstance(value, list):

@@ -34,6 +34,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
+from stagewise.ir.choices import CostModel
 from stagewise.ir.plan import Layer, LayerCost
 from stagewise.passes.profile_fit import LayerProfile, PiecewiseLinear
 from stagewise.passes.profile_layer import OPTIMIZER_STATE_FACTOR, layer_signature, layer_state_bytes
@@ -84,7 +85,7 @@ def analytic_layers(
             layer=layer.index,
             name=layer.name,
             signature=layer_signature(gm, layer),
-            source="analytic",
+            source=CostModel.ANALYTIC,
             param_bytes=state.param,
             grad_bytes=state.grad,
             optim_bytes=state.optim,

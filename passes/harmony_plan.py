@@ -27,6 +27,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from stagewise.ir.choices import Schedule
 from stagewise.ir.devices import DeviceSpec
 from stagewise.ir.instructions import Phase
 from stagewise.ir.plan import Cut, LayerCost
@@ -40,7 +41,7 @@ from stagewise.passes.harmony_packing import (
     search_configuration,
 )
 
-HARMONY = ("harmony-pp", "harmony-dp")
+HARMONY = (Schedule.HARMONY_PP, Schedule.HARMONY_DP)
 RESIDENT_PACKS = 2  # packs a device holds at once when their swaps overlap compute (double buffering)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from stagewise.ir.choices import Schedule
 from stagewise.ir.errors import PartitionError
 
 VIRTUAL_STAGES = 2  # model chunks per device under the interleaved schedule
@@ -32,20 +33,20 @@ class Layout:
     device_of: Callable[[int, int], int]  # (position, replica) -> device
 
 
-def choose_layout(schedule: str, n_devices: int, replicas: int, legal_cuts: int, stages: int | None = None) -> Layout:
+def choose_layout(schedule: Schedule, n_devices: int, replicas: int, legal_cuts: int, stages: int | None = None) -> Layout:
     """`stages`: the pipeline depth P of gpipe / 1f1b / varuna (default N / D)."""
     n, d = n_devices, replicas
-    if stages is not None and schedule not in ("gpipe", "1f1b", "varuna"):
+    if stages is not None and schedule not in (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.VARUNA):
         raise PartitionError(f"stages= sets the depth of a gpipe, 1f1b or varuna pipeline; {schedule} places its own")
-    if schedule in ("harmony-pp", "harmony-dp"):
+    if schedule in (Schedule.HARMONY_PP, Schedule.HARMONY_DP):
         if d != 1:
             raise PartitionError(f"{schedule} chooses its own data parallelism; drop replicas={d}")
-        per_lane = n if schedule == "harmony-pp" else 1
+        per_lane = n if schedule == Schedule.HARMONY_PP else 1
         packs = min(2 * per_lane, legal_cuts + 1)
-        if schedule == "harmony-pp":
+        if schedule == Schedule.HARMONY_PP:
             return Layout(packs, 1, lambda s, r: s % n)
         return Layout(packs, n, lambda s, r: r)
-    if schedule == "interleaved":
+    if schedule == Schedule.INTERLEAVED:
         if d != 1:
             raise PartitionError("the interleaved schedule runs without data-parallel replicas; drop replicas=")
         return Layout(n * VIRTUAL_STAGES, 1, lambda s, r: s % n)

@@ -50,7 +50,7 @@ from stagewise.ir.instructions import (
 from stagewise.ir.plan import SharedTensor, Stage, Task, Transfer
 from stagewise.ir.program import Program, validate
 from stagewise.passes.events import with_events
-from stagewise.passes.swap import Residency, SwapPlan
+from stagewise.passes.swap import Residency, StateSwap, SwapPlan
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ def _lower_device(device_tasks: list[Task], wiring: _Wiring) -> list[Instruction
                 _lower_update(task.stage, wiring, residency, code, emitted, deferred, updated)
             else:
                 _lower_work(task, wiring, residency, code, adjacent)
-        if wiring.swap.mode == "harmony" and (r + 1 == len(runs) or runs[r + 1][0].stage != run[0].stage):
+        if wiring.swap.mode == StateSwap.HARMONY and (r + 1 == len(runs) or runs[r + 1][0].stage != run[0].stage):
             if not (staged and r >= last_work):  # the staged updates may start with the last run's state
                 _end_of_run(run, residency, run[0].stage in updated)
     if staged:
@@ -145,7 +145,7 @@ def _lower_update(s: int, wiring: _Wiring, residency: Residency, code: list, emi
     if wiring.on_host:
         _host_update(s, residency, code, clip=False)
     else:
-        _update(s, residency, code, write_back=wiring.swap.mode == "per-device")
+        _update(s, residency, code, write_back=wiring.swap.mode == StateSwap.PER_DEVICE)
         updated.add(s)
 
 
@@ -163,7 +163,7 @@ def _lower_work(task: Task, wiring: _Wiring, residency: Residency, code: list, a
         residency.stash_ends_at(s, mb, compute)
     elif task.phase is Phase.FORWARD and stashes and wiring.swap.swaps_stash(s) and (s, mb) not in adjacent:
         residency.stash_out(s, mb)
-    if wiring.swap.mode == "per-device":
+    if wiring.swap.mode == StateSwap.PER_DEVICE:
         residency.evict(s, State.WEIGHTS, write=True)
         if task.phase is Phase.BACKWARD:
             residency.evict(s, State.GRADS, write=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from stagewise.ir.choices import Schedule
 from stagewise.ir.errors import PartitionError
 from stagewise.ir.plan import Cut, DeviceSpec, Layer, LayerCost
 from stagewise.ir.topology import Topology
@@ -69,7 +70,7 @@ def straight_partition(layers: tuple[Layer, ...], cuts: tuple[Cut, ...], costs: 
     return [first for first, _, _ in placed], [at[device] for _, _, device in placed]
 
 
-def replicated_partition(schedule: str, layers: tuple[Layer, ...], cuts: tuple[Cut, ...], costs: Sequence[LayerCost],
+def replicated_partition(schedule: Schedule, layers: tuple[Layer, ...], cuts: tuple[Cut, ...], costs: Sequence[LayerCost],
                          devices: Sequence[DeviceSpec], microbatch_size: int, topology: Topology,
                          replicas: tuple[int, ...] = ()) -> ReplicatedStages:
     """PipeDream's DP over every device and the topology's levels, choosing each stage's
@@ -97,10 +98,10 @@ def consecutive_devices(replicas: Sequence[int], n_devices: int) -> tuple[tuple[
     return tuple(tuple(range(first, first + r)) for first, r in zip(firsts, replicas, strict=True))
 
 
-def check_replicated_schedule(schedule: str) -> None:
+def check_replicated_schedule(schedule: Schedule) -> None:
     if schedule not in REPLICATED_STAGE_SCHEDULES:
         raise PartitionError(f"{schedule} cannot run stages replicated each their own number of ways; use "
-                             f"schedule={' or '.join(map(repr, REPLICATED_STAGE_SCHEDULES))} with per-stage replicas")
+                             f"schedule={' or '.join(repr(str(s)) for s in REPLICATED_STAGE_SCHEDULES)} with per-stage replicas")
 
 
 def _capacity(devices: Sequence[DeviceSpec]) -> int | None:

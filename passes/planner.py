@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import torch.fx as fx
 
+from stagewise.ir.choices import Schedule
 from stagewise.ir.costs import NO_RUNTIME_COSTS, RuntimeCosts
 from stagewise.ir.devices import format_bytes
 from stagewise.ir.errors import CapacityError, PartitionError, PlanError, StagewiseError
@@ -54,12 +55,12 @@ from stagewise.passes.stages import build_stages
 from stagewise.passes.swap import SwapPlan, plan_swaps
 
 CPSAT_MAX_LAYERS = 160  # exact partition-and-binding: 52 layers on 4 devices solve in 0.1 s
-REPLICATING = ("gpipe", "1f1b", "varuna")  # schedules whose pipelines replicate (P x D)
+REPLICATING = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.VARUNA)  # schedules whose pipelines replicate (P x D)
 
 
 @dataclass(frozen=True)
 class Assembled:
-    schedule: str
+    schedule: Schedule
     microbatches: int
     starts: tuple[int, ...]
     stage_devices: tuple[int, ...]
@@ -86,7 +87,7 @@ class Prediction:
 
 
 def assemble(
-    gm: fx.GraphModule, layers, cuts, traced_microbatch: int, schedule: str, microbatches: int, starts: Sequence[int],
+    gm: fx.GraphModule, layers, cuts, traced_microbatch: int, schedule: Schedule, microbatches: int, starts: Sequence[int],
     stage_devices: Sequence[int], layout: Layout, swap: str, capacities: list[int | None], clip: bool,
     state_per_param_byte: float, optimizer_on_host: bool = False, stash_bytes: Sequence[float] = (),
     built: dict | None = None, replica_devices: Sequence[Sequence[int]] = (), grad_bytes: Sequence[float] | None = None,
@@ -143,7 +144,7 @@ def predict(plan: Assembled, costs, devices, microbatch_size: int, topology: Top
 
 
 def partition(
-    schedule: str, layers: tuple[Layer, ...], cuts: tuple[Cut, ...], costs: Sequence[LayerCost], layout: Layout,
+    schedule: Schedule, layers: tuple[Layer, ...], cuts: tuple[Cut, ...], costs: Sequence[LayerCost], layout: Layout,
     devices: Sequence[DeviceSpec], microbatch_size: int, topology: Topology,
 ) -> tuple[list[int], list[int]]:
     """Stage starts and each stage's device for one candidate, over the links of `topology` (one row
@@ -157,7 +158,7 @@ def partition(
             f"({sum(legal) + 1} stages at most). Use at most {sum(legal) + 1} devices, or make the model's "
             "blocks finer-grained modules."
         )
-    if schedule == "interleaved":
+    if schedule == Schedule.INTERLEAVED:
         starts = _balanced_at_legal(times, legal, positions, layers, cuts)
         return starts, [layout.device_of(s, 0) for s in range(len(starts))]
     if schedule in HARMONY:  # never partitioned alike: a silent straight pipeline would be wrong
@@ -197,7 +198,7 @@ class Candidate:
     own way (PipeDream §2.4.1): `stage_replicas` given, e.g. (2, 1), or chosen by the DP
     (`dp_replication`)."""
 
-    schedule: str
+    schedule: Schedule
     microbatches: int
     replicas: int = 1
     stages: int | None = None
@@ -216,7 +217,7 @@ class Candidate:
                 + (" (PipeDream DP)" if self.dp_replication else ""))
 
 
-def candidates(schedule: str, microbatches: int | None, batch: int, n_devices: int, legal_cuts: int,
+def candidates(schedule: Schedule, microbatches: int | None, batch: int, n_devices: int, legal_cuts: int,
                needs_swap: bool, replicas: int | str | tuple[int, ...] = 1, stages: int | str | None = None,
                max_stages: int | None = None) -> list[Candidate]:
     """The plans to simulate. replicas="auto" tries every D that divides the devices and the
@@ -225,23 +226,23 @@ def candidates(schedule: str, microbatches: int | None, batch: int, n_devices: i
     workers idle, §2.4.1: in-process CPU devices that share too few cores run fewer stages faster).
     replicas="per-stage" tries, for gpipe and 1f1b, the straight pipeline and the DP's replicated
     stages; replicas=(2, 1) the replication given."""
-    if schedule != "auto":
+    if schedule != Schedule.AUTO:
         schedules = [schedule]
     elif needs_swap:
-        schedules = ["harmony-pp", "harmony-dp"]
+        schedules = [Schedule.HARMONY_PP, Schedule.HARMONY_DP]
     elif isinstance(stages, int):  # a depth is the straight pipelines' to set
-        schedules = ["gpipe", "1f1b"]
+        schedules = [Schedule.GPIPE, Schedule.ONE_F_ONE_B]
     else:
-        schedules = ["gpipe", "1f1b"] + (["interleaved"] if legal_cuts + 1 >= 2 * n_devices else [])
+        schedules = [Schedule.GPIPE, Schedule.ONE_F_ONE_B] + ([Schedule.INTERLEAVED] if legal_cuts + 1 >= 2 * n_devices else [])
     counts = [microbatches] if microbatches else [m for m in range(1, min(batch, 8 * n_devices) + 1) if batch % m == 0]
     # Harmony's Alg. 1 sweeps every microbatch size (line 6), so every count that divides the batch
     harmony_counts = [microbatches] if microbatches else [m for m in range(1, batch + 1) if batch % m == 0]
     if replicas == PER_STAGE or isinstance(replicas, tuple):
-        return _stage_replicated(list(REPLICATED_STAGE_SCHEDULES) if schedule == "auto" else schedules, counts, replicas)
+        return _stage_replicated(list(REPLICATED_STAGE_SCHEDULES) if schedule == Schedule.AUTO else schedules, counts, replicas)
     options = []
     for name in schedules:
         for m in harmony_counts if name in HARMONY else counts:
-            if name in ("interleaved", "harmony-dp") and m % n_devices:
+            if name in (Schedule.INTERLEAVED, Schedule.HARMONY_DP) and m % n_devices:
                 continue
             if name not in REPLICATING:  # a number of replicas or stages given for these is refused by the layout
                 options.append(Candidate(name, m, 1 if replicas == "auto" else replicas,
@@ -257,7 +258,7 @@ def candidates(schedule: str, microbatches: int | None, batch: int, n_devices: i
     return options
 
 
-def _stage_replicated(schedules: list[str], counts: list[int], replicas: str | tuple[int, ...]) -> list[Candidate]:
+def _stage_replicated(schedules: list[Schedule], counts: list[int], replicas: str | tuple[int, ...]) -> list[Candidate]:
     """PipeDream's replicated stages: the replication given, or the DP's beside the straight pipeline."""
     if isinstance(replicas, tuple):
         return [Candidate(name, m, stage_replicas=replicas) for name in schedules for m in counts]

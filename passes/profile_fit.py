@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
+from stagewise.ir.choices import CostModel
 from stagewise.ir.plan import Layer, LayerCost
 
 TIMES = ("fwd_s", "bwd_s", "recompute_s")
@@ -67,7 +68,7 @@ class LayerProfile:
     layer: int
     name: str
     signature: str
-    source: str  # "profile" | "analytic"
+    source: CostModel  # measured here or derived from FLOPs
     param_bytes: int
     grad_bytes: int
     optim_bytes: int
@@ -105,7 +106,7 @@ class LayerProfile:
         xs = [p.u for p in probes]
         fits = {k: PiecewiseLinear.fit(xs, [getattr(p, k) for p in probes]) for k in TIMES + SIZES}
         first = probes[0]
-        return cls(layer.index, layer.name, signature, "profile", first.param_bytes, first.grad_bytes,
+        return cls(layer.index, layer.name, signature, CostModel.PROFILE, first.param_bytes, first.grad_bytes,
                    first.optim_bytes, probes=tuple(probes), max_microbatch=max_microbatch, **fits)
 
     def in_context(self, fwd: float, bwd: float) -> LayerProfile:
@@ -131,6 +132,7 @@ class LayerProfile:
         for key in TIMES + SIZES:
             data[key] = PiecewiseLinear(tuple(data[key]["xs"]), tuple(data[key]["ys"]))
         data["probes"] = tuple(LayerCost(**p) for p in data["probes"])
+        data["source"] = CostModel(data["source"])  # a cache file holds its string
         return cls(**data)
 
 

@@ -34,12 +34,13 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 
-from stagewise.ir.errors import PlanError
+from stagewise.ir.choices import Schedule, choice_names, parse_choice
+from stagewise.ir.errors import OptionError, PlanError
 from stagewise.ir.instructions import Phase
 from stagewise.ir.plan import Stage, Task
 
-SCHEDULES = ("auto", "gpipe", "1f1b", "interleaved", "varuna", "harmony-pp", "harmony-dp")
-REPLICATED_STAGE_SCHEDULES = ("gpipe", "1f1b")  # the schedules that run stages replicated unevenly
+SCHEDULES = tuple(Schedule)
+REPLICATED_STAGE_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B)  # the schedules that run stages replicated unevenly
 
 
 def gpipe(n_stages: int, microbatches: int) -> list[list[Task]]:
@@ -180,35 +181,34 @@ def harmony_pp(n_packs: int, n_devices: int, microbatches: int, jit_update: bool
     return tasks
 
 
-def lane_tasks(name: str, n_stages: int, microbatches: int, n_devices: int, jit_update: bool) -> list[list[Task]]:
+def lane_tasks(name: Schedule, n_stages: int, microbatches: int, n_devices: int, jit_update: bool) -> list[list[Task]]:
     """One lane's task lists, indexed by lane device, over logical stages and local microbatches."""
-    if name == "gpipe":
+    if name == Schedule.GPIPE:
         return gpipe(n_stages, microbatches)
-    if name == "1f1b":
+    if name == Schedule.ONE_F_ONE_B:
         return one_f_one_b(n_stages, microbatches)
-    if name == "interleaved":
+    if name == Schedule.INTERLEAVED:
         return interleaved(n_devices, n_stages // n_devices, microbatches)
-    if name == "varuna":
+    if name == Schedule.VARUNA:
         return varuna(n_stages, microbatches)
-    if name == "harmony-pp":
+    if name == Schedule.HARMONY_PP:
         return harmony_pp(n_stages, n_devices, microbatches, jit_update)
-    if name == "harmony-dp":
+    if name == Schedule.HARMONY_DP:
         return harmony_pp(n_stages, 1, microbatches, jit_update)
-    raise PlanError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    raise OptionError(f"unknown schedule '{name}'; choose one of {choice_names(Schedule)}")
 
 
 def schedule_tasks(
-    name: str, n_stages: int, microbatches: int, n_devices: int | None = None, jit_update: bool = False
-) -> tuple[str, list[list[Task]]]:
-    """The resolved schedule name and each device's task list (stage s on device s mod n_devices)."""
+    name: Schedule | str, n_stages: int, microbatches: int, n_devices: int | None = None, jit_update: bool = False
+) -> tuple[Schedule, list[list[Task]]]:
+    """The resolved schedule and each device's task list (stage s on device s mod n_devices)."""
     n_devices = n_devices or n_stages
-    if name not in SCHEDULES:
-        raise PlanError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
-    name = "gpipe" if name == "auto" else name
-    return name, lane_tasks(name, n_stages, microbatches, n_devices, jit_update)
+    schedule = parse_choice(Schedule, name, "schedule ")
+    resolved = Schedule.GPIPE if schedule == Schedule.AUTO else schedule
+    return resolved, lane_tasks(resolved, n_stages, microbatches, n_devices, jit_update)
 
 
-def instance_tasks(name: str, stages: Sequence[Stage], microbatches: int, n_devices: int,
+def instance_tasks(name: Schedule, stages: Sequence[Stage], microbatches: int, n_devices: int,
                    jit_update: bool) -> list[list[Task]]:
     """Each device's tasks when stages may be data-parallel instances (replica r, its microbatches):
     whole pipelines copied (lanes, P x D) run the schedule per lane; stages replicated each their own
@@ -233,7 +233,7 @@ def instance_tasks(name: str, stages: Sequence[Stage], microbatches: int, n_devi
     return per_device
 
 
-def replicated_stage_tasks(name: str, stages: Sequence[Stage], microbatches: int, n_devices: int) -> list[list[Task]]:
+def replicated_stage_tasks(name: Schedule, stages: Sequence[Stage], microbatches: int, n_devices: int) -> list[list[Task]]:
     """Stages replicated each their own number of ways (PipeDream §2.4.1, e.g. 2-1): every instance
     runs its own microbatches. GPipe: its forwards, its backwards, its update. 1F1B-RR
     (§2.4.2): a replica of a stage on r devices followed by w devices (itself included) keeps
@@ -246,7 +246,7 @@ def replicated_stage_tasks(name: str, stages: Sequence[Stage], microbatches: int
     per_device: list[list[Task]] = [[] for _ in range(n_devices)]
     for stage in sorted(stages, key=lambda s: s.index):
         mine = stage.microbatches or tuple(range(microbatches))
-        if name == "gpipe":
+        if name == Schedule.GPIPE:
             order = ([Task(Phase.FORWARD, stage.index, mb) for mb in mine]
                      + [Task(Phase.BACKWARD, stage.index, mb) for mb in mine])
         else:

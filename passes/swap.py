@@ -36,21 +36,37 @@ device cannot hold the stashes its schedule keeps in flight beside the state it 
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from stagewise.ir.choices import parse_choice
 from stagewise.ir.costs import optimizer_state_per_param_byte
-from stagewise.ir.errors import PlanError
 from stagewise.ir.instructions import Free, Instruction, Phase, StashIn, StashOut, State, SwapIn, SwapOut
 from stagewise.ir.plan import Task
 
-MODES = ("off", "harmony", "per-device")
-CHOICES = ("auto", "on", "all", "off", "per-device")  # compile's `swap=`
+
+class SwapMode(enum.StrEnum):
+    """compile's `swap=`: where training state and stashed activations go to host memory."""
+
+    AUTO = "auto"  # state only on devices it does not fit; stashes where they do not fit
+    ON = "on"  # Harmony-style state swapping everywhere
+    ALL = "all"  # ON, and every stage's stashes (Harmony's sX)
+    OFF = "off"  # never
+    PER_DEVICE = "per-device"  # the per-GPU baseline
+
+
+class StateSwap(enum.StrEnum):
+    """How a swap plan moves training state: not at all, Harmony-style, or the per-device baseline."""
+
+    OFF = "off"
+    HARMONY = "harmony"
+    PER_DEVICE = "per-device"
 
 
 @dataclass(frozen=True)
 class SwapPlan:
-    mode: str = "off"
+    mode: StateSwap = StateSwap.OFF
     stages: frozenset[int] = frozenset()  # stage instances whose state lives on the host between uses
     weight_bytes: dict[int, int] = field(default_factory=dict)
     grad_bytes: dict[int, int] = field(default_factory=dict)
@@ -61,7 +77,7 @@ class SwapPlan:
     stash_depth: int = 2  # swapped stashes on a device at once
 
     def swaps(self, stage: int) -> bool:
-        return self.mode != "off" and stage in self.stages
+        return self.mode != StateSwap.OFF and stage in self.stages
 
     def swaps_stash(self, stage: int) -> bool:
         return stage in self.stash
@@ -183,7 +199,7 @@ class Residency:
         return table[what].get(stage, 0)
 
 
-def plan_swaps(mode: str, stages, layers, capacities: list[int | None], state_per_param_byte: float,
+def plan_swaps(mode: SwapMode | str, stages, layers, capacities: list[int | None], state_per_param_byte: float,
                tasks: Sequence[Sequence[Task]] = (), stash_bytes: Sequence[float] = (),
                grad_bytes: Sequence[float] | None = None) -> SwapPlan:
     """The swap plan for `swap=`: "off", "on" (Harmony-style everywhere), "all" ("on", and every stage's
@@ -193,34 +209,34 @@ def plan_swaps(mode: str, stages, layers, capacities: list[int | None], state_pe
     schedule, which says how many stashes are in flight; `stash_bytes`: one microbatch's per layer).
     `grad_bytes`: per layer, the bytes of its trainable parameters, the only ones with gradients and
     optimizer state (None: every parameter trains)."""
-    if mode not in CHOICES:
-        raise PlanError(f"unknown swap={mode!r}; choose 'auto', 'on', 'all', 'off' or 'per-device'")
+    requested = parse_choice(SwapMode, mode, "swap=")
     weights = {s.index: sum(layers[i].param_bytes for i in s.layers) for s in stages}
     grads = weights if grad_bytes is None else {s.index: round(sum(grad_bytes[i] for i in s.layers)) for s in stages}
     # the weights, and per trainable byte its gradient and optimizer state
     state = {k: weights[k] + grads[k] * (state_per_param_byte - 1) for k in weights}
     stash = {s.index: round(sum(stash_bytes[i] for i in s.layers if i < len(stash_bytes))) for s in stages}
-    requested = mode
-    if mode == "auto":
+    if requested == SwapMode.AUTO:
         heavy = set()
         for device, capacity in enumerate(capacities):
             mine = [s.index for s in stages if s.device == device]
             if capacity is not None and sum(state[s] for s in mine) > capacity:
                 heavy |= set(mine)
-        mode, chosen = ("harmony", frozenset(heavy)) if heavy else ("off", frozenset())
-    elif mode in ("on", "all"):
-        mode, chosen = "harmony", frozenset(weights)
+        kind, chosen = (StateSwap.HARMONY, frozenset(heavy)) if heavy else (StateSwap.OFF, frozenset())
+    elif requested in (SwapMode.ON, SwapMode.ALL):
+        kind, chosen = StateSwap.HARMONY, frozenset(weights)
+    elif requested == SwapMode.PER_DEVICE:
+        kind, chosen = StateSwap.PER_DEVICE, frozenset(weights)
     else:
-        chosen = frozenset(weights) if mode == "per-device" else frozenset()
+        kind, chosen = StateSwap.OFF, frozenset()
     largest = max((state[s] for s in chosen), default=0)
     # double buffering needs two packs' state, and activations need room beside them
     tight = any(c is not None and 4 * largest > c for c in capacities)
     depth = 1 if tight else 2
     device_of = {s.index: s.device for s in stages}
     resident = [_resident_state(state, chosen, depth, [s for s in state if device_of[s] == d]) for d in range(len(capacities))]
-    if requested == "all":
+    if requested == SwapMode.ALL:
         swapped_stash = frozenset(s for s, b in stash.items() if b > 0)
-    elif requested == "off":
+    elif requested == SwapMode.OFF:
         swapped_stash = frozenset()
     else:
         swapped_stash = frozenset().union(*(
@@ -232,7 +248,7 @@ def plan_swaps(mode: str, stages, layers, capacities: list[int | None], state_pe
         if capacity is not None and mine and resident[d] + 2 * max(mine) > capacity:
             stash_depth = 1
     return SwapPlan(
-        mode=mode,
+        mode=kind,
         stages=chosen,
         weight_bytes=weights,
         grad_bytes=grads,

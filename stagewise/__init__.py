@@ -17,6 +17,7 @@ from stagewise.compiler.recommend import recommend
 from stagewise.compiler.recommend_report import Candidate, Recommendation
 from stagewise.ir.catalogue import Catalogue
 from stagewise.ir.catalogue_file import load_catalogue
+from stagewise.ir.choices import CostModel, Schedule
 from stagewise.ir.device_request import Cluster, parse_device_request
 from stagewise.ir.devices import Device
 from stagewise.ir.errors import (
@@ -50,6 +51,7 @@ from stagewise.ir.errors import (
 from stagewise.ir.plan import Plan
 from stagewise.ir.precision import LossScaling
 from stagewise.ir.topology import Topology
+from stagewise.passes.swap import SwapMode
 
 __all__ = [
     "BatchSizeError",
@@ -58,6 +60,7 @@ __all__ = [
     "Catalogue",
     "CheckpointError",
     "Checkpoints",
+    "CostModel",
     "Cluster",
     "Device",
     "DeviceError",
@@ -75,6 +78,7 @@ __all__ = [
     "Pipeline",
     "PipelineBrokenError",
     "Plan",
+    "Schedule",
     "PlanError",
     "PrecisionError",
     "PredictError",
@@ -84,6 +88,7 @@ __all__ = [
     "SaveHandle",
     "SkippedUpdateWarning",
     "StagewiseError",
+    "SwapMode",
     "StateDictError",
     "StepFailedError",
     "StepTimeoutError",
