@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from stagewise.ir.declared import ALTERED, dtype_named, plain_shape
 from stagewise.ir.errors import CheckpointError
+from stagewise.ir.output_spec_check import check_output_spec
 
 if TYPE_CHECKING:
     from stagewise.ir.plan import InputSpec, Plan
@@ -55,6 +56,9 @@ def check_plan(plan: Plan) -> Plan:
     for position, shape in enumerate(plan.state_shapes):
         _shape(f"state_shapes[{position}]", shape)
     _check_programs(plan)
+    check_output_spec(plan.output_spec)
+    if not all(name is None or isinstance(name, str) for name in plan.output_nodes):
+        _refuse("output_nodes", plan.output_nodes, "a node name or null per leaf of output_spec")
     return plan
 
 

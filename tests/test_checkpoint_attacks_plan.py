@@ -9,7 +9,9 @@ is read, naming the file and entry, before the re-plan builds its example batch.
 
 from __future__ import annotations
 
+import json
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -136,3 +138,41 @@ def test_a_torch_name_from_a_file_is_looked_up_in_torchs_own_table_only(pipe, ta
     monkeypatch.setattr(torch, "__getattr__", lazy, raising=False)
     message = refused("load", pipe, target, capsys)
     assert str(target / name) in message and "crafted_lazy_submodule" in message and asked == []
+
+
+_IMPORTED_MODULE = "stagewise_crafted_output_type"  # a module placed beside the checkpoint, on sys.path
+
+
+def _defaultdict_naming_the_module() -> dict:
+    context = {"default_factory_module": _IMPORTED_MODULE, "default_factory_name": "factory", "dict_context": []}
+    return {"type": "collections.defaultdict", "context": context, "children_spec": []}  # as torch writes it
+
+
+def _enum_naming_the_module() -> dict:
+    context = [{"__enum__": True, "fqn": f"{_IMPORTED_MODULE}:Kind", "name": "A"}]
+    return {"type": "builtins.dict", "context": json.dumps(context), "children_spec": [_LEAF]}
+
+
+_LEAF = {"type": None, "context": None, "children_spec": []}
+
+
+@pytest.mark.parametrize(("structure", "message"), [
+    (_defaultdict_naming_the_module, "names the type 'collections.defaultdict', whose context torch reads by importing"),
+    (_enum_naming_the_module, "which torch's reader would import a module for"),
+    (lambda: {"type": "os.system", "context": None, "children_spec": []}, "names the type 'os.system'"),
+    (lambda: {"type": "builtins.tuple", "context": None, "children_spec": "x"}, "holds the children 'x'"),
+])
+@pytest.mark.parametrize("entry", ["load", "inspect"])
+def test_an_output_structure_naming_a_module_is_refused_and_imports_nothing(pipe, target, capsys, monkeypatch,
+                                                                          structure, message, entry):
+    """plan.json's output_spec is read by torch's pytree, whose reader imports the module a
+    defaultdict's factory or an `__enum__` context names: refused before torch reads it."""
+    canary = target.parent / "canary"
+    (target.parent / f"{_IMPORTED_MODULE}.py").write_text(
+        f"import pathlib\npathlib.Path({str(canary)!r}).touch()\nfactory = dict\n"
+        "import enum\nclass Kind(enum.Enum):\n    A = 1\n")
+    monkeypatch.syspath_prepend(str(target.parent))
+    edit_json(target, "plan.json", _set("output_spec", json.dumps([1, structure()])))
+    got = refused(entry, pipe, target, capsys)
+    assert "plan.json output_spec" in got and message in got
+    assert not canary.exists() and _IMPORTED_MODULE not in sys.modules
