@@ -22,7 +22,7 @@ shows as a growth at one traceback and an equal drop at another: the total is wh
 
 What may stay for the whole process, bounded (docs/architecture.md, "Memory"): the profile cache is
 on disk; per distinct model structure one host-contention measurement (passes/contention.py) and
-per optimizer one update-cost measurement (compiler/calibrate.py).
+per optimizer one update-cost measurement (compiler/compile/calibrate.py).
 """
 
 from __future__ import annotations

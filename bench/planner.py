@@ -52,10 +52,10 @@ from rich.console import Console
 from rich.table import Table
 
 import stagewise as sw
-import stagewise.compiler.analysis as analysis
-import stagewise.compiler.costing as costing
-import stagewise.compiler.phases as compile_phases
-import stagewise.compiler.planning as planning
+import stagewise.compiler.compile.analysis as analysis
+import stagewise.compiler.compile.costing as costing
+import stagewise.compiler.compile.phases as compile_phases
+import stagewise.compiler.compile.planning as planning
 import stagewise.passes.capture as trace_module
 import stagewise.passes.planner as planner
 from stagewise.ir.plan import DeviceSpec

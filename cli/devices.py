@@ -1,6 +1,6 @@
 """Device requests on the command line ('8xH100', 'p4d.24xlarge', mixes '4xH100,2xg6.xlarge' or
 '4xH100+2xg6.xlarge') as the devices and links `sw.plan` takes: the same mix `sw.recommend` weighs
-(compiler/device_mix.py), so a planned candidate gets the links it was ranked with."""
+(compiler/advice/device_mix.py), so a planned candidate gets the links it was ranked with."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import stagewise as sw
-from stagewise.compiler.device_mix import mix_of
+from stagewise.compiler.advice.device_mix import mix_of
 
 
 @dataclass(frozen=True)

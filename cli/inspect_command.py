@@ -4,7 +4,7 @@ code: the code torch.fx generates for the stage rebuilt from stage_<i>.json, whi
 `sw.load` runs (the saved stage_<i>.py is for reading only and load never runs it).
 
 The checkpoint is read and checked exactly as `sw.load` reads and checks it (compiler/
-checkpoint_read.py, compiler/checkpoint_verify.py): every file against the marker, every name
+checkpoint_read.py, compiler/checkpoint/verify.py): every file against the marker, every name
 its data calls against the allowlist, without materializing weights. What load would refuse,
 inspect refuses with the same error (exit status 2), so a crafted checkpoint is never shown as
 clean code. A checkpoint calling functions of the user's own is shown once they are named with
@@ -17,9 +17,9 @@ import argparse
 from pathlib import Path
 
 from stagewise.cli.models import named_function
-from stagewise.compiler.checkpoint_files import read_checked, read_marker
-from stagewise.compiler.checkpoint_read import read_checkpoint, trusted_by_name
-from stagewise.compiler.checkpoint_verify import rebuild_checkpoint
+from stagewise.compiler.checkpoint.files import read_checked, read_marker
+from stagewise.compiler.checkpoint.read import read_checkpoint, trusted_by_name
+from stagewise.compiler.checkpoint.verify import rebuild_checkpoint
 from stagewise.ir.errors import CheckpointError, UntrustedCodeError
 
 PARTS = ("plan", "programs", "code")

@@ -18,7 +18,7 @@ from stagewise.cli.arguments import (
 )
 from stagewise.cli.models import load_workload
 from stagewise.cli.progress import progress
-from stagewise.compiler.recommend import OBJECTIVES
+from stagewise.compiler.advice.recommend import OBJECTIVES
 
 NONE_MEETS = 1  # the exit status when no candidate meets every constraint (errors exit 2)
 

@@ -110,7 +110,7 @@ def _describe_node(node: fx.Node) -> dict:
     if node.type is not None:
         record["type"] = encode(node.type)
     if node.meta.get(MODEL_OUTPUT):
-        record["model_output"] = True  # what pipe.predict returns (compiler/prediction.py)
+        record["model_output"] = True  # what pipe.predict returns (compiler/pipeline/prediction.py)
     return record
 
 

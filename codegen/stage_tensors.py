@@ -3,7 +3,7 @@ the name it is a tie of), built back as empty meta tensors, and materialized wit
 
 Why apart from the leaves' skeletons (module_skeleton.py): these records are what a checkpoint
 declares it will allocate, so they are checked here (`declared_tensor`: a plain shape and dtype)
-and against the checkpoint's weights (compiler/checkpoint_limits.py) before `materialize`
+and against the checkpoint's weights (compiler/checkpoint/limits.py) before `materialize`
 allocates them.
 """
 

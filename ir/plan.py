@@ -15,6 +15,7 @@ from stagewise.ir.devices import DeviceSpec
 from stagewise.ir.instructions import Phase
 from stagewise.ir.plan_checks import check_plan
 from stagewise.ir.program import Program, programs_from_text
+from stagewise.ir.report import plan_group, render_plan
 from stagewise.ir.topology import Level, Topology
 
 
@@ -197,14 +198,10 @@ class Plan:
         return check_plan(replace(_build(cls, data), programs=programs))
 
     def __str__(self) -> str:
-        from stagewise.ir.report import render_plan
-
         return render_plan(self)
 
     def __rich__(self):
         """rich's console.print shows the same tables (it would pretty-print the dataclass's fields)."""
-        from stagewise.ir.report import plan_group
-
         return plan_group(self)
 
 

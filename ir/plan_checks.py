@@ -2,7 +2,7 @@
 
 Why: a checkpoint is untrusted input and plan.json's numbers drive what loading allocates and
 loops over: the re-plan's example batch is microbatches × microbatch size × each input's
-shape (compiler/replan.py), a receiver's buffer is a transfer's shape, and message tags,
+shape (compiler/elastic/replan.py), a receiver's buffer is a transfer's shape, and message tags,
 programs and stage placement index by counts and device numbers. A crafted plan.json with a
 negative, absurd or mistyped number is refused here, naming the entry, instead of a raw error,
 a hang or a huge allocation. The sizes are bounded by fixed limits far above any real plan

@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 MODEL_OUTPUT = "stagewise_model_output"  # node meta: the model's output (loss_fn's first argument, or .logits)
-LAYER_NAME = "stagewise_layer"  # node meta: the layer a saved graph's node was in (compiler/model_graph.py)
+LAYER_NAME = "stagewise_layer"  # node meta: the layer a saved graph's node was in (compiler/compile/model_graph.py)
 
 
 def extract(gm: fx.GraphModule, nodes: Iterable[str], inputs: Iterable[str], outputs: Iterable[str],

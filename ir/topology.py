@@ -5,7 +5,7 @@ form a server, m_2 servers joined by B_2 form the cluster, and so on. Its partit
 level by level; the CP-SAT binder and the simulator need the flat form, the bandwidth of the
 link between every pair (i, j). `Topology` keeps both: `bandwidth[i][j]` in bytes/s, and the
 `levels` it was built from (empty when the matrix came from measurements). compile() measures
-the matrix between the devices it is given (compiler/calibrate.py); the planner reads the links
+the matrix between the devices it is given (compiler/compile/calibrate.py); the planner reads the links
 of the devices a pipeline uses (`among`), PipeDream's DP their levels (`hierarchy`), CP-SAT every
 pair, and the simulator every link (`links`).
 """

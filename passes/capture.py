@@ -27,7 +27,7 @@ constraints and guards. Size 1 is special: export assumes a symbolic size is at 
 (0/1 specialisation) yet accepts 1 at run time; a model whose Python code branches on a
 batch of one would then differ from eager, so at size 1 the graph is used only after one
 forward of it gives eager's loss on the same inputs (else it is exported at size 1). What a
-step may give follows (`lowest_sizes`, `smallest_microbatch`): compiler/batches.py checks it.
+step may give follows (`lowest_sizes`, `smallest_microbatch`): compiler/assembly/batches.py checks it.
 
 The parts live beside this module: capture_tracers (the two tracers and the normalisation of
 their graphs), symbolic_sizes (binding and evaluating the symbolic sizes), local_sizes (sizes read where used),

@@ -9,7 +9,7 @@ it uses itself, from the graph inputs (placeholders) they were bound from: a sta
 input as any stage does (the feed gives it to every stage that reads it; nothing is sent), and the
 generated code reads `sym_size_int = torch.ops.aten.sym_size.int(input_ids, 1)` before its views.
 Size arithmetic (`s0 * s1`) is copied with them. Export's run-time assertions on sizes (a symbol's
-range) are left to the step's check of its inputs (compiler/step_shapes.py) and dropped.
+range) are left to the step's check of its inputs (compiler/assembly/step_shapes.py) and dropped.
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ class DistributedTransport(EndOfStep):
     # ---- the executor's interface -----------------------------------------------------------
     @property
     def transfer_specs(self) -> dict | None:
-        """This step's sizes of the values sent, where they differ from the plan's (compiler/step_shapes.py)."""
+        """This step's sizes of the values sent, where they differ from the plan's (compiler/assembly/step_shapes.py)."""
         return self.tags.step_specs
 
     @transfer_specs.setter
@@ -309,7 +309,7 @@ def _check_world(plan: Plan, rank: int) -> None:
 
 def _check_shape(tensor: torch.Tensor, expected: tuple[tuple[int, ...], torch.dtype], key: tuple,
                  instruction: str) -> None:
-    """The receiver allocates from the shape it expects (the plan's, or this step's: compiler/step_shapes.py);
+    """The receiver allocates from the shape it expects (the plan's, or this step's: compiler/assembly/step_shapes.py);
     a different tensor would arrive corrupted."""
     shape, dtype = expected
     if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:

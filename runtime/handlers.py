@@ -50,7 +50,7 @@ class Handlers:
         """The optimizer step on the device or (HostUpdate) on host masters; `clip` scales first.
         The step's guard first takes the stage's undo record (runtime/rollback.py). A step whose global
         gradient norm (fp16's overflow check, or clipping's) is not finite updates no stage
-        (runtime/precision.py; the pipeline warns, compiler/step_notices.py)."""
+        (runtime/precision.py; the pipeline warns, compiler/pipeline/step_notices.py)."""
         if self.step_overflowed:
             skip_update(self.workers[ins.stage])
             return

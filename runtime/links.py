@@ -89,7 +89,7 @@ class MessageTags:
         self.index = {(t.value, t.src, t.dst): i for i, t in enumerate(plan.transfers)}
         self.space = max(1, 2 * len(plan.transfers) * plan.microbatches)  # the tags of one epoch
         # this step's (value, microbatch) -> (sizes, dtype) where they differ from the plan's (a batch of
-        # other sizes: compiler/step_shapes.py); None: the plan's hold
+        # other sizes: compiler/assembly/step_shapes.py); None: the plan's hold
         self.step_specs: dict[tuple[str, int], tuple[tuple[int, ...], torch.dtype]] | None = None
 
     def of(self, key: tuple) -> int:

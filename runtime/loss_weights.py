@@ -1,6 +1,6 @@
 """Each microbatch's weight in the step's loss: 1 / microbatches (the mean of microbatch means)
 unless the pipeline knows the share of the batch's counted items each one holds (a declared
-loss reduction, compiler/loss_reduction.py), so the step equals eager training on the whole batch."""
+loss reduction, compiler/assembly/loss_reduction.py), so the step equals eager training on the whole batch."""
 
 from __future__ import annotations
 

@@ -5,20 +5,20 @@
     loss = pipe.step(x, target=y)
 """
 
-from stagewise.compiler.checkpoint import load
-from stagewise.compiler.checkpoint_async import SaveHandle
-from stagewise.compiler.driver import compile, plan, simulate  # noqa: A004 - the public name of the API
-from stagewise.compiler.loss_reduction import SampleMean, TokenMean
-from stagewise.compiler.optimizer_groups import ParamGroups
-from stagewise.compiler.periodic_checkpoint import Checkpoints
-from stagewise.compiler.pipeline import Pipeline
-from stagewise.compiler.probe import probe_accelerator
-from stagewise.compiler.recommend import recommend
-from stagewise.compiler.recommend_report import Candidate, Recommendation
-from stagewise.ir.catalogue import Catalogue
-from stagewise.ir.catalogue_file import load_catalogue
+from stagewise.catalogue.entries import Catalogue
+from stagewise.catalogue.files import load_catalogue
+from stagewise.catalogue.requests import Cluster, parse_device_request
+from stagewise.compiler.advice.probe import probe_accelerator
+from stagewise.compiler.advice.recommend import recommend
+from stagewise.compiler.advice.recommend_report import Candidate, Recommendation
+from stagewise.compiler.assembly.loss_reduction import SampleMean, TokenMean
+from stagewise.compiler.assembly.optimizer_groups import ParamGroups
+from stagewise.compiler.checkpoint.async_save import SaveHandle
+from stagewise.compiler.compile.driver import compile, plan, simulate  # noqa: A004 - the public name of the API
+from stagewise.compiler.elastic.load import load
+from stagewise.compiler.elastic.periodic import Checkpoints
+from stagewise.compiler.pipeline.pipeline import Pipeline
 from stagewise.ir.choices import CostModel, Schedule
-from stagewise.ir.device_request import Cluster, parse_device_request
 from stagewise.ir.devices import Device
 from stagewise.ir.errors import (
     AssumedFiguresWarning,

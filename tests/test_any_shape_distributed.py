@@ -1,6 +1,6 @@
 """Batches of any shape under torch.distributed: two gloo ranks train on varying sequence lengths and
 uneven last batches like eager training. Each receiver sizes its buffer from the step's own shapes
-(compiler/step_shapes.py), which every rank derives alike from the batch it was given."""
+(compiler/assembly/step_shapes.py), which every rank derives alike from the batch it was given."""
 
 from __future__ import annotations
 

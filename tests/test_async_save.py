@@ -1,6 +1,6 @@
 """`pipe.save(directory, asynchronous=True)`: training overlaps the write, and the checkpoint holds
 the state at the save, not after; a failure in the background is raised, never lost, and leaves the
-earlier checkpoint intact; one save at a time; under two gloo ranks the same (compiler/checkpoint_async.py):
+earlier checkpoint intact; one save at a time; under two gloo ranks the same (compiler/checkpoint/async_save.py):
 that case runs on tests/test_distributed_save.py's pair of ranks (one process-group start for both
 files), with `save_on_this_rank` and `check_saved_on_two_ranks` from tests/harness/async_save.py.
 
@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import stagewise as sw
-from stagewise.compiler import checkpoint_async, checkpoint_write
+from stagewise.compiler.checkpoint import async_save as checkpoint_async
+from stagewise.compiler.checkpoint import write as checkpoint_write
 from stagewise.ir.errors import CheckpointError
 from tests.harness.async_save import assert_exact, async_problem, held_writes
 from tests.harness.checkpoints import optimizer_state

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 import stagewise as sw
-from stagewise.ir.catalogue import AcceleratorKind, Dtype, SourceKind
-from stagewise.ir.catalogue_file import SHIPPED_DATA, shipped_catalogue
+from stagewise.catalogue.entries import AcceleratorKind, Dtype, SourceKind
+from stagewise.catalogue.files import SHIPPED_DATA, shipped_catalogue
 
 ROOT = Path(__file__).resolve().parents[1]
 READ_ON = date(2026, 11, 26)  # the day the shipped figures were read
@@ -97,10 +97,10 @@ def test_instance_types_figures_and_prices(shipped):
 
 
 def test_the_data_ships_inside_the_package():
-    shipped_file = resources.files("stagewise.ir").joinpath(SHIPPED_DATA)
+    shipped_file = resources.files("stagewise.catalogue").joinpath(SHIPPED_DATA)
     assert json.loads(shipped_file.read_text(encoding="utf-8"))["schema_version"] == 1
     package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    assert SHIPPED_DATA in package_data["stagewise.ir"]
+    assert SHIPPED_DATA in package_data["stagewise.catalogue"]
 
 
 # ---- lookups --------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@ graph.json, training.pt) and its marker consistently, as anyone can (sizes and S
 public), to name code that would run a shell, Python source, a file write or an exit. Every entry
 point that reads the data (`sw.load`, `sw.load(devices=3)`'s re-plan, `pipe.restore`, `stagewise
 inspect`) refuses it with a CheckpointError naming the file and the entry, and the payload's
-canary file is never made (codegen/allowlist.py, compiler/checkpoint_verify.py)."""
+canary file is never made (codegen/allowlist.py, compiler/checkpoint/verify.py)."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorStorageMetadata
 
 import stagewise as sw
-from stagewise.compiler.checkpoint_files import FileRecord
+from stagewise.compiler.checkpoint.files import FileRecord
 from tests.harness.crafted import (
     ENTRIES,
     METADATA,

@@ -58,7 +58,7 @@ def _set(path: str, value: object) -> Callable[[dict], None]:
 @pytest.fixture
 def no_example_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     """The re-plan's example batch (what plan.json's sizes would allocate) is never built."""
-    from stagewise.compiler import replan
+    from stagewise.compiler.elastic import replan
 
     monkeypatch.setattr(replan, "_example_batch", lambda plan: pytest.fail("built an example batch"))
 

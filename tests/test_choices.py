@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import stagewise as sw
-from stagewise.compiler.options import CompileOptions
+from stagewise.compiler.assembly.options import CompileOptions
 from stagewise.ir.plan import LayerCost
 from stagewise.passes.profile_fit import LayerProfile
 from tests.models.mlp import mlp

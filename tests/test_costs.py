@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import stagewise as sw
-from stagewise.compiler.calibrate import (
+from stagewise.compiler.compile.calibrate import (
     calibrate,
     handoff_seconds,
     local_topology,

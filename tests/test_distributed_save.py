@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import stagewise as sw
-from stagewise.compiler import checkpoint_write
+from stagewise.compiler.checkpoint import write as checkpoint_write
 from tests.harness.async_save import check_saved_on_two_ranks, save_on_this_rank
 from tests.harness.checkpoints import assert_optimizer_state_equal, optimizer_state
 from tests.harness.rank_problems import compile_case

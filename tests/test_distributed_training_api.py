@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import stagewise as sw
-from stagewise.compiler.state_dict import model_name
+from stagewise.compiler.assembly.state_dict import model_name
 from tests.harness.ranks import case_results, run_cases, spawn
 from tests.reference import ADAMW, ATOL, RTOL, SGD, assert_state_equal, chunks, eager_train, model_loss
 from tests.training_problems import (

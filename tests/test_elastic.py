@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 import stagewise as sw
-from stagewise.compiler import checkpoint_write
+from stagewise.compiler.checkpoint import write as checkpoint_write
 from tests.models.mlp import mlp
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "elastic.py"

@@ -17,7 +17,7 @@ from stagewise.codegen import allowlist
 from stagewise.codegen.graph_data import build_stage, materialize, stage_structure, stage_tensors
 from stagewise.codegen.graph_names import callable_name
 from stagewise.codegen.module_skeleton import describe_module, rebuild_module
-from stagewise.compiler.checkpoint_read import trusted_by_name
+from stagewise.compiler.checkpoint.read import trusted_by_name
 from stagewise.ir.errors import CheckpointError, PlanError, UntrustedCodeError
 from stagewise.ir.random_streams import drawing
 from tests.hf import gpt2, llama

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import stagewise as sw
-from stagewise.compiler.loss_reduction import model_reduction
+from stagewise.compiler.assembly.loss_reduction import model_reduction
 from tests.hf import bert, gpt2, llama, t5
 from tests.models.gpt import TinyGPT
 from tests.reference import SGD, assert_state_equal

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import stagewise as sw
-from stagewise.compiler.loss_reduction import padding_without_reduction
-from stagewise.compiler.step_notices import StepNotices
+from stagewise.compiler.assembly.loss_reduction import padding_without_reduction
+from stagewise.compiler.pipeline.step_notices import StepNotices
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.reference import SGD, assert_state_equal, eager_train, pipeline_train
 

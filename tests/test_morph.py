@@ -21,7 +21,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import stagewise as sw
-from stagewise.compiler.checkpoint_files import FileRecord, marker_text, read_marker
+from stagewise.compiler.checkpoint.files import FileRecord, marker_text, read_marker
 from tests.reference import assert_state_equal
 from tests.training_problems import GROUPED, batches_of, compiled, model_of, state_of, step
 

@@ -94,7 +94,7 @@ def test_wheel_holds_only_the_package(wheel_entries: list[str]):
     strays = [e for e in wheel_entries if not e.startswith((f"{PACKAGE}/", f"{PACKAGE}-"))]
     assert not strays, f"the wheel installs more than {PACKAGE}/: {strays}"
     assert f"{PACKAGE}/py.typed" in wheel_entries
-    assert f"{PACKAGE}/ir/catalogue_data.json" in wheel_entries  # the shipped device catalogue
+    assert f"{PACKAGE}/catalogue/data.json" in wheel_entries  # the shipped device catalogue
     assert {f"{PACKAGE}/cli/main.py", f"{PACKAGE}/__main__.py"} <= set(wheel_entries)  # the command line
 
 

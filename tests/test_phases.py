@@ -6,10 +6,19 @@ import torch
 import torch.nn.functional as F
 
 import stagewise as sw
-from stagewise.compiler.context import CompileContext
-from stagewise.compiler.options import CompileOptions, CompileRequest
-from stagewise.compiler.phases import PHASES, analyse, capture, codegen, cost, plan, run_phases, runtime
-from stagewise.compiler.pipeline import Pipeline
+from stagewise.compiler.assembly.options import CompileOptions, CompileRequest
+from stagewise.compiler.compile.context import CompileContext
+from stagewise.compiler.compile.phases import (
+    PHASES,
+    analyse,
+    capture,
+    codegen,
+    cost,
+    plan,
+    run_phases,
+    runtime,
+)
+from stagewise.compiler.pipeline.pipeline import Pipeline
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.models.mlp import mlp
 from tests.reference import SGD

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from stagewise.compiler.cluster import host_levels, hosts_topology
+from stagewise.compiler.compile.cluster import host_levels, hosts_topology
 from stagewise.ir.topology import Level, Topology
 from stagewise.passes.pipedream_dp import (
     LayerCosts,

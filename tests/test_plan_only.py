@@ -15,7 +15,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import stagewise as sw
-from stagewise.compiler.modelled_costs import INSTRUCTION_S, KERNEL_S, update_traffic
+from stagewise.compiler.compile.modelled_costs import INSTRUCTION_S, KERNEL_S, update_traffic
 
 H100 = dict(memory="80GiB", peak_flops="989TFLOPS", memory_bandwidth="3.35TB/s")
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-4)
@@ -44,9 +44,9 @@ def nothing_timed_here(monkeypatch):
         raise AssertionError("sw.plan timed something on the planning machine")
 
     for name in ("_calibrate", "send_bandwidth", "optimizer_cost", "handoff_seconds", "local_topology"):
-        monkeypatch.setattr(f"stagewise.compiler.calibrate.{name}", refuse, raising=False)
+        monkeypatch.setattr(f"stagewise.compiler.compile.calibrate.{name}", refuse, raising=False)
     for name in ("optimizer_cost", "handoff_seconds", "local_topology"):
-        monkeypatch.setattr(f"stagewise.compiler.costing.{name}", refuse)
+        monkeypatch.setattr(f"stagewise.compiler.compile.costing.{name}", refuse)
 
 
 def test_plans_for_gpus_this_machine_lacks_without_timing_or_running_anything(nothing_timed_here):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import stagewise as sw
-import stagewise.compiler.costing as costing
+import stagewise.compiler.compile.costing as costing
 import stagewise.passes.planner as planner
 from stagewise.ir.costs import RuntimeCosts
 from stagewise.ir.topology import Topology

@@ -6,7 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import stagewise as sw
-from stagewise.compiler.calibrate import local_topology
+from stagewise.compiler.compile.calibrate import local_topology
 from stagewise.ir.instructions import Stream
 from stagewise.ir.plan import CrossingValue, Cut, DeviceSpec, Layer, LayerCost
 from stagewise.ir.topology import Topology
@@ -142,7 +142,7 @@ def test_stages_auto_simulates_every_depth_and_keeps_one_within_the_margin(cores
     """PipeDream §2.4.1: the planner may use fewer workers than it has; in-process CPU devices get
     at most a stage per core that computes at full speed. The depth kept is predicted within
     PLAN_MARGIN of the fastest (a simpler plan wins a near tie: `keep_simplest`)."""
-    monkeypatch.setattr("stagewise.compiler.options.computes_at_full_speed", lambda: float(cores))
+    monkeypatch.setattr("stagewise.compiler.assembly.options.computes_at_full_speed", lambda: float(cores))
     batches = token_batches(2, batch=8)
     pipe = check_equal_training(TinyGPT(layers=4), batches, 4, loss_fn=lm_loss, optimizer=SGD,
                                 microbatches=4, schedule="gpipe", stages="auto", cost="analytic")
@@ -167,7 +167,7 @@ def test_bad_stage_counts_are_clear_errors(kwargs, match):
 
 def test_stages_and_replicas_auto_search_p_by_d_below_the_devices(monkeypatch):
     """Both searches at once: every D dividing the devices, every depth up to N / D."""
-    monkeypatch.setattr("stagewise.compiler.options.computes_at_full_speed", lambda: 4.0)
+    monkeypatch.setattr("stagewise.compiler.assembly.options.computes_at_full_speed", lambda: 4.0)
     batches = token_batches(2, batch=8)
     pipe = check_equal_training(TinyGPT(layers=4), batches, 4, loss_fn=lm_loss, optimizer=ADAMW, microbatches=4,
                                 schedule="1f1b", stages="auto", replicas="auto", cost="analytic")

@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 import stagewise as sw
-import stagewise.compiler.probe_model as probe_model
-from stagewise.compiler.calibrate import best_seconds
-from stagewise.compiler.probe_model import fit_rate, microbatch_sizes
-from stagewise.ir.catalogue import Dtype
+import stagewise.compiler.advice.probe_model as probe_model
+from stagewise.catalogue.entries import Dtype
+from stagewise.compiler.advice.probe_model import fit_rate, microbatch_sizes
+from stagewise.compiler.compile.calibrate import best_seconds
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.models.mlp import mlp
 

@@ -16,9 +16,9 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import stagewise as sw
-import stagewise.compiler.recommend as recommend_module
-from stagewise.compiler.recommend import default_requests
-from stagewise.ir.catalogue_file import shipped_catalogue
+import stagewise.compiler.advice.recommend as recommend_module
+from stagewise.catalogue.files import shipped_catalogue
+from stagewise.compiler.advice.recommend import default_requests
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-4)
 PRICES = {"slow.1": 1.0, "fast.1": 8.0}

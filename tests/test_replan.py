@@ -1,5 +1,5 @@
 """`sw.load(directory, devices=...)` plans a checkpoint's graph again for other devices, without the
-model (compiler/replan.py, Varuna §4.5). Hugging Face GPT-2 (a torch.export graph) from 4 devices
+model (compiler/elastic/replan.py, Varuna §4.5). Hugging Face GPT-2 (a torch.export graph) from 4 devices
 onto 2 and 3: tests/test_morph.py; under two gloo ranks: tests/test_distributed_training_api.py."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import stagewise as sw
-from stagewise.compiler import costing
-from stagewise.compiler.calibrate import OptimizerCost
-from stagewise.compiler.checkpoint_read import read_checkpoint
-from stagewise.compiler.optimizer_recipe import recorded_optimizer
-from stagewise.compiler.replan import _options
+from stagewise.compiler.assembly.optimizer_recipe import recorded_optimizer
+from stagewise.compiler.checkpoint.read import read_checkpoint
+from stagewise.compiler.compile import costing
+from stagewise.compiler.compile.calibrate import OptimizerCost
+from stagewise.compiler.elastic.replan import _options
 from stagewise.ir.topology import Topology
 from tests import hf
 from tests.models.dropout import DropoutGPT

@@ -91,8 +91,8 @@ def heavy_then_wide() -> nn.Sequential:
 @pytest.fixture
 def fixed_machine(monkeypatch):
     """Four cores at full speed and 2 GB/s links: the planner's inputs that are measured otherwise."""
-    monkeypatch.setattr("stagewise.compiler.options.computes_at_full_speed", lambda: 4.0)
-    monkeypatch.setattr("stagewise.compiler.costing.local_topology", lambda devices: Topology.uniform(len(devices), 2e9))
+    monkeypatch.setattr("stagewise.compiler.assembly.options.computes_at_full_speed", lambda: 4.0)
+    monkeypatch.setattr("stagewise.compiler.compile.costing.local_topology", lambda devices: Topology.uniform(len(devices), 2e9))
 
 
 def shape_of(plan) -> tuple[int, ...]:

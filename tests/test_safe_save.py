@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import stagewise as sw
-from stagewise.compiler import checkpoint_swap
+from stagewise.compiler.checkpoint import swap as checkpoint_swap
 from tests.models.mlp import mlp
 from tests.reference import SGD, assert_state_equal
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 import stagewise as sw
-from stagewise.compiler.checkpoint_read import read_checkpoint
+from stagewise.compiler.checkpoint.read import read_checkpoint
 from tests.hf import gpt2, lm_batches
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.reference import ADAMW, assert_state_equal, check_equal_training, pipeline_train, token_batches

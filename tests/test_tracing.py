@@ -180,7 +180,7 @@ def test_stage_code_makes_its_tensors_on_the_device_it_runs_on(name):
     """Traced on the CPU, torch.export writes device=cpu into `arange` (position ids) and `to` (rotary
     frequencies); the stage code reads the device from its inputs instead, so a stage placed on a GPU
     makes those tensors there. Checked with fake CUDA tensors: every stage, in pipeline order."""
-    from stagewise.compiler.step_shapes import StepShapes
+    from stagewise.compiler.assembly.step_shapes import StepShapes
     from tests.hf import llama
 
     torch.manual_seed(0)

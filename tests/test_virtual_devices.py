@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import stagewise as sw
-from stagewise.compiler.virtual_devices import virtual_counts, virtual_layout
+from stagewise.compiler.pipeline.virtual_devices import virtual_counts, virtual_layout
 from tests.training_problems import (
     GROUPED,
     batches_of,

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import stagewise as sw
-from stagewise.compiler import checkpoint_write
+from stagewise.compiler.checkpoint import write as checkpoint_write
 from tests.models.mlp import mlp
 from tests.reference import ADAMW, pipeline_train
 

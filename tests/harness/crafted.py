@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 import stagewise as sw
 from stagewise.cli.main import main
-from stagewise.compiler.checkpoint_files import MARKER, FileRecord, marker_text, read_marker
+from stagewise.compiler.checkpoint.files import MARKER, FileRecord, marker_text, read_marker
 from tests.models.mlp import mlp
 from tests.reference import SGD
 

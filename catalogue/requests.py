@@ -1,0 +1,155 @@
+"""Device requests as users write them on a command line: '8xH100', 'p4d.24xlarge', '2xp4d.24xlarge'.
+
+A request names a catalogue accelerator ('COUNTxNAME': COUNT devices, how they are packaged
+unknown) or an instance type ('COUNTxTYPE': COUNT whole instances). It becomes the `Device`s the
+planner takes, with the figures of the precision it will train in, and the node structure the
+instance type implies: which devices share an instance and the bandwidths within and between
+instances. This is the cluster a plan is made for; compiler/compile/cluster.py measures the one a job
+actually runs on.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from stagewise.catalogue.entries import (
+    Accelerator,
+    AcceleratorKind,
+    Catalogue,
+    Dtype,
+    InstanceType,
+    closest_names,
+)
+from stagewise.catalogue.files import shipped_catalogue
+from stagewise.ir.devices import Device
+from stagewise.ir.errors import DeviceError
+
+_REQUEST = re.compile(r"\s*(?:([-+]?[0-9.]+)\s*[xX*×]\s*)?(\S*)\s*")
+_EXAMPLES = "'8xH100', 'p4d.24xlarge' or '2xp4d.24xlarge'"
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The devices a request stands for. `nodes[k]` holds the indices (into `devices`) of the
+    devices in instance k; device names are local to their instance ('cuda:0'..'cuda:7' in each).
+    `intra_node_bandwidth` is bytes/s one device can send to the others of its instance,
+    `inter_node_bandwidth` bytes/s one instance can send to another, both one direction; None where
+    the catalogue has no figure, and both None for a bare accelerator count (packaging unknown)."""
+
+    accelerator: Accelerator
+    instance_type: InstanceType | None
+    precision: Dtype
+    devices: tuple[Device, ...]
+    nodes: tuple[tuple[int, ...], ...]
+    intra_node_bandwidth: float | None
+    inter_node_bandwidth: float | None
+
+    def node_of(self, device: int) -> int:
+        """The instance that holds `devices[device]`."""
+        for node, members in enumerate(self.nodes):
+            if device in members:
+                return node
+        raise DeviceError(f"device index {device} is not in this cluster of {len(self.devices)} devices; "
+                          f"give 0..{len(self.devices) - 1}")
+
+
+def check_device_request(request: str, catalogue: Catalogue | None = None) -> None:
+    """A DeviceError for a request that is misspelt (bad count, unknown name); a known name whose
+    figures the precision lacks is left to `parse_device_request` (a candidate out, not a typo)."""
+    catalogue = catalogue if catalogue is not None else shipped_catalogue()
+    _, name = _split(request)
+    if not (catalogue.knows_instance_type(name) or catalogue.knows_accelerator(name)):
+        raise DeviceError(_unknown(name, request, catalogue))
+
+
+def parse_device_request(request: str, catalogue: Catalogue | None = None,
+                         precision: Dtype | str = Dtype.FP32) -> Cluster:
+    """The cluster `request` names in `catalogue` (the shipped one by default). `precision` picks
+    each device's peak FLOP/s: 'fp32' the plain fp32 rate (not TF32), 'tf32', 'bf16' or 'fp16'
+    that dtype's dense tensor-core rate."""
+    catalogue = catalogue if catalogue is not None else shipped_catalogue()
+    dtype = _dtype(precision)
+    count, name = _split(request)
+    if catalogue.knows_instance_type(name):
+        instance = catalogue.instance_type(name)
+        return _cluster(catalogue.accelerator_of(instance), instance, count, instance.accelerators, dtype)
+    if catalogue.knows_accelerator(name):
+        return _cluster(catalogue.accelerator(name), None, 1, count, dtype)
+    raise DeviceError(_unknown(name, request, catalogue))
+
+
+def _cluster(accelerator: Accelerator, instance: InstanceType | None, instances: int, per_instance: int,
+             dtype: Dtype) -> Cluster:
+    flops = _peak_flops(accelerator, dtype)
+    devices: list[Device] = []
+    nodes = []
+    for _ in range(instances):
+        nodes.append(tuple(range(len(devices), len(devices) + per_instance)))
+        devices += [_device(accelerator, flops, local) for local in range(per_instance)]
+    intra = instance.intra_node_bandwidth if instance else None
+    inter = instance.inter_node_bandwidth if instance else None
+    return Cluster(accelerator=accelerator, instance_type=instance, precision=dtype, devices=tuple(devices),
+                   nodes=tuple(nodes), intra_node_bandwidth=intra.value if intra else None,
+                   inter_node_bandwidth=inter.value if inter else None)
+
+
+def _peak_flops(accelerator: Accelerator, dtype: Dtype) -> float | None:
+    """The FLOP/s the devices get. A CUDA accelerator must have the precision's figure (the planner
+    cannot cost it otherwise); a CPU entry with no FLOP/s at all is this host's CPU, which compile
+    measures."""
+    figure = accelerator.peak_flops.figure(dtype)
+    if figure is not None:
+        return figure.value
+    listed = accelerator.peak_flops.dtypes()
+    if accelerator.kind is AcceleratorKind.CPU and not listed:
+        return None
+    have = f"it lists {', '.join(d.value for d in listed)}" if listed else "it lists none"
+    why = f"; {accelerator.note.rstrip('.')}" if accelerator.note else ""
+    raise DeviceError(
+        f"the catalogue has no {dtype.value} peak FLOP/s for {accelerator.name} ({have}{why}); choose another "
+        f"precision or add the figure in your catalogue file: [accelerators.{accelerator.name}] "
+        f"peak_flops.{dtype.value} = {{ value = '...TFLOPS', sources = ['...'] }}")
+
+
+def _device(accelerator: Accelerator, peak_flops: float | None, local_index: int) -> Device:
+    """Device number `local_index` of its instance, with the accelerator's figures."""
+    name = f"cuda:{local_index}" if accelerator.kind is AcceleratorKind.CUDA else "cpu"
+    memory, memory_bw, host_bw = accelerator.memory, accelerator.memory_bandwidth, accelerator.host_bandwidth
+    return Device(name, memory=int(memory.value) if memory else None, peak_flops=peak_flops,
+                  memory_bandwidth=memory_bw.value if memory_bw else None,
+                  host_bandwidth=host_bw.value if host_bw else None)
+
+
+def _split(request: str) -> tuple[int, str]:
+    """'8xH100' -> (8, 'H100'); 'p4d.24xlarge' -> (1, 'p4d.24xlarge')."""
+    if not isinstance(request, str):
+        raise DeviceError(f"device request {request!r} is a {type(request).__name__}; write it like {_EXAMPLES}")
+    match = _REQUEST.fullmatch(request)
+    if match is None or not match.group(2):
+        raise DeviceError(f"cannot read device request {request!r}; write it like {_EXAMPLES}")
+    count_text, name = match.groups()
+    if count_text is None:
+        return 1, name
+    if not count_text.lstrip("+").isdigit() or int(count_text) < 1:
+        raise DeviceError(f"device request {request!r}: the count {count_text!r} must be a whole number of at "
+                          f"least 1, as in {_EXAMPLES}")
+    return int(count_text), name
+
+
+def _dtype(precision: Dtype | str) -> Dtype:
+    try:
+        return Dtype(precision)
+    except ValueError:
+        raise DeviceError(f"unknown precision {precision!r} for peak FLOP/s; choose one of "
+                          f"{', '.join(repr(d.value) for d in Dtype)}") from None
+
+
+def _unknown(name: str, request: str, catalogue: Catalogue) -> str:
+    aliases = [alias for acc in catalogue.accelerators for alias in acc.aliases]
+    names = catalogue.accelerator_names() + catalogue.instance_type_names() + aliases
+    close = closest_names(name, names)
+    hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
+    return (f"device request {request!r}: {name!r} is neither an accelerator nor an instance type of the "
+            f"catalogue; {hint}accelerators: {', '.join(catalogue.accelerator_names())}; instance types: "
+            f"{', '.join(catalogue.instance_type_names())}. Add your own with sw.load_catalogue('my_devices.toml')")

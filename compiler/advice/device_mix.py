@@ -1,0 +1,90 @@
+"""A candidate device set for `sw.recommend`: one request ("2xp4d.24xlarge") or a mix of several
+joined by "+" ("1xp4d.24xlarge+1xg6.xlarge"): its devices, price, links and whose figures.
+
+A mix is heterogeneous: devices of different speed and memory, which the planner's CP-SAT binding
+places (stages on the devices that suit them). Links: within an instance its intra-node
+bandwidth; between instances the slower of the two instances' network bandwidth, shared by the
+devices of an instance. Where the catalogue lacks a link figure the whole set gets sw.plan's
+default link (topology None).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stagewise.catalogue.entries import Catalogue
+from stagewise.catalogue.requests import Cluster, check_device_request, parse_device_request
+from stagewise.ir.devices import Device
+from stagewise.ir.topology import Topology
+
+
+@dataclass(frozen=True)
+class Mix:
+    """The devices of one or more clusters, in request order."""
+
+    clusters: tuple[Cluster, ...]
+
+    @property
+    def devices(self) -> list[Device]:
+        return [device for cluster in self.clusters for device in cluster.devices]
+
+    @property
+    def instances(self) -> int:
+        return sum(len(cluster.nodes) for cluster in self.clusters)
+
+    @property
+    def usd_per_hour(self) -> float | None:
+        """Every instance together; None when any part has no on-demand price."""
+        prices = [cluster.instance_type.on_demand if cluster.instance_type is not None else None
+                  for cluster in self.clusters]
+        if any(price is None for price in prices):
+            return None
+        return sum(price.usd_per_hour * len(cluster.nodes)
+                   for price, cluster in zip(prices, self.clusters, strict=True) if price is not None)
+
+    @property
+    def figures(self) -> str:
+        return "measured" if any(cluster.accelerator.measured for cluster in self.clusters) else "datasheet"
+
+    def topology(self) -> Topology | None:
+        """Per pair of devices: their instance's intra-node link, or the slower instance's network
+        share; None where a figure the set needs is missing. One instance type keeps its two levels
+        (PipeDream's DP partitions level by level)."""
+        nodes = [(cluster, members) for cluster in self.clusters for members in cluster.nodes]
+        if len(self.devices) == 1:
+            return None
+        if len(self.clusters) == 1:
+            return _levels(self.clusters[0])
+        links: list[tuple[float, float | None]] = []  # per device: its instance's (intra, inter) link
+        for cluster, members in nodes:
+            intra = cluster.intra_node_bandwidth if len(members) > 1 else float("inf")
+            inter = cluster.inter_node_bandwidth / len(members) if cluster.inter_node_bandwidth else None
+            if intra is None or (inter is None and len(nodes) > 1):
+                return None
+            links.extend([(intra, inter)] * len(members))
+        node_of = [n for n, (_, members) in enumerate(nodes) for _ in members]
+        return Topology.from_matrix([[None if i == j else links[i][0] if node_of[i] == node_of[j]
+                                      else min(links[i][1], links[j][1]) for j in range(len(links))]
+                                     for i in range(len(links))])
+
+
+def _levels(cluster: Cluster) -> Topology | None:
+    """Instances of one type: within one the intra-node link, across them the network's share."""
+    per_node, nodes = len(cluster.nodes[0]), len(cluster.nodes)
+    intra, inter = cluster.intra_node_bandwidth, cluster.inter_node_bandwidth
+    if (per_node > 1 and intra is None) or (nodes > 1 and inter is None):
+        return None
+    if nodes == 1:
+        return Topology.uniform(per_node, intra)
+    return Topology.two_level(nodes, per_node, intra if per_node > 1 else inter, inter / per_node)
+
+
+def check_request(request: str, catalogue: Catalogue) -> None:
+    """A DeviceError for a misspelt part (a typo fails the search at once)."""
+    for part in request.split("+"):
+        check_device_request(part, catalogue)
+
+
+def mix_of(request: str, catalogue: Catalogue, precision: str) -> Mix:
+    """The clusters a request names, "+" joining the parts of a mix."""
+    return Mix(tuple(parse_device_request(part, catalogue, precision=precision) for part in request.split("+")))

@@ -1,0 +1,86 @@
+"""The topology of a torch.distributed job: the ranks of one host form the inner level, the hosts the
+outer one (PipeDream's hierarchy, dissertation Fig. 2.6; ir/topology.py).
+
+In one process every device is on one host: one level, the measured matrix (calibrate.py
+`local_topology`), as before. Under torch.distributed the ranks are grouped by host name; on one
+host that is still one level. Across hosts the link between them is measured once (rank 0 and the
+first rank of the second host pass a buffer back and forth) and the levels are (ranks per host,
+the slowest link inside a host), (hosts, that measured link) when torchrun numbered the ranks host
+by host in equal numbers; otherwise the matrix alone, without levels (the DP then plans over one
+level at the slowest link). Rank 0's topology is the one every rank plans with.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from stagewise.compiler.compile.calibrate import COPY_BYTES, REPEATS, local_topology
+from stagewise.ir.topology import Topology
+
+
+def cluster_topology(devices, local_rank: int) -> Topology:
+    """The links between the job's ranks, with a level per host where the ranks are on several;
+    the same on every rank (a collective: every rank calls it)."""
+    local = local_topology(devices)
+    hosts: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    names = [str(h) for h in hosts]
+    if len(set(names)) == 1:
+        return local
+    peer = next(rank for rank, host in enumerate(names) if host != names[0])
+    between = _round_trip_bandwidth(peer, _buffer_device(local_rank))
+    box = [hosts_topology(names, local, between)]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def host_levels(hosts: Sequence[str]) -> tuple[int, int] | None:
+    """(ranks per host, hosts) when the ranks are numbered host by host, the same number on each
+    (torchrun's numbering with --nproc-per-node); None otherwise."""
+    order = list(dict.fromkeys(hosts))
+    per_host = len(hosts) // len(order)
+    if len(hosts) != per_host * len(order) or any(hosts[r] != order[r // per_host] for r in range(len(hosts))):
+        return None
+    return per_host, len(order)
+
+
+def hosts_topology(hosts: Sequence[str], local: Topology, between: float) -> Topology:
+    """Rank i runs on `hosts[i]`: ranks of one host talk over `local`'s links, ranks of different
+    hosts over `between` bytes/s; levels (host, cluster) where `host_levels` finds them."""
+    n = len(hosts)
+    if local.n_devices != n:
+        raise ValueError(f"{n} ranks but {local.n_devices} devices measured")
+    shape = host_levels(hosts)
+    if shape is not None:
+        per_host, count = shape
+        inside = local.among(range(per_host)).slowest_link if per_host > 1 else between
+        return Topology.hierarchical([(per_host, inside), (count, between)])
+    return Topology.from_matrix([[None if i == j else local.link(i, j) if hosts[i] == hosts[j] else between
+                                  for j in range(n)] for i in range(n)])
+
+
+def _round_trip_bandwidth(peer: int, device: torch.device) -> float:
+    """Bytes/s between rank 0 and `peer`, timed by rank 0 (the best of a few round trips); every
+    other rank only waits for the result."""
+    rank, buffer = dist.get_rank(), torch.empty(COPY_BYTES // 4, device=device)
+    best = float("inf")
+    for _ in range(REPEATS):  # the best counts: the first, which opens the connection, is slower
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(buffer, peer)
+            dist.recv(buffer, peer)
+        elif rank == peer:
+            dist.recv(buffer, 0)
+            dist.send(buffer, 0)
+        best = min(best, time.perf_counter() - start)
+    return 2 * COPY_BYTES / max(best, 1e-9)
+
+
+def _buffer_device(local_rank: int) -> torch.device:
+    """NCCL sends CUDA tensors only (this rank's GPU); gloo CPU tensors."""
+    return torch.device("cuda", local_rank) if dist.get_backend() == "nccl" else torch.device("cpu")

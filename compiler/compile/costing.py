@@ -1,0 +1,114 @@
+"""What the planner weighs candidate plans by: per-layer costs at any microbatch size (profiled on
+this machine or analytic), what the runtime adds here, the links between the devices, and the optimizer's
+state per weight byte."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from dataclasses import dataclass
+
+from stagewise.compiler.assembly.options import CompileRequest
+from stagewise.compiler.compile.analysis import Analysis
+from stagewise.compiler.compile.calibrate import (
+    handoff_seconds,
+    local_topology,
+    optimizer_cost,
+    optimizer_state_ratio,
+)
+from stagewise.compiler.compile.cluster import cluster_topology
+from stagewise.compiler.compile.modelled_costs import modelled_runtime_costs, modelled_topology
+from stagewise.ir.choices import CostModel
+from stagewise.ir.costs import RuntimeCosts, training_state_per_param_byte
+from stagewise.ir.devices import Device
+from stagewise.ir.plan import LayerCost
+from stagewise.ir.topology import Topology
+from stagewise.passes.analytic import analytic_layers
+from stagewise.passes.contention import host_contention
+from stagewise.passes.profile import LayerProfile, costs_at, profile_layers
+from stagewise.passes.profile_sizes import MAX_MICROBATCH
+
+
+class LayerCostModel:
+    """Per-layer costs at a microbatch size, from one profile (or analytic model) of the first graph."""
+
+    def __init__(self, cost_model: CostModel, analysis: Analysis, device: Device, optimizer_ratio: float,
+                 precision: str = "fp32", largest: int = MAX_MICROBATCH):
+        self.cost_model, self.analysis, self.device, self.optimizer_ratio = cost_model, analysis, device, optimizer_ratio
+        self.precision = precision  # layers are costed under its autocast
+        self.largest = largest  # the largest microbatch the planner may choose: the profiler probes no larger
+
+    @functools.cached_property
+    def profiles(self) -> list[LayerProfile]:
+        first = self.analysis.first
+        if self.cost_model == CostModel.ANALYTIC:
+            return analytic_layers(first.graph, first.layers, first.microbatch_size, self.device,
+                                   optimizer_state_factor=self.optimizer_ratio, precision=self.precision)
+        return profile_layers(first.graph, first.layers, self.device, traced_microbatch=first.microbatch_size,
+                              quiet=not sys.stderr.isatty(), optimizer_state_factor=self.optimizer_ratio,
+                              # several sizes matter only to a planner that weighs several counts; a static
+                              # export would be exported again for each
+                              graph_at=self.analysis.graph_at_size if self.analysis.dynamic else None,
+                              precision=self.precision, max_microbatch=self.largest)
+
+    def at(self, microbatch_size: int) -> list[LayerCost]:
+        return costs_at(self.profiles, microbatch_size)
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What the cost phase measured, for every candidate plan alike."""
+
+    layers: LayerCostModel
+    runtime: RuntimeCosts
+    topology: Topology  # bytes/s of a send between every pair of the devices (measured)
+    optimizer_ratio: float  # bytes of optimizer state per weight byte on the devices
+
+    @property
+    def state_ratio(self) -> float:
+        """Weights + gradients + optimizer state, per weight byte, on the devices."""
+        return training_state_per_param_byte(self.optimizer_ratio)
+
+
+def measure_costs(request: CompileRequest, analysis: Analysis) -> Costs:
+    """Measure the links between the devices (under torch.distributed, with a level per host), profile
+    (or model) every layer at the first size, and measure what the runtime adds on this machine. A
+    plan that will not run here (sw.plan) models the links and the runtime from the devices' figures
+    (compiler/compile/modelled_costs.py) unless `topology=` gives the links."""
+    devices = request.devices
+    options = request.options
+    # no optimizer state on the devices when the optimizer steps on the host
+    optimizer_ratio = 0.0 if options.optimizer_on_host else optimizer_state_ratio(options.optimizer)
+    largest = MAX_MICROBATCH if options.microbatch_sizes is None else options.microbatch_sizes[1]
+    layers = LayerCostModel(options.cost, analysis, devices[0], optimizer_ratio, options.precision, largest)
+    layers.at(analysis.first.microbatch_size)
+    if not request.runs_here:
+        topology = options.topology or modelled_topology(devices)
+        return Costs(layers, modelled_runtime_costs(request, analysis), topology, optimizer_ratio)
+    context = request.distributed
+    topology = options.topology or (local_topology(devices) if context is None
+                                    else cluster_topology(devices, context.local_rank))
+    return Costs(layers, runtime_costs(request, analysis, layers), topology, optimizer_ratio)
+
+
+def runtime_costs(request: CompileRequest, analysis: Analysis, layer_costs: LayerCostModel) -> RuntimeCosts:
+    """What the runtime adds on this machine: per-instruction hand-offs, contention between the
+    in-process CPU devices (measured on the model's costliest layer kind with cost="profile", the
+    cores' share with cost="analytic"), and the optimizer step, timed on the first device."""
+    first = analysis.first
+    sharing = request.sharing_cpu_devices
+    optimizer = request.options.optimizer
+    concurrency: tuple[float, ...] = ()
+    update_concurrency: tuple[float, ...] = ()
+    wake_s = 0.0
+    if sharing > 1 and request.options.cost == CostModel.PROFILE:
+        measured = host_contention(first.graph, first.layers, layer_costs.at(first.microbatch_size),
+                                   first.microbatch_size, sharing, optimizer)
+        concurrency, wake_s, update_concurrency = measured.speeds, measured.wake_s, measured.update_speeds
+    elif sharing > 1:
+        concurrency = tuple(min(1.0, request.cores_at_full_speed / k) for k in range(1, sharing + 1))
+    step = optimizer_cost(optimizer, request.devices[0])
+    update = tuple(step.seconds(len(params), sum(p.numel() * p.element_size() for p in params))
+                   for params in analysis.trainable_per_layer())
+    return RuntimeCosts(instruction_s=handoff_seconds(), concurrency=concurrency, update_s=update, wake_s=wake_s,
+                        update_concurrency=update_concurrency)

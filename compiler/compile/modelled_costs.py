@@ -1,0 +1,52 @@
+"""What the runtime and the links cost on devices that are not here: modelled from their figures.
+
+`sw.plan` plans for hardware the planning machine need not have (8 GPUs from a laptop), so nothing
+it charges may be timed here: a CPU's optimizer step or thread hand-off says nothing about a GPU's.
+Layers are costed by passes/analytic.py; this module models the rest:
+
+- the optimizer update of a layer: its state streamed once through the device's memory, a roofline
+  (`UPDATE_TRAFFIC`: SGD reads a weight and its gradient and writes the weight, 3 weight-sized
+  passes; each tensor of optimizer state per weight adds a read and a write), plus a fixed
+  `KERNEL_S` per parameter tensor for the launches;
+- a per-instruction overhead `INSTRUCTION_S` (the runtime's hand-off between its stream threads
+  and a kernel launch; measured here at 20-60 µs per hand-off for in-process CPU devices);
+- the links: `topology=` when given, else every pair of devices over `DEFAULT_LINK_BANDWIDTH` of
+  their kind (PCIe 4.0 x16 for GPUs: a GPU server without NVLink), which swaps are charged too.
+"""
+
+from __future__ import annotations
+
+from stagewise.compiler.assembly.options import CompileRequest
+from stagewise.compiler.compile.analysis import Analysis
+from stagewise.compiler.compile.calibrate import optimizer_state_ratio
+from stagewise.ir.costs import RuntimeCosts
+from stagewise.ir.devices import Device
+from stagewise.ir.topology import Topology
+from stagewise.passes.analytic import device_rates
+
+INSTRUCTION_S = 30e-6
+KERNEL_S = 5e-6  # one kernel launch of an optimizer step, per parameter tensor
+DEFAULT_LINK_BANDWIDTH = {"cuda": 25e9, "cpu": 10e9}  # bytes/s: PCIe 4.0 x16 after overheads; a host's memcpy
+
+
+def update_traffic(optimizer_ratio: float) -> float:
+    """Bytes an update moves per weight byte: SGD 3 (read weight and gradient, write the weight),
+    each optimizer-state byte per weight byte 2 more (read and written): Adam 7."""
+    return 3.0 + 2.0 * optimizer_ratio
+
+
+def modelled_topology(devices: list[Device]) -> Topology:
+    """Every pair of devices joined by the slowest default link of their kinds."""
+    slowest = min(DEFAULT_LINK_BANDWIDTH.get(d.torch_device.type, DEFAULT_LINK_BANDWIDTH["cpu"]) for d in devices)
+    return Topology.uniform(len(devices), slowest)
+
+
+def modelled_runtime_costs(request: CompileRequest, analysis: Analysis) -> RuntimeCosts:
+    """Per-layer update seconds on the first device's memory bandwidth (the planner scales them by
+    each device's relative speed), a modelled instruction overhead, no CPU contention."""
+    _, bandwidth = device_rates(request.devices[0].spec())
+    ratio = 0.0 if request.options.optimizer_on_host else optimizer_state_ratio(request.options.optimizer)
+    update = tuple(len(params) * KERNEL_S + sum(p.numel() * p.element_size() for p in params)
+                   * update_traffic(ratio) / bandwidth for params in analysis.trainable_per_layer())
+    return RuntimeCosts(instruction_s=INSTRUCTION_S, concurrency=(), update_s=update, wake_s=0.0,
+                        update_concurrency=())

@@ -1,0 +1,275 @@
+"""Choosing the plan: build candidate plans on the analysed graph, let the planner simulate them
+and keep the simplest that fits within a margin of the fastest, agree on it across ranks, and rebuild it at its own size."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from stagewise.compiler.assembly.options import CompileRequest
+from stagewise.compiler.compile.analysis import Analysed, Analysis
+from stagewise.compiler.compile.costing import Costs
+from stagewise.ir.choices import Schedule
+from stagewise.ir.errors import AssumedFiguresWarning, PartitionError
+from stagewise.ir.plan import LayerCost
+from stagewise.passes.analytic import DEFAULT_PEAK_FLOPS
+from stagewise.passes.harmony_plan import HARMONY
+from stagewise.passes.harmony_search import PackSearch, choose_with_harmony
+from stagewise.passes.layout import choose_layout
+from stagewise.passes.partition import starts_from_split_points
+from stagewise.passes.pipedream_partition import (
+    check_replicated_schedule,
+    consecutive_devices,
+    replicated_partition,
+)
+from stagewise.passes.planner import (
+    REPLICATING,
+    Assembled,
+    Candidate,
+    Prediction,
+    assemble,
+    candidates,
+    partition,
+    predict,
+    sim_cost,
+)
+from stagewise.passes.simulate import SimCost
+from stagewise.passes.swap import SwapMode
+
+
+class Built(NamedTuple):
+    """One candidate built: the plan, its layers' costs and its microbatch size (unpacked so by
+    the planner's `choose`)."""
+
+    plan: Assembled
+    layer_costs: list[LayerCost]
+    microbatch_size: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Stage starts and each stage's device, decided elsewhere (the planner, or rank 0); with
+    replicated stages, each stage's replicas' devices."""
+
+    starts: tuple[int, ...]
+    stage_devices: tuple[int, ...]
+    replica_devices: tuple[tuple[int, ...], ...] = ()
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The plan compile keeps, built at its own microbatch size, and what the planner predicted."""
+
+    plan: Assembled
+    prediction: Prediction
+    considered: tuple[str, ...]  # every candidate tried, one line each (empty when none was searched)
+    sim_cost: SimCost  # the plan's per-stage costs, which `Pipeline.simulate` replays
+
+
+@dataclass
+class PlanBuilder:
+    """Builds candidate plans for one compile; candidates that partition alike share the partition
+    and the stages built from it."""
+
+    request: CompileRequest
+    analysis: Analysis
+    costs: Costs
+    partitions: dict[tuple, tuple[list[int], list[int]]] = field(default_factory=dict)
+    built: dict[tuple, tuple] = field(default_factory=dict)  # stages per partition, for `assemble`
+    replicated: dict[tuple, tuple[list[int], tuple[tuple[int, ...], ...]]] = field(default_factory=dict)
+
+    def build(self, candidate: Candidate, placement: Placement | None = None, exact: bool = False) -> Built:
+        """`candidate` on the first graph (layers and per-sample bytes do not depend on the
+        microbatch size), or `exact`ly on the graph at its own size (what the runtime needs)."""
+        request, options = self.request, self.request.options
+        name, m = candidate.schedule, candidate.microbatches
+        graph = self.analysis.at(m) if exact else self.analysis.first
+        size = request.batch // m
+        layout = choose_layout(name, len(request.devices), candidate.replicas, graph.legal_cuts, candidate.stages)
+        layer_costs = self.costs.layers.at(size)
+        replica_devices: tuple[tuple[int, ...], ...] = ()
+        if candidate.replicates_stages:
+            starts, replica_devices = ((list(placement.starts), placement.replica_devices) if placement
+                                       else self._replicated(candidate, graph, size))
+            stage_devices = [on[0] for on in replica_devices]
+        elif placement is not None:
+            starts, stage_devices = list(placement.starts), list(placement.stage_devices)
+        elif options.split_points is not None:
+            starts = starts_from_split_points(graph.layers, graph.cuts, list(options.split_points))
+            if name not in HARMONY and len(starts) != layout.positions:  # Harmony's packs may be any number
+                raise PartitionError(
+                    f"split_points gives {len(starts)} stages but {len(request.devices)} devices with schedule '{name}' "
+                    f"need {layout.positions}; give {layout.positions - 1} split points, or stages={len(starts)}"
+                )
+            stage_devices = [layout.device_of(s, 0) for s in range(len(starts))]
+        elif name in HARMONY:  # the packs Alg. 1 chooses at this one size
+            plan, packed_costs, size = self.pack_search(graph, exact).build(candidate)
+            return Built(plan, list(packed_costs), size)
+        else:
+            # the straight pipelines (gpipe, 1f1b, varuna) at one size share a partition
+            key = ("pipeline" if name in REPLICATING else name, size, layout.positions, layout.replicas)
+            if key not in self.partitions:
+                self.partitions[key] = partition(name, graph.layers, graph.cuts, layer_costs, layout, request.specs, size,
+                                                 self.costs.topology)
+            starts, stage_devices = self.partitions[key]
+        plan = assemble(graph.graph, graph.layers, graph.cuts, graph.microbatch_size, name, m, starts, stage_devices, layout,
+                        options.swap, request.capacities, options.reduces_grad_norm, self.costs.state_ratio,
+                        optimizer_on_host=options.optimizer_on_host,
+                        stash_bytes=[c.stash_bytes for c in layer_costs], built=self.built,
+                        replica_devices=replica_devices, grad_bytes=[c.grad_bytes for c in layer_costs])
+        return Built(plan, layer_costs, size)
+
+    def pack_search(self, graph: Analysed, exact: bool) -> PackSearch:
+        """Harmony's Alg. 1 over `graph`, building its configurations as `build` does."""
+        request = self.request
+
+        def build_packs(candidate: Candidate, starts: tuple[int, ...], on: tuple[int, ...]) -> Built:
+            return self.build(candidate, Placement(starts, on), exact)
+
+        return PackSearch(build_packs, request.batch, len(graph.layers), graph.cuts, self.costs.layers.at,
+                          request.specs, self.costs.topology, self.costs.runtime)
+
+    def _replicated(self, candidate: Candidate, graph, size: int) -> tuple[list[int], tuple[tuple[int, ...], ...]]:
+        """Stage starts and each stage's replicas' devices (PipeDream's replicated stages): from the
+        split points with the replication given, or from the DP (gpipe and 1f1b share them)."""
+        request, split_points = self.request, self.request.options.split_points
+        check_replicated_schedule(candidate.schedule)
+        key = (size, candidate.stage_replicas)  # () when the DP chooses
+        if key not in self.replicated and split_points is not None:
+            starts = starts_from_split_points(graph.layers, graph.cuts, list(split_points))
+            if len(starts) != len(candidate.stage_replicas):
+                raise PartitionError(f"split_points gives {len(starts)} stages but replicas="
+                                     f"{candidate.stage_replicas} replicates {len(candidate.stage_replicas)}; give one "
+                                     "count per stage")
+            self.replicated[key] = (starts, consecutive_devices(candidate.stage_replicas, len(request.devices)))
+        elif key not in self.replicated:
+            found = replicated_partition(candidate.schedule, graph.layers, graph.cuts, self.costs.layers.at(size),
+                                         request.specs, size, self.costs.topology, candidate.stage_replicas)
+            self.replicated[key] = (list(found.starts), found.devices)
+        return self.replicated[key]
+
+
+def choose_plan(request: CompileRequest, analysis: Analysis, costs: Costs) -> Choice:
+    """The one plan asked for, or the fastest candidate that fits; the same on every rank, and
+    built at its own microbatch size."""
+    if not request.runs_here:
+        _warn_assumed_rates(request)
+    builder = PlanBuilder(request, analysis, costs)
+    options = request.options
+    if options.searched:
+        found, prediction, considered = _search(request, builder, analysis, costs)
+    else:
+        name = Schedule.GPIPE if options.schedule == Schedule.AUTO else options.schedule
+        replicas = options.replicas if isinstance(options.replicas, int) else 1
+        depth = options.stages if isinstance(options.stages, int) else None
+        per_stage = options.replicas if isinstance(options.replicas, tuple) else ()
+        asked = Candidate(name, request.first_microbatches, replicas, depth, stage_replicas=per_stage)
+        built = builder.build(asked, exact=True)
+        prediction, _ = predict(built.plan, built.layer_costs, request.specs, built.microbatch_size, costs.topology,
+                                costs.runtime)
+        found, considered = built.plan, ()
+    chosen = _exactly(_agree_across_ranks(found, builder), builder, analysis)
+    size = request.batch // chosen.microbatches
+    cost = sim_cost(chosen, costs.layers.at(size), request.specs, size, costs.topology, costs.runtime)
+    return Choice(chosen, prediction, considered, cost)
+
+
+def _warn_assumed_rates(request: CompileRequest) -> None:
+    """`sw.plan` models every time from the devices' figures; a GPU described without `peak_flops` would
+    be timed at an assumed rate (passes/analytic.py) whatever it is: say so, naming the option."""
+    unrated = sorted({spec.name for spec in request.specs if spec.kind == "cuda" and spec.peak_flops is None})
+    if unrated:
+        warnings.warn(AssumedFiguresWarning(
+            f"sw.plan: {', '.join(unrated)} has no peak_flops, so the plan's times assume "
+            f"{DEFAULT_PEAK_FLOPS['cuda']:.0e} FLOP/s, whatever GPU it is; describe it, e.g. sw.Device('cuda', "
+            "memory='80GiB', peak_flops='989TFLOPS', memory_bandwidth='3.35TB/s'), or name it from the catalogue "
+            "(devices='8xH100')"), stacklevel=2)
+
+
+def _search(request: CompileRequest, builder: PlanBuilder, analysis: Analysis,
+            costs: Costs) -> tuple[Assembled, Prediction, tuple[str, ...]]:
+    """Simulate every candidate the options allow; the simplest that fits within the planner's margin
+    of the fastest (passes/planner.py `keep_simplest`), its prediction, and a line per candidate
+    tried, the chosen one and the fastest marked so, with why."""
+    options = request.options
+    options_to_try = candidates(options.schedule, options.microbatches, request.batch, len(request.devices),
+                             analysis.first.legal_cuts, _needs_swap(request, analysis, costs), options.replicas,
+                             options.stages, _stages_at_full_speed(request))
+    if options.microbatch_sizes is not None:
+        fewest, most = options.microbatch_sizes
+        options_to_try = [c for c in options_to_try if fewest <= request.batch // c.microbatches <= most]
+    chosen, prediction, tried, verdict = choose_with_harmony(options_to_try, builder.build,
+                                                             builder.pack_search(analysis.first, exact=False))
+    notes = verdict.notes(tried)
+    return chosen, prediction, tuple(_describe(option, result) + notes.get(row, "")
+                                     for row, (option, result) in enumerate(tried))
+
+
+def _stages_at_full_speed(request: CompileRequest) -> int | None:
+    """The deepest pipeline stages="auto" tries on in-process CPU devices: one stage per core that
+    computes at full speed. More compute threads than cores only time-slice, and a stage preempted
+    mid-compute holds up the whole pipeline, which processor sharing in the simulator does not
+    see (3 stages on this 2-core machine measured 5-18% slower than predicted, 2 stages 1-9%)."""
+    if request.distributed is not None or any(d.torch_device.type != "cpu" for d in request.devices):
+        return None
+    return max(1, int(request.cores_at_full_speed))
+
+
+def _needs_swap(request: CompileRequest, analysis: Analysis, costs: Costs) -> bool:
+    """Whether the devices' memory cannot hold the training state without swapping (with margin)."""
+    swap = request.options.swap
+    if swap in (SwapMode.ON, SwapMode.ALL, SwapMode.PER_DEVICE):
+        return True
+    if swap == SwapMode.OFF or all(c is None for c in request.capacities):
+        return False
+    layers = costs.layers.at(analysis.first.microbatch_size)
+    # gradients and optimizer state only for trainable parameters (a frozen one has neither)
+    state = analysis.first.param_bytes + (costs.state_ratio - 1) * sum(c.grad_bytes for c in layers)
+    return state > sum(c for c in request.capacities if c) * 0.75
+
+
+def _describe(candidate: Candidate, result: Prediction | str) -> str:
+    what = candidate.describe()
+    if isinstance(result, str):
+        return f"{what} not possible: {result}"
+    fits = "fits" if result.fits else "does not fit"
+    return f"{what} {result.iteration_s * 1e3:9.2f} ms/iteration, {fits}"
+
+
+def _exactly(chosen: Assembled, builder: PlanBuilder, analysis: Analysis) -> Assembled:
+    """The chosen plan rebuilt on the graph at its own microbatch size (transfer shapes, the sizes in
+    export graphs' stage code); the same capture, evaluated at that size (no new trace, but where
+    the model could not keep its batch symbolic)."""
+    if chosen.microbatches == analysis.first_microbatches:
+        return chosen
+    if len(analysis.at(chosen.microbatches).layers) != len(analysis.first.layers):
+        return builder.build(_candidate_of(chosen), exact=True).plan  # the graph changed with the size: plan again
+    return builder.build(_candidate_of(chosen), _placement_of(chosen), exact=True).plan
+
+
+def _candidate_of(plan: Assembled) -> Candidate:
+    if plan.replica_devices:
+        return Candidate(plan.schedule, plan.microbatches, stage_replicas=plan.stage_replicas)
+    stages = plan.layout.positions if plan.schedule in REPLICATING else None
+    return Candidate(plan.schedule, plan.microbatches, plan.layout.replicas, stages)
+
+
+def _placement_of(plan: Assembled) -> Placement:
+    return Placement(tuple(plan.starts), tuple(plan.stage_devices), plan.replica_devices)
+
+
+def _agree_across_ranks(chosen: Assembled, builder: PlanBuilder) -> Assembled:
+    """Under torch.distributed every rank must run the same plan: rank 0's choice wins (this rank's
+    measurements may have led elsewhere: then it builds rank 0's plan here)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return chosen
+    mine = (_candidate_of(chosen), _placement_of(chosen))
+    decision = [mine]
+    torch.distributed.broadcast_object_list(decision, src=0)
+    if decision[0] == mine:
+        return chosen
+    candidate, placement = decision[0]
+    return builder.build(candidate, placement, exact=True).plan

@@ -1,0 +1,89 @@
+"""`sw.load`: a pipeline from a checkpoint (compiler/checkpoint/ holds the format), without the model class,
+running nothing from it: the saved plan's stages rebuilt from data (compiler/checkpoint/reopen.py), or on
+other devices the saved graph planned again (compiler/elastic/replan.py). It sits above the compiler,
+since a re-plan compiles.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+
+from stagewise.compiler.assembly.fx_sources import releasing_fx_sources
+from stagewise.compiler.assembly.loss_reduction import reduction_from_data
+from stagewise.compiler.assembly.options import check_flags
+from stagewise.compiler.checkpoint.arguments import checkpoint_path
+from stagewise.compiler.checkpoint.arguments import trusted_functions as checked_trusted
+from stagewise.compiler.checkpoint.read import Checkpoint, read_checkpoint, trusted_by_name
+from stagewise.compiler.checkpoint.reopen import reopen
+from stagewise.compiler.checkpoint.verify import rebuild_checkpoint
+from stagewise.compiler.elastic.replan import replan as plan_again
+from stagewise.compiler.pipeline.pipeline import Pipeline
+from stagewise.compiler.pipeline.training_state import TrainingState, put_saved_mode
+from stagewise.compiler.pipeline.virtual_devices import remapped
+from stagewise.ir.devices import resolve_devices
+from stagewise.ir.errors import OptionError
+from stagewise.runtime.launch import distributed_context
+
+
+@releasing_fx_sources
+def load(directory, trusted_functions: Sequence[Callable] = (), devices=None, replan: bool | None = None,
+         report: bool = True) -> Pipeline:
+    """A Pipeline from `pipe.save(directory)`, trained on from where it was saved. `trusted_functions`:
+    functions and classes of yours the checkpoint names but never holds (a `loss_fn`, an optimizer
+    class, a torch function or op that stagewise's allowlist does not list, codegen/allowlist.py);
+    what the allowlist lists is found by its exact name, anything else is refused before it runs.
+
+    `devices`: by default the devices it was saved on, with the saved plan. Other devices get a new
+    plan, made from the graph the checkpoint keeps, without the model (Varuna's job morphing,
+    compiler/elastic/replan.py; what moved is printed unless not `report`), except for a plan compiled with
+    `virtual_devices`, whose devices are placed on them as `pipe.resize` places them (bitwise the
+    same training, compiler/pipeline/virtual_devices.py). `replan=True` / `False` asks for one or the other.
+
+    In one process it holds every stage. Under torch.distributed (torchrun, one process per device
+    of the plan) each rank builds every stage's code and reads only its own stages' state; the
+    ranks agree that every one of them could read its part before any starts.
+    """
+    check_flags(report=report)
+    if replan is not None:  # None: plan again only for other devices
+        check_flags(replan=replan)
+    directory, trusted_functions = checkpoint_path(directory, "sw.load"), checked_trusted(trusted_functions)
+    context = distributed_context()
+    saved = read_checkpoint(directory, context)
+    trusted = trusted_by_name(trusted_functions)
+    rebuilt = rebuild_checkpoint(saved, trusted)  # every name resolved before anything runs
+    if _replans(saved, devices, replan):
+        return plan_again(saved, rebuilt.graph, devices, trusted, report)
+    plan = saved.plan if devices is None else remapped(saved.plan, devices)
+    runtime, unheld = reopen(saved, rebuilt.stages, plan, trusted, context)
+    training = saved.training
+    pipe = Pipeline(plan, runtime, unheld=unheld)
+    pipe.resumed = TrainingState.from_settings(training)
+    pipe.loss_reduction = reduction_from_data(training.get("loss_reduction"))  # checked against the plan
+    put_saved_mode(pipe, training)
+    pipe.model_graph = saved.model_graph  # its next checkpoint can be planned again as well
+    return pipe
+
+
+def _replans(saved: Checkpoint, devices, replan: bool | None) -> bool:
+    """Whether `load` plans again for `devices` (its docstring): asked, or other devices than the
+    saved plan's and a plan not made for virtual devices."""
+    if replan is not None:
+        if replan and devices is None:
+            raise OptionError("sw.load(..., replan=True) plans for other devices: give them, devices=[...]")
+        return replan
+    if devices is None:
+        return False
+    given = resolve_devices(devices)
+    if [d.spec() for d in given] == list(saved.plan.devices):
+        return False
+    graph = saved.model_graph or {}
+    if graph.get("options", {}).get("virtual_devices") is not None:
+        return False
+    if "graph" not in graph:
+        warnings.warn(f"{saved.root} keeps no graph to plan again from ({graph.get('unavailable', 'saved before')}"
+                      f"): its plan's {len(saved.plan.devices)} devices are placed on the {len(given)} given; "
+                      "for a plan made for them, compile the model and call pipe.restore(directory)", stacklevel=3)
+        return False
+    return True
+

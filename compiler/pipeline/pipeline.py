@@ -1,0 +1,400 @@
+"""The compiled pipeline: what `stagewise.compile` returns and `stagewise.load` restores."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from stagewise.compiler.assembly.loss_reduction import LossReduction, check_loss_reduction, reduction_to_data
+from stagewise.compiler.assembly.options import check_flags
+from stagewise.compiler.assembly.runtime_setup import Runtime
+from stagewise.compiler.assembly.state_dict import IncompatibleKeys, aliases_of, check_state_dict
+from stagewise.compiler.assembly.step_shapes import StepShapes, TransferSpecs
+from stagewise.compiler.checkpoint.arguments import checkpoint_path, save_path
+from stagewise.compiler.checkpoint.async_save import SaveHandle, SaveSlot
+from stagewise.compiler.checkpoint.write import MODEL_GRAPH
+from stagewise.compiler.pipeline.evaluation import Evaluation
+from stagewise.compiler.pipeline.morph import Move, restore_into
+from stagewise.compiler.pipeline.optimizer_view import PipelineOptimizer
+from stagewise.compiler.pipeline.prediction import predict, prediction_pieces
+from stagewise.compiler.pipeline.small_batches import GivenSamples, filled
+from stagewise.compiler.pipeline.step_inputs import prepare_batch, training_inputs
+from stagewise.compiler.pipeline.step_notices import StepNotices
+from stagewise.compiler.pipeline.token_ids import check_token_ids, embedding_bounds
+from stagewise.compiler.pipeline.training_state import TrainingState, resume_scheduler, training_state
+from stagewise.compiler.pipeline.virtual_devices import resize
+from stagewise.ir.errors import ModeError, PrecisionError
+from stagewise.ir.instructions import Stream
+from stagewise.ir.plan import Plan, SharedTensor
+from stagewise.ir.program import Program
+from stagewise.passes.costs import plan_charges
+from stagewise.passes.simulate import SimCost, SimResult, simulate
+from stagewise.runtime.distributed import DistributedTransport
+from stagewise.runtime.executor import DEFAULT_TIMEOUT_S, StreamExecutor
+from stagewise.runtime.launch import DistributedContext
+from stagewise.runtime.pool import MemoryPool
+from stagewise.runtime.precision import enclosing_autocast
+from stagewise.runtime.transport import LocalTransport
+from stagewise.runtime.worker import StageWorker
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """What compiling found beside the plan (a loaded pipeline has none): the planner's per-stage
+    costs of the chosen plan (`pipe.sim_cost`, for benches and tests that vary them), the seconds
+    each compile phase took (`pipe.compile_times`), and the loss reduction compile was given."""
+
+    sim_cost: SimCost
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    loss_reduction: LossReduction | None = None
+    model_graph: dict | None = None  # what checkpoints keep to plan again (compiler/compile/model_graph.py)
+
+
+class Pipeline:
+    """Stage modules, their device programs, and the runtime that executes them."""
+
+    def __init__(self, plan: Plan, runtime: Runtime, compiled: Compiled | None = None,
+                 unheld: dict[str, torch.Tensor] | None = None):
+        self.plan = plan
+        self.runtime = runtime
+        # state_dict entries no stage holds (layers the loss never reaches), on the CPU: training
+        # leaves them as they are, state_dict returns them and save / load carry them (unused.pt).
+        self.unheld = dict(unheld or {})
+        self.sim_cost = compiled.sim_cost if compiled is not None else None
+        self.compile_times: dict[str, float] = dict(compiled.phase_seconds) if compiled is not None else {}
+        self.timeout_s = DEFAULT_TIMEOUT_S
+        self._optimizer: PipelineOptimizer | None = None  # made when first asked for
+        self.resumed = TrainingState()  # a loaded pipeline's: the saved scheduler state and `extra`
+        self.evaluation = Evaluation(plan, runtime.workers, runtime.pools, runtime.transport)
+        self.token_bounds = embedding_bounds(plan, [w.module for w in runtime.workers])  # ids each input may hold
+        self.step_shapes = StepShapes(plan, runtime.stage_modules, runtime.stage_states,
+                                      [pool.device for pool in runtime.pools])
+        self._loss_reduction: LossReduction | None = None
+        self._saves = SaveSlot()  # the save in flight (compiler/checkpoint/async_save.py)
+        self.notices = StepNotices()  # warnings given once, skipped updates counted (compiler/pipeline/step_notices.py)
+        self.loss_reduction = compiled.loss_reduction if compiled is not None else None  # checked
+        self.model_graph = compiled.model_graph if compiled is not None else None  # sw.load sets a loaded one's
+
+    # ---- the runtime's parts ---------------------------------------------------------------
+    @property
+    def context(self) -> DistributedContext | None:
+        return self.runtime.context
+
+    @property
+    def pools(self) -> list[MemoryPool]:
+        return self.runtime.pools
+
+    @property
+    def transport(self) -> LocalTransport | DistributedTransport:
+        return self.runtime.transport
+
+    @property
+    def workers(self) -> list[StageWorker]:
+        return self.runtime.workers
+
+    @property
+    def executor(self) -> StreamExecutor:
+        return self.runtime.executor
+
+    # ---- the public surface -------------------------------------------------------------
+    @property
+    def stages(self) -> list[fx.GraphModule]:
+        return [w.module for w in self.workers]
+
+    @property
+    def programs(self) -> tuple[Program, ...]:
+        return self.plan.programs
+
+    @property
+    def shared(self) -> tuple[SharedTensor, ...]:
+        return self.plan.shared
+
+    @property
+    def optimizer(self) -> PipelineOptimizer:
+        """The stages' optimizers as one torch.optim.Optimizer over the model (compiler/pipeline/optimizer_view.py):
+        a torch.optim.lr_scheduler on it reaches every stage; state_dict() is keyed by the model's names."""
+        if self._optimizer is None:
+            self._optimizer = PipelineOptimizer(self.plan, self.workers, self.executor.settle,
+                                                self.context is not None, self.runtime.optimizer_factory)
+        return self._optimizer
+
+    @property
+    def extra(self) -> dict:
+        """The metadata `pipe.save(directory, extra=...)` stored, after `sw.load` ({} otherwise)."""
+        return self.resumed.extra
+
+    def load_scheduler(self, scheduler) -> None:
+        """After `sw.load`: load the scheduler state `pipe.save(directory, scheduler=...)` stored into
+        `scheduler` (just made over pipe.optimizer) and put back the learning rates it had, so
+        training resumes bitwise (compiler/pipeline/training_state.py)."""
+        resume_scheduler(self.optimizer, scheduler, self.resumed, self.executor.iteration)
+
+    @property
+    def loss_reduction(self) -> LossReduction | None:
+        """How the loss reduces over the batch (compiler/assembly/loss_reduction.py): each microbatch's loss weighs
+        its share of the batch's counted items; None weighs each its share of the samples (steps warn
+        where targets hold -100). Set by compile's loss_reduction= (a Hugging Face model's own token
+        mean by default); checkpoints keep it."""
+        return self._loss_reduction
+
+    @loss_reduction.setter
+    def loss_reduction(self, reduction: LossReduction | None) -> None:
+        check_loss_reduction(reduction, self.plan.target_name is not None, list(self.plan.input_names))
+        self._loss_reduction = reduction
+
+    @property
+    def loss_scale(self) -> float | None:
+        """fp16's current loss scale (runtime/precision.py); None in fp32 and bf16."""
+        return None if self.executor.scaler is None else self.executor.scaler.scale
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last step's gradients held an inf or NaN (seen in the global norm, which fp16 and
+        clip_grad_norm compute), so no stage updated (fp16: the scale backed off)."""
+        return self.executor.last_step_skipped
+
+    @property
+    def skipped_steps(self) -> int:
+        """How many of this pipeline's steps skipped their update so (the first one warns)."""
+        return self.notices.skipped_steps
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm of the last step, before clipping (as clip_grad_norm_ returns
+        it); None without clip_grad_norm."""
+        return self.executor.last_grad_norm
+
+    def time_breakdown(self) -> list[dict[str, float]]:
+        """Where the last step's time went, per device: seconds each stream was busy, and the step."""
+        timeline = self.executor.timeline
+        step = max((end for *_, end in timeline), default=0.0)
+        rows = []
+        for program in self.executor.programs:
+            busy = dict.fromkeys(Stream, 0.0)
+            for device, stream, _, start, end in timeline:
+                if device == program.device:
+                    busy[stream] += end - start
+            rows.append({"device": program.device, "step_s": step, **{f"{s.value}_s": v for s, v in busy.items()}})
+        return rows
+
+    @property
+    def timeout_s(self) -> float:
+        """The step's deadline in seconds (default 300): in one process `step` returns within it (and
+        a small margin) whatever a stage does, raising StepTimeoutError naming what stalled. Under
+        torch.distributed a device waits this long for a peer before a PeerError naming the rank."""
+        transport = self.transport
+        return transport.timeout_s if isinstance(transport, DistributedTransport) else self.executor.timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, seconds: float) -> None:
+        # Across processes the transport's wait names the silent rank: let it expire first.
+        transport = self.transport
+        self.executor.timeout_s = 2 * seconds if isinstance(transport, DistributedTransport) else seconds
+        if isinstance(transport, DistributedTransport):
+            transport.timeout_s = seconds
+
+    @property
+    def stats(self) -> list[dict[str, int]]:
+        """Per device, from its memory pool: peak and current bytes (by kind), swap and p2p bytes."""
+        return [pool.stats() for pool in self.pools]
+
+    @property
+    def training(self) -> bool:
+        """The mode `step` trains in, as nn.Module's (at first the model's mode at compile)."""
+        return self.evaluation.training
+
+    def train(self, mode: bool = True) -> Pipeline:
+        """Set the mode `step` runs the stages in (dropout, BatchNorm), as nn.Module.train does."""
+        check_flags(mode=mode)
+        self.evaluation.set_mode(mode)
+        return self
+
+    def eval(self) -> Pipeline:
+        """`train(False)`: step then trains with dropout off and BatchNorm's running statistics."""
+        return self.train(False)
+
+    def step(self, *args, target=None, **kwargs) -> torch.Tensor:
+        """One synchronous training iteration on a minibatch; returns its mean loss."""
+        if not torch.is_grad_enabled():
+            raise ModeError("step trains (gradients and an update) but was called under torch.no_grad() or "
+                            "inference_mode: call pipe.evaluate(...) for the loss without training")
+        _refuse_enclosing_autocast("step")
+        if self._optimizer is not None:
+            self._optimizer.push_hyperparameters()
+        loss = self.executor.run(self.plan.microbatches, feed=self._checked_feed(lambda: self._feeder(args, target, kwargs)))
+        self.notices.step_done(self.executor)
+        if self._optimizer is not None:
+            self._optimizer.note_step()
+        return loss
+
+    def evaluate(self, *args, target=None, **kwargs) -> torch.Tensor:
+        """The mean loss over the microbatches (as `step` returns it) of a forward-only pass in eval mode:
+        no gradient, nothing updated, no step counted; the mode `step` trains in is kept. A batch
+        smaller than the microbatches is repeated whole to fill them (compiler/pipeline/small_batches.py)."""
+        _refuse_enclosing_autocast("evaluate")
+        feed = self._checked_feed(lambda: self._feeder(args, target, kwargs, evaluating=True))
+        return self.evaluation.evaluate(self.plan.microbatches, feed, self.executor)
+
+    def predict(self, *args, **kwargs) -> object:
+        """What the model returns (a tensor, tuple, dict, ModelOutput) for `step`'s inputs without target=,
+        in eval mode: each tensor the microbatches' concatenated, on the CPU; what the training graph
+        does not compute (its own loss, a cache) None (compiler/pipeline/prediction_output.py). Inputs only the
+        loss reads (labels) may be left out; a batch smaller than the microbatches (one sample) is
+        repeated to fill them. Nothing is updated or counted. PredictError for a model returning only its loss."""
+        given = GivenSamples()
+        feed = self._checked_feed(lambda: self._prediction_feeder(args, kwargs, given))
+        return predict(self.evaluation, self.plan.microbatches, feed, self.executor, lambda: given.count)
+
+    def _checked_feed(self, feeder: Callable[[], Callable[[], None]]) -> Callable[[], None]:
+        """The feed of a step, an evaluation or a prediction, from `feeder`, which checks the inputs.
+        In one process they are checked now; under torch.distributed when the pass begins, so that
+        inputs one rank refuses fail it on every rank at once (the others raise StepFailedError)
+        instead of leaving them waiting."""
+        if self.context is None:
+            return feeder()
+        return lambda: feeder()()
+
+    def _prediction_feeder(self, args, kwargs, given: GivenSamples) -> Callable[[], None]:
+        """What feeds the workers a prediction's microbatches (compiler/pipeline/prediction.py `prediction_pieces`)."""
+        pieces = prediction_pieces(self.plan, self.step_shapes.modules, args, kwargs, given, self.token_bounds)
+        return lambda: self._feed(pieces)
+
+    def _feeder(self, args, target, kwargs, evaluating: bool = False):
+        """What feeds the workers a minibatch's microbatches, checked as `step` (or `evaluate`, filled) takes them."""
+        call = "evaluate" if evaluating else "step"
+        inputs = training_inputs(self.plan, args, target, kwargs, call)
+        inputs = filled(self.plan, inputs) if evaluating else inputs
+        prepared = prepare_batch(self.plan, self.step_shapes, inputs, self.loss_reduction, self.notices, call)
+        check_token_ids(inputs, self.token_bounds, call)
+        return lambda: self._feed(prepared.pieces, prepared.weights, prepared.transfer_specs)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The trained state under every key of the original model's state_dict, in its order (tied
+        names share one tensor; layers no stage holds as they were at compile). Under
+        torch.distributed every rank gathers every stage's state. (A broken pipeline's state may be read.)"""
+        self.executor.settle(broken_ok=True)
+        found = self._local_state()
+        if self.context is not None:
+            gathered: list[dict[str, torch.Tensor] | None] = [None] * len(self.plan.devices)
+            mine = {k: v.detach().cpu() for k, v in found.items() if k not in self.unheld}  # every rank has those
+            torch.distributed.all_gather_object(gathered, mine)
+            for part in gathered:
+                for name, tensor in (part or {}).items():
+                    found.setdefault(name, tensor)
+        result = {}
+        for name in self.plan.state_names:
+            holder = next((n for n in aliases_of(self.plan, name) if n in found), None)
+            if holder is not None:
+                result[name] = found[holder]
+        return result
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> IncompatibleKeys:
+        """Copy `state_dict`'s values into the pipeline's state, as torch's `Module.load_state_dict`:
+        returns (missing_keys, unexpected_keys); with `strict` either is a StateDictError, and a
+        wrongly shaped tensor always is (compiler/assembly/state_dict.py). When it raises nothing is loaded.
+        Under torch.distributed every rank calls it with the same state_dict."""
+        check_flags(strict=strict)
+        shapes = (dict(zip(self.plan.state_names, self.plan.state_shapes, strict=True)) if self.plan.state_shapes
+                  else {n: tuple(t.shape) for n, t in self._local_state().items()})
+        result = check_state_dict(self.plan, state_dict, strict, shapes)
+        self.executor.settle(broken_ok=True)
+        holders = [self.unheld] + [worker.state_tensors() for worker in self.workers]  # every replica of a tie
+        with torch.no_grad():
+            for held in holders:
+                for name, tensor in held.items():
+                    source = next((state_dict[a] for a in aliases_of(self.plan, name) if a in state_dict), None)
+                    if source is not None:
+                        tensor.copy_(source)
+        return result
+
+    def simulate(self, peak_flops: float | None = None, bandwidth: float | None = None) -> SimResult:
+        """The predicted timeline of one iteration of these programs, with the costs the plan's
+        prediction charged (profiled or analytic; the plan keeps them, so a loaded pipeline predicts
+        the same), or for other hardware: devices of `peak_flops` FLOP/s (the analytic model's compute
+        bound), links of `bandwidth` bytes/s (passes/costs.py `plan_charges`)."""
+        return simulate(self.plan.programs, plan_charges(self.plan, peak_flops, bandwidth))  # as sw.simulate
+
+    def save(self, directory, scheduler=None, extra: dict | None = None, asynchronous: bool = False) -> SaveHandle:
+        """Write a checkpoint to `directory` (layout: compiler/elastic/load.py): the weights and the
+        optimizer state by the model's names in torch.distributed.checkpoint, the plan and each
+        stage's code as data; `scheduler`'s state and `extra` (metadata) if given. `sw.load` reads it
+        back on this plan, `pipe.restore` into a pipeline of the same model on any devices.
+
+        Complete or absent: written beside `directory` and renamed into place, replacing an earlier
+        checkpoint only once finished. Under torch.distributed every rank calls save and writes its
+        own stages' tensors in parallel; every rank returns once the checkpoint is in place (or
+        raises the same failure, leaving an earlier one intact). Across machines `directory` must be
+        on a filesystem every rank shares. A pipeline whose failed step could not be undone raises
+        PipelineBrokenError instead. `asynchronous=True` returns once this process's state is copied to
+        CPU memory and writes on a thread while `step` goes on (rules: compiler/checkpoint/async_save.py)."""
+        check_flags(asynchronous=asynchronous)
+        directory = save_path(directory)
+        self._saves.settle()  # before the step count and the learning rates are read
+        self.executor.settle()
+        training = training_state(scheduler, extra)
+        if self._optimizer is not None:
+            self._optimizer.push_hyperparameters()  # the learning rates the scheduler set since the last step
+        settings = {**training.settings(), "loss_reduction": reduction_to_data(self.loss_reduction),
+                    "mode_training": self.training, MODEL_GRAPH: self.model_graph}
+        return self._saves.save(self.plan, self.runtime, directory, self.unheld, settings, asynchronous)
+
+    def wait_for_save(self) -> None:
+        """Until the save in flight is in place (under torch.distributed: before destroying the group)."""
+        self._saves.settle()
+
+    def resize(self, devices) -> None:
+        """Run the same plan (its virtual devices, `compile(virtual_devices=V)`) on the physical
+        `devices` from the next step on, bitwise as before; one process (compiler/pipeline/virtual_devices.py)."""
+        resize(self, devices)
+
+    def rebuild(self, plan: Plan, runtime: Runtime, unheld: dict[str, torch.Tensor]) -> None:
+        """Go on with another runtime of this pipeline's plan (what `resize` made)."""
+        compiled = Compiled(self.sim_cost, self.compile_times) if self.sim_cost is not None else None
+        model_graph, notices = self.model_graph, self.notices
+        self.__init__(plan, runtime, compiled, unheld)  # type: ignore[misc]
+        self.model_graph, self.notices = model_graph, notices
+
+    def restore(self, directory, report: bool = True, training_state: bool = True) -> Move:
+        """Train on from the checkpoint at `directory`, saved by a pipeline of this model on any devices
+        and split (Varuna's job morphing): weights and, unless not `training_state` (fine-tuning from
+        it), optimizer state, step count, scheduler state and `extra` (`pipe.load_scheduler`). Returns
+        what moved, printed (rank 0) where the plan differs, unless not `report`. A collective."""
+        check_flags(report=report, training_state=training_state)
+        self._saves.settle()  # a save in flight uses the same collectives (and may write `directory`)
+        return restore_into(self, checkpoint_path(directory, "pipe.restore"), report, training_state)
+
+    # ---- helpers --------------------------------------------------------------------------
+    def _feed(self, pieces: Sequence[Mapping[str, torch.Tensor | None]], weights: tuple[float, ...] | None = None,
+              transfer_specs: TransferSpecs | None = None) -> None:
+        """Give each worker its inputs of every microbatch it runs (a failed step clears them), the
+        executors each microbatch's loss weight (None: 1 / microbatches), and the transport the sizes
+        of what is sent where they are not the plan's (compiler/assembly/step_shapes.py)."""
+        self.executor.loss_weights.weights = weights
+        self.transport.transfer_specs = transfer_specs
+        for worker in self.workers:
+            for mb, piece in enumerate(pieces):
+                if worker.stage.microbatches and mb not in worker.stage.microbatches:
+                    continue
+                for name in worker.stage.inputs:
+                    if name in piece:
+                        worker.provide(mb, name, piece[name])
+
+    def _local_state(self) -> dict[str, torch.Tensor]:
+        """This process's state tensors by name: its stages' and the unheld entries."""
+        found = dict(self.unheld)
+        for worker in self.workers:
+            for name, tensor in worker.state_tensors().items():
+                found.setdefault(name, tensor)
+        return found
+
+
+def _refuse_enclosing_autocast(call: str) -> None:
+    """torch.autocast around a call would be ignored (the stages compute on threads of their own)."""
+    kind = enclosing_autocast()
+    if kind is not None:
+        raise PrecisionError(f"pipe.{call} was called under torch.autocast({kind!r}), which the pipeline's stage "
+                             "threads do not see; compile with precision='bf16' (or 'fp16') instead, and call "
+                             f"{call} outside autocast")
