@@ -197,7 +197,7 @@ class Pipeline:
             transport.timeout_s = seconds
 
     @property
-    def stats(self) -> list[dict[str, int]]:
+    def stats(self) -> list[dict[str, int | None]]:
         """Per device, from its memory pool: peak and current bytes (by kind), swap and p2p bytes."""
         return [pool.stats() for pool in self.pools]
 
