@@ -68,7 +68,7 @@ class StreamExecutor:
         """`programs` and `workers`: this process's (all of them in one process, one device's under
         torch.distributed); `device_of`: every stage's device, for all-reduce groups. `opportunistic`:
         Varuna's run-time deviation (runtime/opportunistic.py) for programs that recompute (None, the
-        default), for every program (True) or none (False); it may be changed between steps. `seed`:
+        default), for every program (True) or none (False); `state.opportunistic` may change between steps. `seed`:
         the plan's, which random ops' streams are keyed by (runtime/forward_replay.py). `precision`: the
         autocast forwards run under; `loss_scaling`: fp16's, for a training executor (runtime/precision.py)."""
         by_stage = {w.stage.index: w for w in workers}
@@ -82,7 +82,7 @@ class StreamExecutor:
         self.state.load(programs)
         self.interpreter = InstructionHandlers(self.state)  # what each instruction kind does
         self.recovery = StepRecovery(self.state)  # a failed step's rollback; `broken`, `stuck`
-        self.varuna = OpportunisticCompute(self.state, self._run)  # Varuna's compute stream
+        self.varuna = OpportunisticCompute(self.state)  # Varuna's compute stream
         self.threads = StreamThreads()
         weakref.finalize(self, self.threads.close)
 
@@ -204,7 +204,7 @@ class StreamExecutor:
             with device_streams.running(stream):
                 self._help(program.device)  # a threadless instruction that waits for nothing
                 if plan is not None and stream is Stream.COMPUTE:
-                    self.varuna.compute(program, plan)
+                    self.varuna.compute(program, plan, self._run)
                     return
                 for index in self.state.tables[program.device].order[stream]:
                     if plan is not None and index in plan.adoptable and not self.varuna.claim(program.device, index, stream):

@@ -25,7 +25,7 @@ thread; with NCCL (issue order) the policy is off.
 
 Such programs keep a thread for each stream (no threadless p2p streams: runtime/threadless.py).
 `OpportunisticCompute` reads the executor's state (runtime/executor_state.py: the step's monitor,
-done flags and claims, the program tables) and runs instructions through the executor's `run`.
+done flags and claims, the program tables) and runs instructions through the `run` it is given.
 """
 
 from __future__ import annotations
@@ -43,9 +43,8 @@ RunInstruction = Callable[[Program, int, Stream], None]  # the executor's: wait 
 class OpportunisticCompute:
     """The compute stream of a program that may deviate (Varuna §3.2), and the claims the p2p threads respect."""
 
-    def __init__(self, state: ExecutorState, run: RunInstruction):
+    def __init__(self, state: ExecutorState):
         self.state = state
-        self.run = run
 
     def opportunities(self, program: Program) -> DeviationPoints | None:
         """The program's deviation points, if the policy applies to it this step (`ExecutorState.opportunistic`)."""
@@ -64,10 +63,10 @@ class OpportunisticCompute:
         with step.sync.locked():
             return owner.setdefault(index, stream) == stream
 
-    def compute(self, program: Program, plan: DeviationPoints) -> None:
+    def compute(self, program: Program, plan: DeviationPoints, run: RunInstruction) -> None:
         """The compute stream in program order, except that when its next instruction is a backward
         (or the recompute before it) whose gradient has not arrived, a later forward that is ready
-        runs first, with its receives and sends (Varuna §3.2)."""
+        runs first, with its receives and sends (Varuna §3.2). `run` runs one instruction on it."""
         step, code, tables = self.state.step, program.instructions, self.state.tables[program.device]
         done, owner = step.done[program.device], step.owner[program.device]
         pending = list(plan.compute)
@@ -75,7 +74,7 @@ class OpportunisticCompute:
             head = pending[0]
             for r in plan.act_recvs.get(head, ()):  # receives it took earlier to look at their messages
                 if owner.get(r) is Stream.COMPUTE and not done[r]:
-                    self.run(program, r, Stream.COMPUTE)
+                    run(program, r, Stream.COMPUTE)
             early = plan.candidate(pending)
             keys = list(tables.waits_on[head])
             if early is not None:
@@ -96,9 +95,9 @@ class OpportunisticCompute:
             assert choice is not None  # wait_until returns only once `decide` chose
             pending.remove(choice)
             if choice == head:
-                self.run(program, head, Stream.COMPUTE)
+                run(program, head, Stream.COMPUTE)
             else:
-                self._run_early(program, plan, choice, head)
+                self._run_early(program, plan, choice, head, run)
             chosen = code[choice]
             if isinstance(chosen, Forward):
                 self._note_stash(chosen)
@@ -140,15 +139,15 @@ class OpportunisticCompute:
         if held is not None:
             self.state.stash_bytes[ins.stage] = held[1]
 
-    def _run_early(self, program: Program, plan: DeviationPoints, early: int, head: int) -> None:
+    def _run_early(self, program: Program, plan: DeviationPoints, early: int, head: int, run: RunInstruction) -> None:
         """Forward `early` ahead of `head`: its receives (messages already here), the forward, and its
         sends right away (they never block), which the p2p_out thread then skips."""
         done = self.state.step.done[program.device]
         for r in plan.act_recvs[early]:
             if not done[r]:
-                self.run(program, r, Stream.COMPUTE)
-        self.run(program, early, Stream.COMPUTE)
+                run(program, r, Stream.COMPUTE)
+        run(program, early, Stream.COMPUTE)
         self.state.step.deviations.append((program.device, early, head))
         for s in plan.act_sends[early]:
             if self.claim(program.device, s, Stream.COMPUTE):
-                self.run(program, s, Stream.COMPUTE)
+                run(program, s, Stream.COMPUTE)
