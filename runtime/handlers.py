@@ -38,7 +38,7 @@ from stagewise.runtime.precision import autocast_for, grad_coefficient, skip_upd
 
 
 class InstructionHandlers(Interpreter):
-    """One method per instruction kind, named in `handlers`; `dispatch` runs an instruction with its."""
+    """One method per instruction kind, named in `handlers`; `dispatch` runs an instruction with its type's."""
 
     handlers = {
         Forward: "_forward", Recompute: "_forward", Backward: "_backward", Update: "_update",

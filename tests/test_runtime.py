@@ -50,6 +50,9 @@ def test_stats_count_peak_stash_and_p2p():
 
 def test_time_breakdown_names_every_stream_and_sums_what_ran():
     pipe = compile_mlp()
+    before = pipe.time_breakdown()  # before the first step nothing ran (an AttributeError once)
+    assert [r["device"] for r in before] == [0, 1, 2]
+    assert all(seconds == 0.0 for row in before for name, seconds in row.items() if name != "device")
     pipe.step(X, target=Y)
     rows = pipe.time_breakdown()
     assert [r["device"] for r in rows] == [0, 1, 2]
