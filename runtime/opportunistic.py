@@ -21,7 +21,7 @@ block; the p2p_out thread skips them too), instead of behind the gradient sends 
 them in program order. Under torch.distributed the compute thread posts the activation's
 receive itself to learn whether it came: gloo matches messages by tag, so that is safe from any
 thread; with NCCL (issue order) the policy is off.
-`deviations` lists what ran early in the last step.
+`ExecutorState.step.deviations` lists what ran early in the last step.
 
 Such programs keep a thread for each stream (no threadless p2p streams: runtime/threadless.py).
 `OpportunisticCompute` reads the executor's state (runtime/executor_state.py: the step's monitor,
