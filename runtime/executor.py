@@ -73,7 +73,7 @@ class StreamExecutor:
         autocast forwards run under; `loss_scaling`: fp16's, for a training executor (runtime/precision.py)."""
         by_stage = {w.stage.index: w for w in workers}
         torch_devices = {w.stage.device: w.device for w in workers}
-        self.state = ExecutorState(
+        self.state = ExecutorState(  # what every part below reads and writes, declared in one place
             workers=by_stage, transport=transport, device_of=device_of,
             streams={p.device: DeviceStreams(torch_devices.get(p.device, torch.device("cpu"))) for p in programs},
             guard=StepGuard(by_stage, transport.pools), replay=ForwardReplay(seed), precision=precision,
@@ -83,7 +83,7 @@ class StreamExecutor:
         self.interpreter = InstructionHandlers(self.state)  # what each instruction kind does
         self.recovery = StepRecovery(self.state)  # a failed step's rollback; `broken`, `stuck`
         self.varuna = OpportunisticCompute(self.state)  # Varuna's compute stream
-        self.threads = StreamThreads()
+        self.threads = StreamThreads()  # one long-lived thread per (device, stream), reused by every step
         weakref.finalize(self, self.threads.close)
 
     @property
