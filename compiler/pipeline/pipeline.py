@@ -130,7 +130,7 @@ class Pipeline:
         """After `sw.load`: load the scheduler state `pipe.save(directory, scheduler=...)` stored into
         `scheduler` (just made over pipe.optimizer) and put back the learning rates it had, so
         training resumes bitwise (compiler/pipeline/training_state.py)."""
-        resume_scheduler(self.optimizer, scheduler, self.resumed, self.executor.iteration)
+        resume_scheduler(self.optimizer, scheduler, self.resumed, self.executor.state.iteration)
 
     @property
     def loss_reduction(self) -> LossReduction | None:
@@ -148,13 +148,13 @@ class Pipeline:
     @property
     def loss_scale(self) -> float | None:
         """fp16's current loss scale (runtime/precision.py); None in fp32 and bf16."""
-        return None if self.executor.scaler is None else self.executor.scaler.scale
+        return None if self.executor.state.scaler is None else self.executor.state.scaler.scale
 
     @property
     def last_step_skipped(self) -> bool:
         """Whether the last step's gradients held an inf or NaN (seen in the global norm, which fp16 and
         clip_grad_norm compute), so no stage updated (fp16: the scale backed off)."""
-        return self.executor.last_step_skipped
+        return self.executor.state.last_step_skipped
 
     @property
     def skipped_steps(self) -> int:
@@ -165,11 +165,11 @@ class Pipeline:
     def last_grad_norm(self) -> float | None:
         """The global gradient norm of the last step, before clipping (as clip_grad_norm_ returns
         it); None without clip_grad_norm."""
-        return self.executor.last_grad_norm
+        return self.executor.state.last_grad_norm
 
     def time_breakdown(self) -> list[dict[str, float]]:
         """Where the last step's time went, per device: seconds each stream was busy, and the step."""
-        timeline = self.executor.timeline
+        timeline = self.executor.state.step.timeline
         step = max((end for *_, end in timeline), default=0.0)
         rows = []
         for program in self.executor.programs:
@@ -186,18 +186,18 @@ class Pipeline:
         a small margin) whatever a stage does, raising StepTimeoutError naming what stalled. Under
         torch.distributed a device waits this long for a peer before a PeerError naming the rank."""
         transport = self.transport
-        return transport.timeout_s if isinstance(transport, DistributedTransport) else self.executor.timeout_s
+        return transport.timeout_s if isinstance(transport, DistributedTransport) else self.executor.state.timeout_s
 
     @timeout_s.setter
     def timeout_s(self, seconds: float) -> None:
         # Across processes the transport's wait names the silent rank: let it expire first.
         transport = self.transport
-        self.executor.timeout_s = 2 * seconds if isinstance(transport, DistributedTransport) else seconds
+        self.executor.state.timeout_s = 2 * seconds if isinstance(transport, DistributedTransport) else seconds
         if isinstance(transport, DistributedTransport):
             transport.timeout_s = seconds
 
     @property
-    def stats(self) -> list[dict[str, int]]:
+    def stats(self) -> list[dict[str, int | None]]:
         """Per device, from its memory pool: peak and current bytes (by kind), swap and p2p bytes."""
         return [pool.stats() for pool in self.pools]
 
@@ -372,7 +372,7 @@ class Pipeline:
         """Give each worker its inputs of every microbatch it runs (a failed step clears them), the
         executors each microbatch's loss weight (None: 1 / microbatches), and the transport the sizes
         of what is sent where they are not the plan's (compiler/assembly/step_shapes.py)."""
-        self.executor.loss_weights.weights = weights
+        self.executor.state.loss_weights.weights = weights
         self.transport.transfer_specs = transfer_specs
         for worker in self.workers:
             for mb, piece in enumerate(pieces):
