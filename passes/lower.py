@@ -152,6 +152,7 @@ def _lower_update(s: int, wiring: _Wiring, residency: Residency, code: list, emi
 def _lower_work(task: Task, wiring: _Wiring, residency: Residency, code: list, adjacent: set) -> None:
     """A forward, recompute or backward with the state it needs brought in and its stash moved."""
     s, mb = task.stage, task.microbatch
+    assert mb is not None, task  # an update task lowers in _lower_update
     residency.need(s, State.WEIGHTS)
     stashes = task.phase is Phase.RECOMPUTE or (task.phase is Phase.FORWARD and task.stash)
     waits = residency.stash_arrives(s, mb) if stashes else ()
@@ -204,7 +205,7 @@ def _emit_task(task: Task, code: list, wiring: _Wiring, waits: tuple[int, ...] =
     return compute
 
 
-def _adjacent(tasks: list[Task]) -> set[tuple[int, int]]:
+def _adjacent(tasks: list[Task]) -> set[tuple[int, int | None]]:
     """(stage, microbatch) whose backward is the device's next task after its forward: a stash that
     would come straight back from host memory stays on the device."""
     return {(t.stage, t.microbatch) for t, after in zip(tasks, tasks[1:], strict=False)

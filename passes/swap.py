@@ -107,7 +107,7 @@ class Residency:
         self.resident.add(key)
         if what is State.GRADS and key not in self.on_host:
             return  # not made yet: the first backward creates it on the device
-        waits = ()
+        waits: tuple[int, ...] = ()
         evicted = self.evictions[what]
         if len(evicted) >= self.plan.depth:
             waits = (evicted[-self.plan.depth],)
@@ -185,10 +185,9 @@ class Residency:
             self.stash_ends[residency] = index
 
     def _open_stash(self, stage: int, microbatch: int) -> tuple[int, ...]:
-        waits = ()
         depth = self.plan.stash_depth
-        if len(self.stash_ends) >= depth and self.stash_ends[-depth] is not None:
-            waits = (self.stash_ends[-depth],)
+        ended = self.stash_ends[-depth] if len(self.stash_ends) >= depth else None
+        waits = (ended,) if ended is not None else ()
         self.stash_ends.append(None)
         self.open_stash[(stage, microbatch)] = len(self.stash_ends) - 1
         return waits
