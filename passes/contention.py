@@ -58,7 +58,7 @@ def costliest_layer(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequence
         signature = layer_signature(gm, layer)
         share[signature] += cost.fwd_s + cost.bwd_s
         first.setdefault(signature, layer)
-    return first[max(share, key=share.get)]
+    return first[max(share, key=share.__getitem__)]
 
 
 @dataclass(frozen=True)
@@ -93,10 +93,12 @@ def _measure(gm: fx.GraphModule, layers: Sequence[Layer], layer: Layer, traced_m
     copies = [copy.deepcopy(module) for _ in range(threads)]
     inputs = [real_inputs([shapes.values[name] for name in layer.inputs], torch.device("cpu"), seed=i)
               for i in range(threads)]
-    steps = [functools.partial(_step, module, args) for module, args in zip(copies, inputs, strict=True)]
+    steps: list[Callable[[], None]] = [functools.partial(_step, module, args)
+                                       for module, args in zip(copies, inputs, strict=True)]
     speeds, warm_s = _speeds(steps)
     updates = [_update_step(module, optimizer_factory) for module in copies] if optimizer_factory else []
-    update_speeds = _speeds(updates)[0] if updates and all(updates) else ()
+    steppable = [update for update in updates if update is not None]  # a copy without parameters has no step
+    update_speeds = _speeds(steppable)[0] if steppable and len(steppable) == len(updates) else ()
     return HostContention(speeds, _wake_seconds(copies[0], inputs[0], warm_s), update_speeds)
 
 

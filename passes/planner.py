@@ -226,6 +226,7 @@ def candidates(schedule: Schedule, microbatches: int | None, batch: int, n_devic
     workers idle, §2.4.1: in-process CPU devices that share too few cores run fewer stages faster).
     replicas="per-stage" tries, for gpipe and 1f1b, the straight pipeline and the DP's replicated
     stages; replicas=(2, 1) the replication given."""
+    schedules: list[Schedule]
     if schedule != Schedule.AUTO:
         schedules = [schedule]
     elif needs_swap:
@@ -239,22 +240,25 @@ def candidates(schedule: Schedule, microbatches: int | None, batch: int, n_devic
     harmony_counts = [microbatches] if microbatches else [m for m in range(1, batch + 1) if batch % m == 0]
     if replicas == PER_STAGE or isinstance(replicas, tuple):
         return _stage_replicated(list(REPLICATED_STAGE_SCHEDULES) if schedule == Schedule.AUTO else schedules, counts, replicas)
+    # compiler/options.py checked them: replicas is now a count or "auto", stages a count, "auto" or None
+    given_replicas = replicas if isinstance(replicas, int) else None
+    given_stages = stages if isinstance(stages, int) else None
     options = []
     for name in schedules:
         for m in harmony_counts if name in HARMONY else counts:
             if name in (Schedule.INTERLEAVED, Schedule.HARMONY_DP) and m % n_devices:
                 continue
             if name not in REPLICATING:  # a number of replicas or stages given for these is refused by the layout
-                options.append(Candidate(name, m, 1 if replicas == "auto" else replicas,
-                                         stages if isinstance(stages, int) else None))
+                options.append(Candidate(name, m, 1 if given_replicas is None else given_replicas, given_stages))
                 continue
-            ds = [d for d in range(1, n_devices + 1) if n_devices % d == 0 and m % d == 0] if replicas == "auto" else [replicas]
+            ds = [d for d in range(1, n_devices + 1) if n_devices % d == 0 and m % d == 0] if given_replicas is None \
+                else [given_replicas]
             for d in ds:
                 if stages == "auto":
                     deepest = min(n_devices // d, legal_cuts + 1, max_stages or n_devices)
                     options += [Candidate(name, m, d, p) for p in range(1, deepest + 1)]
                 else:
-                    options.append(Candidate(name, m, d, stages))
+                    options.append(Candidate(name, m, d, given_stages))
     return options
 
 
