@@ -87,7 +87,7 @@ class Prediction:
 
 
 def assemble(
-    gm: fx.GraphModule, layers, cuts, traced_microbatch: int, schedule: Schedule, microbatches: int, starts: Sequence[int],
+    gm: fx.GraphModule, layers: tuple[Layer, ...], cuts: Sequence[Cut], traced_microbatch: int, schedule: Schedule, microbatches: int, starts: Sequence[int],
     stage_devices: Sequence[int], layout: Layout, swap: str, capacities: list[int | None], clip: bool,
     state_per_param_byte: float, optimizer_on_host: bool = False, stash_bytes: Sequence[float] = (),
     built: dict | None = None, replica_devices: Sequence[Sequence[int]] = (), grad_bytes: Sequence[float] | None = None,
@@ -133,7 +133,7 @@ def recorded_costs(plan: Assembled, costs: Sequence[LayerCost], topology: Topolo
     return PlanCosts(tuple(costs), topology, runtime, tuple(sorted(plan.swaps.stages)))
 
 
-def predict(plan: Assembled, costs, devices, microbatch_size: int, topology: Topology,
+def predict(plan: Assembled, costs: Sequence[LayerCost], devices: Sequence[DeviceSpec], microbatch_size: int, topology: Topology,
             runtime: RuntimeCosts = NO_RUNTIME_COSTS) -> tuple[Prediction, SimResult]:
     cost = sim_cost(plan, costs, devices, microbatch_size, topology, runtime)
     result = simulate(plan.programs, cost)
@@ -169,7 +169,8 @@ def partition(
     return straight_partition(layers, cuts, costs, layout, devices, microbatch_size, topology)
 
 
-def _balanced_at_legal(times, legal, count: int, layers, cuts) -> list[int]:
+def _balanced_at_legal(times: list[float], legal: list[bool], count: int, layers: tuple[Layer, ...],
+                       cuts: tuple[Cut, ...]) -> list[int]:
     """Harmony's balanced time packing (Alg. 2 l. 7-11), moved to the nearest legal cut."""
     packs = split_balanced(times, count)
     starts = [0]
@@ -184,7 +185,8 @@ def _balanced_at_legal(times, legal, count: int, layers, cuts) -> list[int]:
     return starts
 
 
-def _cpsat(times, cuts, costs, devices, microbatch_size: int, topology: Topology) -> tuple[list[int], list[int]]:
+def _cpsat(times: list[float], cuts: tuple[Cut, ...], costs: Sequence[LayerCost], devices: Sequence[DeviceSpec],
+           microbatch_size: int, topology: Topology) -> tuple[list[int], list[int]]:
     memory = [c.state_bytes + c.stash_bytes * len(devices) for c in costs]
     binding = partition_and_bind(times, [c.bytes_per_sample * microbatch_size for c in cuts] + [0.0], memory, devices,
                                  topology, cut_allowed=[c.legal for c in cuts], time_limit_s=5.0)
