@@ -35,16 +35,14 @@ from stagewise.passes.simulate import SimCost, SimResult, simulate
 from stagewise.runtime.distributed import DistributedTransport
 from stagewise.runtime.executor import DEFAULT_TIMEOUT_S, StreamExecutor
 from stagewise.runtime.launch import DistributedContext
-from stagewise.runtime.pool import MemoryPool
 from stagewise.runtime.precision import enclosing_autocast
-from stagewise.runtime.transport import LocalTransport
 from stagewise.runtime.worker import StageWorker
 
 
 @dataclass(frozen=True)
 class Compiled:
     """What compiling found beside the plan (a loaded pipeline has none): the planner's per-stage
-    costs of the chosen plan (`pipe.sim_cost`, for benches and tests that vary them), the seconds
+    costs of the chosen plan (`pipe._sim_cost`, for benches and tests that vary them), the seconds
     each compile phase took (`pipe.compile_times`), and the loss reduction compile was given."""
 
     sim_cost: SimCost
@@ -59,50 +57,47 @@ class Pipeline:
     def __init__(self, plan: Plan, runtime: Runtime, compiled: Compiled | None = None,
                  unheld: dict[str, torch.Tensor] | None = None):
         self.plan = plan
-        self.runtime = runtime
+        self._runtime = runtime
         # state_dict entries no stage holds (layers the loss never reaches), on the CPU: training
         # leaves them as they are, state_dict returns them and save / load carry them (unused.pt).
-        self.unheld = dict(unheld or {})
-        self.sim_cost = compiled.sim_cost if compiled is not None else None
-        self.compile_times: dict[str, float] = dict(compiled.phase_seconds) if compiled is not None else {}
+        self._unheld = dict(unheld or {})
+        self._sim_cost = compiled.sim_cost if compiled is not None else None
+        self._compile_times = dict(compiled.phase_seconds) if compiled is not None else {}
         self.timeout_s = DEFAULT_TIMEOUT_S
         self._optimizer: PipelineOptimizer | None = None  # made when first asked for
-        self.resumed = TrainingState()  # a loaded pipeline's: the saved scheduler state and `extra`
-        self.evaluation = Evaluation(plan, runtime.workers, runtime.pools, runtime.transport)
-        self.token_bounds = embedding_bounds(plan, [w.module for w in runtime.workers])  # ids each input may hold
-        self.step_shapes = StepShapes(plan, runtime.stage_modules, runtime.stage_states,
-                                      [pool.device for pool in runtime.pools])
+        self._resumed = TrainingState()  # a loaded pipeline's: the saved scheduler state and `extra`
+        self._evaluation = Evaluation(plan, runtime.workers, runtime.pools, runtime.transport)
+        self._token_bounds = embedding_bounds(plan, [w.module for w in runtime.workers])  # ids each input may hold
+        self._step_shapes = StepShapes(plan, runtime.stage_modules, runtime.stage_states,
+                                       [pool.device for pool in runtime.pools])
         self._loss_reduction: LossReduction | None = None
         self._saves = SaveSlot()  # the save in flight (compiler/checkpoint/async_save.py)
-        self.notices = StepNotices()  # warnings given once, skipped updates counted (compiler/pipeline/step_notices.py)
+        self._notices = StepNotices()  # warnings given once, skipped updates counted (compiler/pipeline/step_notices.py)
         self.loss_reduction = compiled.loss_reduction if compiled is not None else None  # checked
-        self.model_graph = compiled.model_graph if compiled is not None else None  # sw.load sets a loaded one's
+        self._model_graph = compiled.model_graph if compiled is not None else None  # sw.load sets a loaded one's
 
     # ---- the runtime's parts ---------------------------------------------------------------
     @property
     def context(self) -> DistributedContext | None:
-        return self.runtime.context
+        return self._runtime.context
 
     @property
-    def pools(self) -> list[MemoryPool]:
-        return self.runtime.pools
+    def _workers(self) -> list[StageWorker]:
+        return self._runtime.workers
 
     @property
-    def transport(self) -> LocalTransport | DistributedTransport:
-        return self.runtime.transport
-
-    @property
-    def workers(self) -> list[StageWorker]:
-        return self.runtime.workers
-
-    @property
-    def executor(self) -> StreamExecutor:
-        return self.runtime.executor
+    def _executor(self) -> StreamExecutor:
+        return self._runtime.executor
 
     # ---- the public surface -------------------------------------------------------------
     @property
+    def compile_times(self) -> dict[str, float]:
+        """Seconds each compile phase took, by phase name (capture ... runtime); {} after `sw.load`."""
+        return dict(self._compile_times)
+
+    @property
     def stages(self) -> list[fx.GraphModule]:
-        return [w.module for w in self.workers]
+        return [w.module for w in self._workers]
 
     @property
     def programs(self) -> tuple[Program, ...]:
@@ -117,20 +112,20 @@ class Pipeline:
         """The stages' optimizers as one torch.optim.Optimizer over the model (compiler/pipeline/optimizer_view.py):
         a torch.optim.lr_scheduler on it reaches every stage; state_dict() is keyed by the model's names."""
         if self._optimizer is None:
-            self._optimizer = PipelineOptimizer(self.plan, self.workers, self.executor.settle,
-                                                self.context is not None, self.runtime.optimizer_factory)
+            self._optimizer = PipelineOptimizer(self.plan, self._workers, self._executor.settle,
+                                                self.context is not None, self._runtime.optimizer_factory)
         return self._optimizer
 
     @property
     def extra(self) -> dict:
         """The metadata `pipe.save(directory, extra=...)` stored, after `sw.load` ({} otherwise)."""
-        return self.resumed.extra
+        return self._resumed.extra
 
     def load_scheduler(self, scheduler) -> None:
         """After `sw.load`: load the scheduler state `pipe.save(directory, scheduler=...)` stored into
         `scheduler` (just made over pipe.optimizer) and put back the learning rates it had, so
         training resumes bitwise (compiler/pipeline/training_state.py)."""
-        resume_scheduler(self.optimizer, scheduler, self.resumed, self.executor.state.iteration)
+        resume_scheduler(self.optimizer, scheduler, self._resumed, self._executor.state.iteration)
 
     @property
     def loss_reduction(self) -> LossReduction | None:
@@ -148,31 +143,31 @@ class Pipeline:
     @property
     def loss_scale(self) -> float | None:
         """fp16's current loss scale (runtime/precision.py); None in fp32 and bf16."""
-        return None if self.executor.state.scaler is None else self.executor.state.scaler.scale
+        return None if self._executor.state.scaler is None else self._executor.state.scaler.scale
 
     @property
     def last_step_skipped(self) -> bool:
         """Whether the last step's gradients held an inf or NaN (seen in the global norm, which fp16 and
         clip_grad_norm compute), so no stage updated (fp16: the scale backed off)."""
-        return self.executor.state.last_step_skipped
+        return self._executor.state.last_step_skipped
 
     @property
     def skipped_steps(self) -> int:
         """How many of this pipeline's steps skipped their update so (the first one warns)."""
-        return self.notices.skipped_steps
+        return self._notices.skipped_steps
 
     @property
     def last_grad_norm(self) -> float | None:
         """The global gradient norm of the last step, before clipping (as clip_grad_norm_ returns
         it); None without clip_grad_norm."""
-        return self.executor.state.last_grad_norm
+        return self._executor.state.last_grad_norm
 
     def time_breakdown(self) -> list[dict[str, float]]:
         """Where the last step's time went, per device: seconds each stream was busy, and the step."""
-        timeline = self.executor.state.step.timeline
+        timeline = self._executor.state.step.timeline
         step = max((end for *_, end in timeline), default=0.0)
         rows = []
-        for program in self.executor.programs:
+        for program in self._executor.programs:
             busy = dict.fromkeys(Stream, 0.0)
             for device, stream, _, start, end in timeline:
                 if device == program.device:
@@ -185,31 +180,31 @@ class Pipeline:
         """The step's deadline in seconds (default 300): in one process `step` returns within it (and
         a small margin) whatever a stage does, raising StepTimeoutError naming what stalled. Under
         torch.distributed a device waits this long for a peer before a PeerError naming the rank."""
-        transport = self.transport
-        return transport.timeout_s if isinstance(transport, DistributedTransport) else self.executor.state.timeout_s
+        transport = self._runtime.transport
+        return transport.timeout_s if isinstance(transport, DistributedTransport) else self._executor.state.timeout_s
 
     @timeout_s.setter
     def timeout_s(self, seconds: float) -> None:
         # Across processes the transport's wait names the silent rank: let it expire first.
-        transport = self.transport
-        self.executor.state.timeout_s = 2 * seconds if isinstance(transport, DistributedTransport) else seconds
+        transport = self._runtime.transport
+        self._executor.state.timeout_s = 2 * seconds if isinstance(transport, DistributedTransport) else seconds
         if isinstance(transport, DistributedTransport):
             transport.timeout_s = seconds
 
     @property
     def stats(self) -> list[dict[str, int | None]]:
         """Per device, from its memory pool: peak and current bytes (by kind), swap and p2p bytes."""
-        return [pool.stats() for pool in self.pools]
+        return [pool.stats() for pool in self._runtime.pools]
 
     @property
     def training(self) -> bool:
         """The mode `step` trains in, as nn.Module's (at first the model's mode at compile)."""
-        return self.evaluation.training
+        return self._evaluation.training
 
     def train(self, mode: bool = True) -> Pipeline:
         """Set the mode `step` runs the stages in (dropout, BatchNorm), as nn.Module.train does."""
         check_flags(mode=mode)
-        self.evaluation.set_mode(mode)
+        self._evaluation.set_mode(mode)
         return self
 
     def eval(self) -> Pipeline:
@@ -224,8 +219,8 @@ class Pipeline:
         _refuse_enclosing_autocast("step")
         if self._optimizer is not None:
             self._optimizer.push_hyperparameters()
-        loss = self.executor.run(self.plan.microbatches, feed=self._checked_feed(lambda: self._feeder(args, target, kwargs)))
-        self.notices.step_done(self.executor)
+        loss = self._executor.run(self.plan.microbatches, feed=self._checked_feed(lambda: self._feeder(args, target, kwargs)))
+        self._notices.step_done(self._executor)
         if self._optimizer is not None:
             self._optimizer.note_step()
         return loss
@@ -236,7 +231,7 @@ class Pipeline:
         smaller than the microbatches is repeated whole to fill them (compiler/pipeline/small_batches.py)."""
         _refuse_enclosing_autocast("evaluate")
         feed = self._checked_feed(lambda: self._feeder(args, target, kwargs, evaluating=True))
-        return self.evaluation.evaluate(self.plan.microbatches, feed, self.executor)
+        return self._evaluation.evaluate(self.plan.microbatches, feed, self._executor)
 
     def predict(self, *args, **kwargs) -> object:
         """What the model returns (a tensor, tuple, dict, ModelOutput) for `step`'s inputs without target=,
@@ -246,7 +241,7 @@ class Pipeline:
         repeated to fill them. Nothing is updated or counted. PredictError for a model returning only its loss."""
         given = GivenSamples()
         feed = self._checked_feed(lambda: self._prediction_feeder(args, kwargs, given))
-        return predict(self.evaluation, self.plan.microbatches, feed, self.executor, lambda: given.count)
+        return predict(self._evaluation, self.plan.microbatches, feed, self._executor, lambda: given.count)
 
     def _checked_feed(self, feeder: Callable[[], Callable[[], None]]) -> Callable[[], None]:
         """The feed of a step, an evaluation or a prediction, from `feeder`, which checks the inputs.
@@ -259,7 +254,7 @@ class Pipeline:
 
     def _prediction_feeder(self, args, kwargs, given: GivenSamples) -> Callable[[], None]:
         """What feeds the workers a prediction's microbatches (compiler/pipeline/prediction.py `prediction_pieces`)."""
-        pieces = prediction_pieces(self.plan, self.step_shapes.modules, args, kwargs, given, self.token_bounds)
+        pieces = prediction_pieces(self.plan, self._step_shapes.modules, args, kwargs, given, self._token_bounds)
         return lambda: self._feed(pieces)
 
     def _feeder(self, args, target, kwargs, evaluating: bool = False):
@@ -267,19 +262,19 @@ class Pipeline:
         call = "evaluate" if evaluating else "step"
         inputs = training_inputs(self.plan, args, target, kwargs, call)
         inputs = filled(self.plan, inputs) if evaluating else inputs
-        prepared = prepare_batch(self.plan, self.step_shapes, inputs, self.loss_reduction, self.notices, call)
-        check_token_ids(inputs, self.token_bounds, call)
+        prepared = prepare_batch(self.plan, self._step_shapes, inputs, self.loss_reduction, self._notices, call)
+        check_token_ids(inputs, self._token_bounds, call)
         return lambda: self._feed(prepared.pieces, prepared.weights, prepared.transfer_specs)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The trained state under every key of the original model's state_dict, in its order (tied
         names share one tensor; layers no stage holds as they were at compile). Under
         torch.distributed every rank gathers every stage's state. (A broken pipeline's state may be read.)"""
-        self.executor.settle(broken_ok=True)
+        self._executor.settle(broken_ok=True)
         found = self._local_state()
         if self.context is not None:
             gathered: list[dict[str, torch.Tensor] | None] = [None] * len(self.plan.devices)
-            mine = {k: v.detach().cpu() for k, v in found.items() if k not in self.unheld}  # every rank has those
+            mine = {k: v.detach().cpu() for k, v in found.items() if k not in self._unheld}  # every rank has those
             torch.distributed.all_gather_object(gathered, mine)
             for part in gathered:
                 for name, tensor in (part or {}).items():
@@ -300,8 +295,8 @@ class Pipeline:
         shapes = (dict(zip(self.plan.state_names, self.plan.state_shapes, strict=True)) if self.plan.state_shapes
                   else {n: tuple(t.shape) for n, t in self._local_state().items()})
         result = check_state_dict(self.plan, state_dict, strict, shapes)
-        self.executor.settle(broken_ok=True)
-        holders = [self.unheld] + [worker.state_tensors() for worker in self.workers]  # every replica of a tie
+        self._executor.settle(broken_ok=True)
+        holders = [self._unheld] + [worker.state_tensors() for worker in self._workers]  # every replica of a tie
         with torch.no_grad():
             for held in holders:
                 for name, tensor in held.items():
@@ -333,13 +328,13 @@ class Pipeline:
         check_flags(asynchronous=asynchronous)
         directory = save_path(directory)
         self._saves.settle()  # before the step count and the learning rates are read
-        self.executor.settle()
+        self._executor.settle()
         training = training_state(scheduler, extra)
         if self._optimizer is not None:
             self._optimizer.push_hyperparameters()  # the learning rates the scheduler set since the last step
         settings = {**training.settings(), "loss_reduction": reduction_to_data(self.loss_reduction),
-                    "mode_training": self.training, MODEL_GRAPH: self.model_graph}
-        return self._saves.save(self.plan, self.runtime, directory, self.unheld, settings, asynchronous)
+                    "mode_training": self.training, MODEL_GRAPH: self._model_graph}
+        return self._saves.save(self.plan, self._runtime, directory, self._unheld, settings, asynchronous)
 
     def wait_for_save(self) -> None:
         """Until the save in flight is in place (under torch.distributed: before destroying the group)."""
@@ -350,12 +345,12 @@ class Pipeline:
         `devices` from the next step on, bitwise as before; one process (compiler/pipeline/virtual_devices.py)."""
         resize(self, devices)
 
-    def rebuild(self, plan: Plan, runtime: Runtime, unheld: dict[str, torch.Tensor]) -> None:
+    def _rebuild(self, plan: Plan, runtime: Runtime, unheld: dict[str, torch.Tensor]) -> None:
         """Go on with another runtime of this pipeline's plan (what `resize` made)."""
-        compiled = Compiled(self.sim_cost, self.compile_times) if self.sim_cost is not None else None
-        model_graph, notices = self.model_graph, self.notices
+        compiled = Compiled(self._sim_cost, self._compile_times) if self._sim_cost is not None else None
+        model_graph, notices = self._model_graph, self._notices
         self.__init__(plan, runtime, compiled, unheld)  # type: ignore[misc]
-        self.model_graph, self.notices = model_graph, notices
+        self._model_graph, self._notices = model_graph, notices
 
     def restore(self, directory, report: bool = True, training_state: bool = True) -> Move:
         """Train on from the checkpoint at `directory`, saved by a pipeline of this model on any devices
@@ -372,9 +367,9 @@ class Pipeline:
         """Give each worker its inputs of every microbatch it runs (a failed step clears them), the
         executors each microbatch's loss weight (None: 1 / microbatches), and the transport the sizes
         of what is sent where they are not the plan's (compiler/assembly/step_shapes.py)."""
-        self.executor.state.loss_weights.weights = weights
-        self.transport.transfer_specs = transfer_specs
-        for worker in self.workers:
+        self._executor.state.loss_weights.weights = weights
+        self._runtime.transport.transfer_specs = transfer_specs
+        for worker in self._workers:
             for mb, piece in enumerate(pieces):
                 if worker.stage.microbatches and mb not in worker.stage.microbatches:
                     continue
@@ -384,8 +379,8 @@ class Pipeline:
 
     def _local_state(self) -> dict[str, torch.Tensor]:
         """This process's state tensors by name: its stages' and the unheld entries."""
-        found = dict(self.unheld)
-        for worker in self.workers:
+        found = dict(self._unheld)
+        for worker in self._workers:
             for name, tensor in worker.state_tensors().items():
                 found.setdefault(name, tensor)
         return found
