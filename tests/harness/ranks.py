@@ -4,7 +4,9 @@ and saves what it ran; the parent reads the saves, killing the ranks past a limi
 Starting a rank costs seconds, so one set of ranks runs a whole matrix of cases (`run_cases`),
 and each case is then checked as its own test (`case_results`). The ranks are forked from a
 forkserver that imported torch, stagewise and the test helpers once per test worker (`PRELOAD`):
-a freshly spawned interpreter spent about 4 CPU-seconds importing them, for every rank."""
+a freshly spawned interpreter spent about 4 CPU-seconds importing them, for every rank. A rank
+sees the environment and working folder the forkserver started with, not a test's monkeypatched
+ones: pass what a rank needs as an argument."""
 
 from __future__ import annotations
 
