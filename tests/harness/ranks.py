@@ -5,7 +5,7 @@ Starting a rank costs seconds, so one set of ranks runs a whole matrix of cases 
 and each case is then checked as its own test (`case_results`). The ranks are forked from a
 forkserver that imported torch, stagewise and the test helpers once per test worker (`PRELOAD`):
 a freshly spawned interpreter spent about 4 CPU-seconds importing them, for every rank. A rank
-sees the environment and working folder the forkserver started with, not a test's monkeypatched
+sees the environment variables the forkserver started with, not a test's monkeypatched
 ones: pass what a rank needs as an argument."""
 
 from __future__ import annotations
