@@ -1,7 +1,11 @@
 """The `stagewise` command line, run as a user runs it (the console script and `python -m stagewise`):
 `plan` from a Hugging Face config file and from `module:factory`, printing the plan and writing its
 timeline; `recommend` under constraints; `inspect` of a saved checkpoint, checked as `sw.load` checks it;
-and every error a user can cause as one line on stderr, exit status 2, no traceback."""
+and every error a user can cause as one line on stderr, exit status 2, no traceback.
+
+Each entry point runs as a fresh process once or more (the console script, `python -m stagewise`);
+the other commands run through `main` in this process, which both entry points call: a fresh
+interpreter spends about 4 CPU-seconds importing torch and stagewise before it starts."""
 
 from __future__ import annotations
 
@@ -32,6 +36,13 @@ def stagewise(*args: str | Path, script: bool = False) -> subprocess.CompletedPr
     command = [str(CONSOLE_SCRIPT)] if script else [sys.executable, "-m", "stagewise"]
     return subprocess.run([*command, *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           check=False)
+
+
+def stagewise_here(capsys: pytest.CaptureFixture, *args: str | Path) -> tuple[int, str, str]:
+    """The command through `main` in this process: (exit status, stdout, stderr)."""
+    status = main([str(arg) for arg in args])
+    out, err = capsys.readouterr()
+    return status, out, err
 
 
 @pytest.fixture(scope="module")
@@ -67,13 +78,13 @@ def test_console_script_plans_a_hugging_face_config_and_writes_the_timeline(gpt2
     assert f"wrote {trace}" in run.stdout and f"wrote {png}" in run.stdout
 
 
-def test_plans_a_module_factory_with_its_own_batch_and_loss_on_an_instance_type():
-    run = stagewise("plan", "tests.cli_factories:tiny_gpt", "--devices", "g4dn.12xlarge", "--schedule", "1f1b",
-                    "--microbatches", "2", "--optimizer", "sgd")
-    assert run.returncode == 0, run.stderr
-    assert "links: 15.75 GB/s (the catalogue's)" in run.stdout  # the instance type's, not the default
-    assert "stagewise plan: TinyGPT (" in run.stdout and "1f1b, 2 microbatches of 4)" in run.stdout
-    assert "tied-parameter" in run.stdout  # its loss_fn and target were used: the tied head is the last stage's
+def test_plans_a_module_factory_with_its_own_batch_and_loss_on_an_instance_type(capsys: pytest.CaptureFixture):
+    status, out, err = stagewise_here(capsys, "plan", "tests.cli_factories:tiny_gpt", "--devices", "g4dn.12xlarge",
+                                      "--schedule", "1f1b", "--microbatches", "2", "--optimizer", "sgd")
+    assert status == 0, err
+    assert "links: 15.75 GB/s (the catalogue's)" in out  # the instance type's, not the default
+    assert "stagewise plan: TinyGPT (" in out and "1f1b, 2 microbatches of 4)" in out
+    assert "tied-parameter" in out  # its loss_fn and target were used: the tied head is the last stage's
 
 
 def test_a_factory_returning_only_a_model_gets_random_token_ids():
@@ -83,12 +94,13 @@ def test_a_factory_returning_only_a_model_gets_random_token_ids():
     assert workload.example_inputs["labels"] is ids and workload.loss_fn is None
 
 
-def test_recommend_ranks_the_candidates_and_exits_1_when_none_meets_the_budget(gpt2_config: Path):
-    run = stagewise("recommend", gpt2_config, "--candidates", "1xH100-SXM-80GB,p3.2xlarge", "--seq-len", "32",
-                    "--steps", "1000", "--budget", "0.000001")
-    assert run.returncode == 1, run.stderr
-    assert "1xH100-SXM-80GB" in run.stdout and "p3.2xlarge" in run.stdout
-    assert "no candidate meets every constraint: budget" in run.stdout
+def test_recommend_ranks_the_candidates_and_exits_1_when_none_meets_the_budget(gpt2_config: Path,
+                                                                              capsys: pytest.CaptureFixture):
+    status, out, err = stagewise_here(capsys, "recommend", gpt2_config, "--candidates", "1xH100-SXM-80GB,p3.2xlarge",
+                                      "--seq-len", "32", "--steps", "1000", "--budget", "0.000001")
+    assert status == 1, err
+    assert "1xH100-SXM-80GB" in out and "p3.2xlarge" in out
+    assert "no candidate meets every constraint: budget" in out
 
 
 def test_recommend_reads_its_constraints():
@@ -110,16 +122,17 @@ def copied(checkpoint: Path, tmp_path: Path) -> Path:
     return copy
 
 
-def test_inspect_shows_the_plan_programs_and_the_code_load_runs(checkpoint: Path, tmp_path: Path):
+def test_inspect_shows_the_plan_programs_and_the_code_load_runs(checkpoint: Path, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture):
     """The code shown is torch.fx's for each stage rebuilt from stage_<i>.json, which sw.load runs:
     a stage_<i>.py rewritten (its marker entry too) to look harmless is not what is shown."""
     shown = crafted(checkpoint, tmp_path, "stage_1.py", lambda _: b"# looks clean\n")
-    run = stagewise("inspect", shown)
-    assert run.returncode == 0, run.stderr
-    assert "stagewise plan: TinyGPT (" in run.stdout and "1f1b, 2 microbatches of 4)" in run.stdout
-    assert "program dev0" in run.stdout and "program dev1" in run.stdout
-    assert "== stage 1 on device 1: cpu" in run.stdout and "def forward(self" in run.stdout
-    assert "looks clean" not in run.stdout
+    status, out, err = stagewise_here(capsys, "inspect", shown)
+    assert status == 0, err
+    assert "stagewise plan: TinyGPT (" in out and "1f1b, 2 microbatches of 4)" in out
+    assert "program dev0" in out and "program dev1" in out
+    assert "== stage 1 on device 1: cpu" in out and "def forward(self" in out
+    assert "looks clean" not in out
 
 
 def test_inspect_refuses_what_load_refuses_and_shows_it_with_trusted_functions(checkpoint: Path, tmp_path: Path,

@@ -13,8 +13,8 @@ all-reduced across the ranks; some cases clip, which all-reduces the gradient no
 failed step the state on both ranks equals the state before it, and training on equals eager
 training that never saw the failed batch. Every step runs with a 20 s timeout: a regression
 fails fast instead of hanging (a wait that expired is a PeerError, not the expected errors). One
-pair of processes runs every case (spawning costs seconds): per schedule one pipeline takes a good
-step, then per fault a failed step and a good one.
+pair of processes runs every case (starting ranks costs seconds): the pieces, then per schedule one
+pipeline takes a good step, then per fault a failed step and a good one.
 """
 
 from __future__ import annotations
@@ -82,57 +82,52 @@ def test_missing_sides_of_a_clean_step_are_empty():
 
 
 # ---- the transport's pieces between two ranks --------------------------------------------------
-def _transport_pieces(rank: int, init_file: str, out: str) -> None:
+TRANSPORT_PIECES = "transport pieces"  # its results' key beside the schedules' (the pair of ranks runs both)
+
+
+def _transport_pieces(rank: int) -> dict:
     """Rank 0 sends two activations (rank 1 takes one), then enters the shared-gradient all-reduce
     alone; rank 1 posts a receive rank 0 never sends to, then fails and notifies. Rank 0 must stop
     on the notice, both must agree and drain, and then train like eager training."""
-    join(init_file, rank, 30.0)
-    torch.set_num_threads(1)
     result: dict = {}
-    try:
-        model, batches, options = _problem(False, 3)
-        inputs, target = batches[0]
-        pipe = sw.compile(model, RANKS, inputs, example_target=target, schedule="gpipe", cost="analytic",
-                          swap="off", **options)
-        pipe.timeout_s = TIMEOUT_S
-        transport, pool = pipe._runtime.transport, pipe._runtime.pools[rank]
-        transport.sync = Sync(1, 2 * TIMEOUT_S)
-        transfer = next(t for t in pipe.plan.transfers if t.src == 0 and t.dst == 1)
-        act = [("act", transfer.value, mb, 0, 1) for mb in range(pipe.plan.microbatches)]
-        before = pool.stats()["buffer_bytes"]
-        if rank == 0:
-            for key in act[:2]:
-                transport.send(key, 0, 1, torch.ones(transfer.shape), "test send")
-            try:
-                transport.all_reduce(("t",), (0, 1), 0, [torch.ones(5)], "test all-reduce")
-                result["stopped"] = "not at all"
-            except Aborted:
-                result["stopped"] = type(transport.sync.error).__name__
-            failed = transport.sync.error
-        else:
-            pool.give_back_buffer(transport.recv(act[0], "test receive"), ("buffer",) + act[0])
-            assert transport.poll(act[2], "test poll") is False  # posted: rank 0 never sends it
-            failed = InjectedFault("rank 1 failed on purpose")
-            transport.notify_failure(failed)
-        outcome = transport.conclude(None, failed)
-        result["outcome"] = (outcome.loss, outcome.failure)
-        transport.drain()
-        result["epoch"] = transport.epoch
-        result["leftover"] = (len(transport.receives), transport.records.summary())
-        result["buffer_bytes"] = (before, pool.stats()["buffer_bytes"])
-        transport.sync = None
-        result["losses"] = pipeline_train(pipe, batches)
-        result["state"] = {k: v.clone() for k, v in pipe.state_dict().items()}
-    except Exception:  # noqa: BLE001 - the parent shows it
-        result["error"] = traceback.format_exc()
-    save_result(Path(out) / f"rank{rank}.pkl", result)
-    os._exit(0)
+    model, batches, options = _problem(False, 3)
+    inputs, target = batches[0]
+    pipe = sw.compile(model, RANKS, inputs, example_target=target, schedule="gpipe", cost="analytic",
+                      swap="off", **options)
+    pipe.timeout_s = TIMEOUT_S
+    transport, pool = pipe._runtime.transport, pipe._runtime.pools[rank]
+    transport.sync = Sync(1, 2 * TIMEOUT_S)
+    transfer = next(t for t in pipe.plan.transfers if t.src == 0 and t.dst == 1)
+    act = [("act", transfer.value, mb, 0, 1) for mb in range(pipe.plan.microbatches)]
+    before = pool.stats()["buffer_bytes"]
+    if rank == 0:
+        for key in act[:2]:
+            transport.send(key, 0, 1, torch.ones(transfer.shape), "test send")
+        try:
+            transport.all_reduce(("t",), (0, 1), 0, [torch.ones(5)], "test all-reduce")
+            result["stopped"] = "not at all"
+        except Aborted:
+            result["stopped"] = type(transport.sync.error).__name__
+        failed = transport.sync.error
+    else:
+        pool.give_back_buffer(transport.recv(act[0], "test receive"), ("buffer",) + act[0])
+        assert transport.poll(act[2], "test poll") is False  # posted: rank 0 never sends it
+        failed = InjectedFault("rank 1 failed on purpose")
+        transport.notify_failure(failed)
+    outcome = transport.conclude(None, failed)
+    result["outcome"] = (outcome.loss, outcome.failure)
+    transport.drain()
+    result["epoch"] = transport.epoch
+    result["leftover"] = (len(transport.receives), transport.records.summary())
+    result["buffer_bytes"] = (before, pool.stats()["buffer_bytes"])
+    transport.sync = None
+    result["losses"] = pipeline_train(pipe, batches)
+    result["state"] = {k: v.clone() for k, v in pipe.state_dict().items()}
+    return result
 
 
-def test_notice_conclude_and_drain_leave_both_ranks_clean(tmp_path):
-    results = spawn(_transport_pieces, tmp_path)
-    for rank, result in enumerate(results):
-        assert result is not None and "error" not in result, (rank, result)
+def test_notice_conclude_and_drain_leave_both_ranks_clean(faulted):
+    results = _finished(faulted, TRANSPORT_PIECES)
     assert results[0]["stopped"] == PeerFailed.__name__  # the notice stopped rank 0, not its timeout (a PeerError)
     for result in results:
         loss, failure = result["outcome"]
@@ -248,17 +243,19 @@ def _schedule_faults(rank: int, schedule: str) -> dict:
 
 
 def _fault_cases(rank: int, init_file: str, out: str) -> None:
-    """Every schedule in turn on one pair of ranks, saving after each; the first unexpected error
-    ends the run (the ranks could not go on together)."""
+    """The transport's pieces, then every schedule in turn on one pair of ranks, saving after each;
+    the first unexpected error ends the run (the ranks could not go on together)."""
     join(init_file, rank, 30.0)
     torch.set_num_threads(1)
     path = Path(out) / f"rank{rank}.pkl"
+    runs = [(TRANSPORT_PIECES, _transport_pieces)]
+    runs += [(schedule, functools.partial(_schedule_faults, schedule=schedule)) for schedule in CASES]
     results = {}
-    for schedule in CASES:
+    for name, run in runs:
         try:
-            results[schedule] = _schedule_faults(rank, schedule)
+            results[name] = run(rank)
         except Exception:  # noqa: BLE001 - the parent shows it
-            results[schedule] = {"error": traceback.format_exc()}
+            results[name] = {"error": traceback.format_exc()}
             break
         finally:
             save_result(path, results)
@@ -271,10 +268,11 @@ def faulted(tmp_path_factory) -> list[dict]:
     return [result or {} for result in results]
 
 
-def _finished(faulted: list[dict], schedule: str) -> list[dict]:
-    results = [per_rank.get(schedule) for per_rank in faulted]
+def _finished(faulted: list[dict], run: str) -> list[dict]:
+    """Both ranks' results of `run` (a schedule, or the transport's pieces), each rank's own failure shown."""
+    results = [per_rank.get(run) for per_rank in faulted]
     for rank, result in enumerate(results):
-        assert result is not None, f"rank {rank} did not finish {schedule} (a hang, or an earlier schedule failed)"
+        assert result is not None, f"rank {rank} did not finish {run} (a hang, or an earlier run failed)"
         assert "error" not in result, f"rank {rank}:\n{result['error']}"
     return results
 

@@ -1,12 +1,17 @@
 """Spawned gloo ranks: each joins a process group through a file store (as torchrun's processes do)
 and saves what it ran; the parent reads the saves, killing the ranks past a limit (never a hung suite).
 
-Spawning costs seconds per rank, so one set of ranks runs a whole matrix of cases (`run_cases`),
-and each case is then checked as its own test (`case_results`)."""
+Starting a rank costs seconds, so one set of ranks runs a whole matrix of cases (`run_cases`),
+and each case is then checked as its own test (`case_results`). The ranks are forked from a
+forkserver that imported torch, stagewise and the test helpers once per test worker (`PRELOAD`):
+a freshly spawned interpreter spent about 4 CPU-seconds importing them, for every rank. A rank
+sees the environment variables the forkserver started with, not a test's monkeypatched
+ones: pass what a rank needs as an argument."""
 
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 import os
 import pickle
 import time
@@ -21,6 +26,11 @@ import torch.multiprocessing as mp
 
 RANKS = 2
 SPAWN_LIMIT_S = 60.0  # a child that outlives this is killed and the test fails
+# What every rank imports, and what its first compile imports (torch.export and dynamo, networkx):
+# imported once in the forkserver, shared by every rank forked from it. Imports only: nothing here
+# starts a thread or a process group, which a fork could not carry over.
+PRELOAD = ("stagewise", "torch.distributed", "torch.export", "torch._dynamo", "networkx", "tests.harness.ranks",
+           "tests.harness.rank_problems", "tests.reference", "tests.hf", "tests.training_problems")
 
 
 def join(init_file: str, rank: int, timeout_s: float, ranks: int = RANKS) -> None:
@@ -71,8 +81,9 @@ def spawn(fn: Callable[..., None], tmp_path: Path, *args: object, limit_s: float
     """Run `fn(rank, init_file, out, *args)` on `ranks` processes; kill them past `limit_s` (and fail,
     unless the caller reads what they saved before that); what each saved in out/rank<r>.pkl."""
     init_file = str(tmp_path / "store")
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))  # read when it starts
     context = mp.start_processes(fn, args=(init_file, str(tmp_path), *args), nprocs=ranks, join=False,
-                                 start_method="spawn")
+                                 start_method="forkserver")
     deadline = time.monotonic() + limit_s
     while not context.join(timeout=0.5):
         if time.monotonic() > deadline:
