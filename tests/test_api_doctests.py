@@ -2,7 +2,8 @@
 classes carry Google-style sections (Args, Returns, Raises, Example), and every `>>>` example runs here.
 
 The examples share one namespace, built once: `sw`, `torch`, `nn`, `F`, a tiny MLP `model` compiled
-onto 2 CPU devices as `pipe`, a minibatch `x` with targets `y`, and `tmp`, an empty folder. Each
+onto 2 CPU devices as `pipe`, a minibatch `x` with targets `y`, `tmp`, an empty folder, and
+`recommendation`, what `sw.recommend` makes of it on a g6.xlarge and a p4d.24xlarge. Each
 docstring's examples run in a copy of it (names an example defines stay in its docstring), but `pipe`
 is one object: an example that changes it (a step, a load) leaves the change for the next, so examples
 print what holds whatever ran before them (shapes, types, names) rather than losses.
@@ -132,8 +133,10 @@ def namespace(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     model = mlp()
     x, y = torch.randn(8, 8), torch.randint(0, 5, (8,))
     pipe = sw.compile(model, ["cpu", "cpu"], (x,), loss_fn=F.cross_entropy, example_target=y, microbatches=2)
+    recommendation = sw.recommend(model, (x,), loss_fn=F.cross_entropy, example_target=y,
+                                  candidates=["1xg6.xlarge", "1xp4d.24xlarge"], steps=1000)
     return {"sw": sw, "torch": torch, "nn": nn, "F": F, "model": model, "pipe": pipe, "x": x, "y": y,
-            "tmp": tmp_path_factory.mktemp("doctests")}
+            "tmp": tmp_path_factory.mktemp("doctests"), "recommendation": recommendation}
 
 
 def test_examples_are_found():
