@@ -54,7 +54,7 @@ def _function(obj: object) -> Callable | None:
     """The plain function behind a function, method, classmethod or staticmethod; None for the rest."""
     if isinstance(obj, (classmethod, staticmethod)):
         obj = obj.__func__
-    return inspect.unwrap(obj) if inspect.isfunction(obj) else None  # type: ignore[arg-type]
+    return inspect.unwrap(obj) if inspect.isfunction(obj) else None
 
 
 def _raises(function: Callable) -> bool:
@@ -82,7 +82,7 @@ def missing_sections(name: str, obj: object) -> list[str]:
     if isinstance(obj, type):
         if issubclass(obj, BaseException):
             return []
-        if not issubclass(obj, enum.Enum) and _parameters(obj.__init__):  # type: ignore[misc]
+        if not issubclass(obj, enum.Enum) and _parameters(obj.__init__):
             wanted.append("Args:")
         wanted.append("Example:")
     elif (function := _function(obj)) is not None:

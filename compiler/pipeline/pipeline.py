@@ -559,6 +559,7 @@ class Pipeline:
         Raises:
             DeviceError: devices that do not resolve.
             CapacityError: a device cannot hold the virtual devices placed on it.
+            OptionError: under torch.distributed (restart the job and `restore` instead).
 
         Example:
             >>> pipe.resize(["cpu"])  # both planned devices on one CPU device
