@@ -158,7 +158,12 @@ class Device:
 
     @property
     def torch_device(self) -> torch.device:
-        """The `torch.device` this device computes on (several 'cpu' devices share one)."""
+        """The `torch.device` this device computes on (several 'cpu' devices share one).
+
+        Example:
+            >>> sw.Device("cpu").torch_device
+            device(type='cpu')
+        """
         return torch_device(self.name)
 
     def spec(self) -> DeviceSpec:

@@ -161,7 +161,12 @@ class Topology:
     # ---- queries --------------------------------------------------------------------------------
     @property
     def n_devices(self) -> int:
-        """How many devices the topology links."""
+        """How many devices the topology links.
+
+        Example:
+            >>> sw.Topology.two_level(2, 4, "100GB/s", "10GB/s").n_devices
+            8
+        """
         return len(self.bandwidth)
 
     def link(self, src: int, dst: int) -> float:
@@ -195,7 +200,12 @@ class Topology:
 
     @property
     def slowest_link(self) -> float:
-        """The least bandwidth between two devices (math.inf for one device: nothing to send)."""
+        """The least bandwidth between two devices (math.inf for one device: nothing to send).
+
+        Example:
+            >>> sw.Topology.two_level(2, 2, "100GB/s", "10GB/s").slowest_link
+            10000000000.0
+        """
         return min(self.links().values(), default=math.inf)
 
     def hierarchy(self) -> tuple[Level, ...]:

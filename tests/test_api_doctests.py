@@ -15,6 +15,7 @@ import ast
 import doctest
 import enum
 import inspect
+import re
 import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -72,27 +73,27 @@ def _parameters(function: Callable) -> list[str]:
 
 def missing_sections(name: str, obj: object) -> list[str]:
     """The sections a public object's docstring lacks: every object a summary; an error or warning
-    class no more; a class its constructor's `Args:` and an `Example:`; a property its summary; a
-    function `Args:` (if it takes any), `Returns:` (unless it returns None), `Raises:` (if its body
-    raises) and an `Example:`."""
+    class who raises (or warns) it; a class its constructor's `Args:` and an `Example:`; a property
+    an `Example:`; a function `Args:` (if it takes any), `Returns:` (unless it returns None),
+    `Raises:` (a public function always: they check their arguments; a method if its body raises)
+    and an `Example:`."""
     doc = inspect.getdoc(obj.fget if isinstance(obj, property) else obj) or ""
     if not doc.strip():
         return ["summary"]
     wanted: list[str] = []
+    if isinstance(obj, type) and issubclass(obj, BaseException):
+        return [] if re.search(r"\b(raised|warned|raises)\b", doc, re.IGNORECASE) else ["who raises it"]
     if isinstance(obj, type):
-        if issubclass(obj, BaseException):
-            return []
         if not issubclass(obj, enum.Enum) and _parameters(obj.__init__):
             wanted.append("Args:")
-        wanted.append("Example:")
     elif (function := _function(obj)) is not None:
         if _parameters(function):
             wanted.append("Args:")
         if inspect.signature(function).return_annotation not in (None, "None"):
             wanted.append("Returns:")
-        if _raises(function):
+        if "." not in name or _raises(function):
             wanted.append("Raises:")
-        wanted.append("Example:")
+    wanted.append("Example:")
     return [section for section in wanted if f"\n{section}" not in f"\n{doc}"]
 
 
@@ -111,6 +112,12 @@ def test_the_section_check_finds_gaps():
         return a
 
     assert missing_sections("undocumented", undocumented) == ["Args:", "Returns:", "Raises:", "Example:"]
+    assert missing_sections("Pipeline.undocumented", property(undocumented)) == ["Example:"]
+
+    class SilentError(sw.StagewiseError):
+        """The batch is wrong."""
+
+    assert missing_sections("SilentError", SilentError) == ["who raises it"]
 
 
 def _doctests() -> list[doctest.DocTest]:

@@ -136,12 +136,22 @@ class Candidate:
 
     @property
     def fits(self) -> bool:
-        """Whether a plan fits the device set's memory."""
+        """Whether a plan fits the device set's memory.
+
+        Example:
+            >>> recommendation.best.fits
+            True
+        """
         return self.plan is not None
 
     @property
     def meets(self) -> bool:
-        """Whether the row meets every constraint (memory, deadline, budget)."""
+        """Whether the row meets every constraint (memory, deadline, budget).
+
+        Example:
+            >>> recommendation.best.meets
+            True
+        """
         return self.out is None
 
     def judged(self, steps: int, deadline_s: float | None, budget_usd: float | None) -> Candidate:
@@ -202,7 +212,12 @@ class Recommendation:
 
     @property
     def best(self) -> Candidate | None:
-        """The first row if it meets every constraint; None when none does (`unsatisfied` says why)."""
+        """The first row if it meets every constraint; None when none does (`unsatisfied` says why).
+
+        Example:
+            >>> recommendation.best.request
+            '1xg6.xlarge'
+        """
         return self.rows[0] if self.rows and self.rows[0].meets else None
 
     def __str__(self) -> str:

@@ -96,7 +96,12 @@ class Pipeline:
     # ---- the runtime's parts ---------------------------------------------------------------
     @property
     def context(self) -> DistributedContext | None:
-        """This process's rank and world under torch.distributed; None in one process."""
+        """This process's rank and world under torch.distributed; None in one process.
+
+        Example:
+            >>> pipe.context is None
+            True
+        """
         return self.runtime.context
 
     @property
@@ -118,23 +123,43 @@ class Pipeline:
     # ---- the public surface -------------------------------------------------------------
     @property
     def stages(self) -> list[fx.GraphModule]:
-        """The generated stage modules this process runs, one GraphModule each (print one's `.code`)."""
+        """The generated stage modules this process runs, one GraphModule each (print one's `.code`).
+
+        Example:
+            >>> [type(stage).__name__ for stage in pipe.stages]
+            ['Stage0', 'Stage1']
+        """
         return [w.module for w in self.workers]
 
     @property
     def programs(self) -> tuple[Program, ...]:
-        """The plan's instruction programs, one per device (print one to read it)."""
+        """The plan's instruction programs, one per device (print one to read it).
+
+        Example:
+            >>> [program.device for program in pipe.programs]
+            [0, 1]
+        """
         return self.plan.programs
 
     @property
     def shared(self) -> tuple[SharedTensor, ...]:
-        """The tensors several stages hold (tied weights), and how their gradients are summed."""
+        """The tensors several stages hold (tied weights), and how their gradients are summed.
+
+        Example:
+            >>> pipe.shared  # the MLP ties no weights
+            ()
+        """
         return self.plan.shared
 
     @property
     def optimizer(self) -> PipelineOptimizer:
         """The stages' optimizers as one torch.optim.Optimizer over the model (compiler/pipeline/optimizer_view.py):
-        a torch.optim.lr_scheduler on it reaches every stage; state_dict() is keyed by the model's names."""
+        a torch.optim.lr_scheduler on it reaches every stage; state_dict() is keyed by the model's names.
+
+        Example:
+            >>> isinstance(pipe.optimizer, torch.optim.Optimizer), len(pipe.optimizer.param_groups)
+            (True, 1)
+        """
         if self._optimizer is None:
             self._optimizer = PipelineOptimizer(self.plan, self.workers, self.executor.settle,
                                                 self.context is not None, self.runtime.optimizer_factory)
@@ -142,7 +167,13 @@ class Pipeline:
 
     @property
     def extra(self) -> dict:
-        """The metadata `pipe.save(directory, extra=...)` stored, after `sw.load` ({} otherwise)."""
+        """The metadata `pipe.save(directory, extra=...)` stored, after `sw.load` ({} otherwise).
+
+        Example:
+            >>> _ = pipe.save(tmp / "with_extra", extra={"epoch": 3})
+            >>> sw.load(tmp / "with_extra").extra
+            {'epoch': 3}
+        """
         return self.resumed.extra
 
     def load_scheduler(self, scheduler) -> None:
@@ -169,7 +200,16 @@ class Pipeline:
         """How the loss reduces over the batch (compiler/assembly/loss_reduction.py): each microbatch's loss weighs
         its share of the batch's counted items; None weighs each its share of the samples (steps warn
         where targets hold -100). Set by compile's loss_reduction= (a Hugging Face model's own token
-        mean by default); checkpoints keep it."""
+        mean by default); checkpoints keep it. Setting it checks it against the plan (LossError).
+
+        Example:
+            >>> pipe.loss_reduction is None
+            True
+            >>> pipe.loss_reduction = sw.SampleMean()
+            >>> pipe.loss_reduction
+            SampleMean(labels=None)
+            >>> pipe.loss_reduction = None
+        """
         return self._loss_reduction
 
     @loss_reduction.setter
@@ -179,24 +219,46 @@ class Pipeline:
 
     @property
     def loss_scale(self) -> float | None:
-        """fp16's current loss scale (runtime/precision.py); None in fp32 and bf16."""
+        """fp16's current loss scale (runtime/precision.py); None in fp32 and bf16.
+
+        Example:
+            >>> pipe.loss_scale is None  # compiled in fp32
+            True
+        """
         return None if self.executor.scaler is None else self.executor.scaler.scale
 
     @property
     def last_step_skipped(self) -> bool:
         """Whether the last step's gradients held an inf or NaN (seen in the global norm, which fp16 and
-        clip_grad_norm compute), so no stage updated (fp16: the scale backed off)."""
+        clip_grad_norm compute), so no stage updated (fp16: the scale backed off).
+
+        Example:
+            >>> _ = pipe.step(x, target=y)
+            >>> pipe.last_step_skipped
+            False
+        """
         return self.executor.last_step_skipped
 
     @property
     def skipped_steps(self) -> int:
-        """How many of this pipeline's steps skipped their update so (the first one warns)."""
+        """How many of this pipeline's steps skipped their update so far (the first one warns).
+
+        Example:
+            >>> pipe.skipped_steps
+            0
+        """
         return self.notices.skipped_steps
 
     @property
     def last_grad_norm(self) -> float | None:
         """The global gradient norm of the last step, before clipping (as clip_grad_norm_ returns
-        it); None without clip_grad_norm."""
+        it); None without clip_grad_norm.
+
+        Example:
+            >>> _ = pipe.step(x, target=y)
+            >>> pipe.last_grad_norm is None  # compiled without clip_grad_norm
+            True
+        """
         return self.executor.last_grad_norm
 
     def time_breakdown(self) -> list[dict[str, float]]:
@@ -226,7 +288,16 @@ class Pipeline:
     def timeout_s(self) -> float:
         """The step's deadline in seconds (default 300): in one process `step` returns within it (and
         a small margin) whatever a stage does, raising StepTimeoutError naming what stalled. Under
-        torch.distributed a device waits this long for a peer before a PeerError naming the rank."""
+        torch.distributed a device waits this long for a peer before a PeerError naming the rank.
+
+        Example:
+            >>> pipe.timeout_s
+            300.0
+            >>> pipe.timeout_s = 60.0
+            >>> pipe.timeout_s
+            60.0
+            >>> pipe.timeout_s = 300.0
+        """
         transport = self.transport
         return transport.timeout_s if isinstance(transport, DistributedTransport) else self.executor.timeout_s
 
@@ -241,12 +312,22 @@ class Pipeline:
     @property
     def stats(self) -> list[dict[str, int]]:
         """Per device, from its memory pool: peak and current bytes (by kind), swap and p2p bytes.
-        (`pipe.stats[0]["peak_bytes"]`: device 0's peak.)"""
+        (`pipe.stats[0]["peak_bytes"]`: device 0's peak.)
+
+        Example:
+            >>> [(row["device"], row["peak_bytes"] > 0) for row in pipe.stats]
+            [(0, True), (1, True)]
+        """
         return [pool.stats() for pool in self.pools]
 
     @property
     def training(self) -> bool:
-        """The mode `step` trains in, as nn.Module's (at first the model's mode at compile)."""
+        """The mode `step` trains in, as nn.Module's (at first the model's mode at compile).
+
+        Example:
+            >>> pipe.training
+            True
+        """
         return self.evaluation.training
 
     def train(self, mode: bool = True) -> Pipeline:
