@@ -55,7 +55,9 @@ class Compiled:
 
 class Pipeline:
     """Stage modules, their device programs, and the runtime that executes them: what `sw.compile`
-    returns and `sw.load` restores, driven like a model and its optimizer in one (`step`).
+    returns and `sw.load` restores, driven like a model and its optimizer in one (`step`). In the
+    examples of its methods, `pipe` is `sw.compile(model, ["cpu", "cpu"], (x,),
+    loss_fn=F.cross_entropy, example_target=y, microbatches=2)` for a small MLP `model`.
 
     Args:
         plan: the plan the programs come from.
@@ -64,8 +66,6 @@ class Pipeline:
         unheld: state_dict entries no stage holds (layers the loss never reaches).
 
     Example:
-        >>> # pipe = sw.compile(model, ["cpu", "cpu"], (x,), loss_fn=F.cross_entropy, example_target=y,
-        >>> #                   microbatches=2)
         >>> loss = pipe.step(x, target=y)
         >>> loss.shape, len(pipe.stages), pipe.predict(x).shape
         (torch.Size([]), 2, torch.Size([8, 5]))
