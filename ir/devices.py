@@ -116,8 +116,8 @@ class Device:
 
     Args:
         name: 'cpu', 'cuda', 'cuda:1' or a `torch.device`.
-        memory: what the device's pool may hold, in bytes or as '512MiB' / '80GB'; None: unlimited
-            (a CPU) or what the GPU reports.
+        memory: what the device's pool may hold, in bytes or as '512MiB' / '80GB'; None: no limit
+            (neither the planner nor the pool bounds it).
         speed: relative speed against the other devices, for virtual devices and analytic costs.
         peak_flops: dense FLOP/s in the plan's precision, a number or '989TFLOPS'.
         memory_bandwidth: device memory bandwidth, bytes/s or '3.35TB/s'.

@@ -31,8 +31,9 @@ class Level:
 
 @dataclass(frozen=True)
 class Topology:
-    """How fast each pair of devices talks, for the planner and the simulator (`compile(topology=)`,
-    `sw.plan(topology=)`); built with `uniform`, `two_level`, `hierarchical` or `from_matrix`.
+    """How fast each pair of devices talks, for the planner and the simulator: `sw.plan(topology=)`
+    for devices not here (compile measures its own); built with `uniform`, `two_level`,
+    `hierarchical` or `from_matrix`.
 
     Args:
         bandwidth: `bandwidth[i][j]`, bytes/s from device i to device j; None on the diagonal (a
