@@ -10,13 +10,16 @@ class StagewiseError(Exception):
         ...     sw.Device("cpu", memory=0)
         ... except sw.StagewiseError as error:
         ...     print(type(error).__name__)
-        DeviceError"""
+        DeviceError
+    """
 
 
 class DeviceError(StagewiseError):
     """Raised by `sw.Device`, `compile`, `plan` and `load` for no devices, an unknown device string,
     a device list of the wrong type, or a size, rate or speed that does not parse or is not
-    positive. Fix the `devices=` argument as the message says."""
+    positive: fix the `devices=` argument as the message says. Also raised by the catalogue
+    (`sw.load_catalogue`, `sw.parse_device_request`, `sw.Topology`) for a name, file entry or link
+    it cannot use."""
 
 
 class ExampleInputsError(StagewiseError):
@@ -27,7 +30,8 @@ class ExampleInputsError(StagewiseError):
 
 class TraceError(StagewiseError):
     """Raised by `compile` and `plan` when neither torch.fx nor torch.export can capture the model;
-    the message shows both reasons. Make the failing code traceable or give `split_points`."""
+    the message shows both reasons. Replace Python control flow that depends on tensor values with
+    tensor operations (`torch.where`) or `torch.cond`."""
 
 
 class ProfileError(StagewiseError):
@@ -49,8 +53,9 @@ class PartitionError(StagewiseError):
 
 class LossError(StagewiseError):
     """Raised by `compile` when the model's output is not a scalar loss and no `loss_fn` was given, a
-    `loss_fn` comes without `example_target` (or the reverse), or the loss depends on no trainable
-    parameter; by `step` when a loss reduction cannot read its labels."""
+    `loss_fn` comes without `example_target` (or the reverse), the loss depends on no trainable
+    parameter, or `loss_reduction` is not a `sw.TokenMean` / `sw.SampleMean` whose labels it
+    can read."""
 
 
 class PlanError(StagewiseError):
