@@ -16,7 +16,7 @@ import time
 import torch
 from _accuracy_plans import Model
 
-from stagewise.runtime.executor import StreamExecutor
+from stagewise.runtime.handlers import InstructionHandlers
 from stagewise.runtime.worker import StageWorker
 
 
@@ -30,7 +30,7 @@ class Recorder:
         self.spans: list[tuple] = []
         self.inputs: dict[int, dict[str, torch.Tensor]] = {}
         self.lock = threading.Lock()
-        self.original = StreamExecutor.dispatch
+        self.original = InstructionHandlers.dispatch
         self.original_forward = StageWorker.forward
 
     def install(self) -> None:
@@ -45,10 +45,10 @@ class Recorder:
 
         StageWorker.forward = _forward
 
-        def dispatch(executor, device, index, ins):
+        def dispatch(handlers, device, index, ins):
             usage = resource.getrusage(resource.RUSAGE_THREAD)
             start, cpu = time.perf_counter(), time.thread_time()
-            result = original(executor, device, index, ins)
+            result = original(handlers, device, index, ins)
             if recorder.on:
                 end, cpu = time.perf_counter(), time.thread_time() - cpu
                 after = resource.getrusage(resource.RUSAGE_THREAD)
@@ -57,10 +57,10 @@ class Recorder:
                     recorder.spans.append((device, ins, start, end, cpu, kernel))
             return result
 
-        StreamExecutor.dispatch = dispatch
+        InstructionHandlers.dispatch = dispatch
 
     def uninstall(self) -> None:
-        StreamExecutor.dispatch = self.original
+        InstructionHandlers.dispatch = self.original
         StageWorker.forward = self.original_forward
 
 

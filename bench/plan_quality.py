@@ -86,7 +86,7 @@ from rich.table import Table
 import stagewise as sw
 from stagewise.ir.instructions import COMPUTES, HostUpdate
 from stagewise.passes.simulate import simulate
-from stagewise.runtime.executor import StreamExecutor
+from stagewise.runtime.handlers import InstructionHandlers
 
 # ---- running ------------------------------------------------------------------------------------------
 BUSY: dict[int, float] = collections.defaultdict(float)  # device -> compute seconds in the current step
@@ -95,17 +95,17 @@ _LOCK = threading.Lock()
 
 def install_busy_timer() -> None:
     """Sum each device's compute-instruction seconds (a wrapper; the library is not changed)."""
-    original = StreamExecutor.dispatch
+    original = InstructionHandlers.dispatch
 
-    def dispatch(executor, device, index, ins):
+    def dispatch(handlers, device, index, ins):
         start = time.perf_counter()
-        result = original(executor, device, index, ins)
+        result = original(handlers, device, index, ins)
         if isinstance(ins, (*COMPUTES, HostUpdate)):
             with _LOCK:
                 BUSY[device] += time.perf_counter() - start
         return result
 
-    StreamExecutor.dispatch = dispatch
+    InstructionHandlers.dispatch = dispatch
 
 
 @dataclass

@@ -19,7 +19,7 @@ it (the sum of the stage's per-layer profiles), measured five ways:
 - stages together, no runtime: every device's stages in a loop in one thread per device at once,
   without the runtime: how much devices of one process slow each other (cores, GIL, memory);
 - in pipeline, alone / concurrent: every instruction of the timed steps is timed (a wrapper around
-  StreamExecutor.dispatch; the library is not changed), split by whether another device computed
+  InstructionHandlers.dispatch; the library is not changed), split by whether another device computed
   during < 10% or > 90% of it; with the compute threads' CPU time (time.thread_time) and the share
   of wall time they waited (for a core or the GIL);
 - the optimizer update (U instructions), measured next to what the planner charges (compile times the

@@ -103,10 +103,10 @@ def _resolve_op(path: object, trusted: Mapping[str, Callable]) -> object:
         raise UntrustedCodeError(f"it calls the op torch.ops.{path}: {why}; if you trust the op, pass it to the "
                                  f"load: sw.load(directory, trusted_functions=[torch.ops.{path}])")
     packet = getattr(torch.ops.aten, parts[1], None)
-    op = packet if len(parts) == 2 or packet is None else getattr(packet, parts[2], None)
-    if not isinstance(op, torch._ops.OpOverloadPacket if len(parts) == 2 else torch._ops.OpOverload):
+    registered = packet if len(parts) == 2 or packet is None else getattr(packet, parts[2], None)
+    if not isinstance(registered, torch._ops.OpOverloadPacket if len(parts) == 2 else torch._ops.OpOverload):
         raise CheckpointError(f"it calls the op torch.ops.{path}, which this PyTorch has not registered")
-    return op
+    return registered
 
 
 def _op_path(op: torch._ops.OpOverload | torch._ops.OpOverloadPacket) -> str:

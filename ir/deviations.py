@@ -10,30 +10,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from stagewise.ir.instructions import (
-    AllReduceGradNorm,
-    AllReduceShared,
-    Backward,
-    Carried,
-    Forward,
-    Free,
-    GradNormPart,
-    HostUpdate,
-    Recompute,
-    Recv,
-    Send,
-    StashIn,
-    StashOut,
-    Stream,
-    SwapIn,
-    SwapOut,
-    Update,
-)
+from stagewise.ir.instruction_facts import Activity
+from stagewise.ir.instructions import Carried, Instruction, Stream, microbatch_of
 from stagewise.ir.program import Program
 
-# a forward never moves past one of these (Varuna: updates, all-reduces, swaps stay where they are)
-_BARRIERS = (AllReduceShared, AllReduceGradNorm, GradNormPart, SwapIn, SwapOut, Free, StashIn, StashOut, Update,
-             HostUpdate)
+_WORK = (Activity.FORWARD, Activity.RECOMPUTE, Activity.BACKWARD)  # a stage's work on one microbatch
+_BACKWARD_SIDE = (Activity.RECOMPUTE, Activity.BACKWARD)
 
 
 class DeviationPoints:
@@ -47,33 +29,34 @@ class DeviationPoints:
     def __init__(self, program: Program):
         code = program.instructions
         self.compute = [i for i, ins in enumerate(code) if ins.stream is Stream.COMPUTE]
-        messages: dict[tuple, list[int]] = defaultdict(list)
+        messages: dict[tuple[Activity, Carried, int, int | None], list[int]] = defaultdict(list)
         for i, ins in enumerate(code):
-            if isinstance(ins, (Send, Recv)):
-                messages[(type(ins), ins.carries, ins.stage, ins.microbatch)].append(i)
-        work = {i: ins for i in self.compute if isinstance(ins := code[i], (Forward, Recompute, Backward))}
-        self.recomputes = any(isinstance(ins, Recompute) for ins in work.values())
-        self.backward = {i for i, ins in work.items() if isinstance(ins, (Recompute, Backward))}
-        recomputed = {(ins.stage, ins.microbatch) for ins in work.values() if isinstance(ins, Recompute)}
+            if ins.message is not None:
+                messages[(ins.facts.activity, ins.message, ins.stage, microbatch_of(ins))].append(i)
+        work = {i: ins for i in self.compute if (ins := code[i]).facts.activity in _WORK}
+        recomputes = [ins for ins in work.values() if ins.facts.activity is Activity.RECOMPUTE]
+        self.recomputes = bool(recomputes)
+        self.backward = {i for i, ins in work.items() if ins.facts.activity in _BACKWARD_SIDE}
+        recomputed = {_unit(ins) for ins in recomputes}
         self.grad_recvs: dict[int, tuple[int, ...]] = {}
         for i in self.backward:
             ins = work[i]
-            grads = tuple(messages[(Recv, Carried.GRADIENTS, ins.stage, ins.microbatch)])
-            if grads and (isinstance(ins, Recompute) or (ins.stage, ins.microbatch) not in recomputed):
+            grads = tuple(messages[(Activity.RECEIVE, Carried.GRADIENTS, *_unit(ins))])
+            if grads and (ins.facts.activity is Activity.RECOMPUTE or _unit(ins) not in recomputed):
                 self.grad_recvs[i] = grads
         self.heads = set(self.grad_recvs)
         self.act_recvs: dict[int, tuple[int, ...]] = {}
         self.act_sends: dict[int, tuple[int, ...]] = {}
         for i, ins in work.items():
-            if isinstance(ins, Forward):
-                key = (Carried.ACTIVATIONS, ins.stage, ins.microbatch)
-                self.act_recvs[i] = tuple(j for j in messages[(Recv, *key)] if j < i)
-                self.act_sends[i] = tuple(j for j in messages[(Send, *key)] if j > i)
+            if ins.facts.activity is Activity.FORWARD:
+                unit = _unit(ins)
+                self.act_recvs[i] = tuple(j for j in messages[(Activity.RECEIVE, Carried.ACTIVATIONS, *unit)] if j < i)
+                self.act_sends[i] = tuple(j for j in messages[(Activity.SEND, Carried.ACTIVATIONS, *unit)] if j > i)
         self.adoptable = {j for i in self.act_recvs for j in self.act_recvs[i] + self.act_sends[i]}
         self.barriers, count = [], 0
         for ins in code:
             self.barriers.append(count)
-            count += isinstance(ins, _BARRIERS)
+            count += ins.facts.pins_forwards
 
     def candidate(self, pending: list[int]) -> int | None:
         """The forward that may run before `pending[0]`: the first later one, if the head may be
@@ -87,3 +70,8 @@ class DeviationPoints:
             if index not in self.backward:
                 return None
         return None
+
+
+def _unit(ins: Instruction) -> tuple[int, int | None]:
+    """The stage and microbatch an instruction works on."""
+    return ins.stage, microbatch_of(ins)

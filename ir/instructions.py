@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from stagewise.ir.errors import PlanError
+from stagewise.ir.instruction_facts import Activity, Facts, StashUse
 
 
 class Stream(enum.Enum):
@@ -57,15 +58,33 @@ class State(enum.Enum):
 
 @dataclass(frozen=True)
 class Instruction:
-    """The fields every instruction has: its stage and the events it waits for."""
+    """The fields every instruction has: its stage and the events it waits for. Every kind states
+    its own stream, opcode and facts (ir/instruction_facts.py), or defining it raises TypeError."""
 
     stream: ClassVar[Stream]
     opcode: ClassVar[str]
+    facts: ClassVar[Facts]
     stage: int
     waits: tuple[int, ...] = dataclasses.field(default=(), kw_only=True)
 
+    def __init_subclass__(cls, abstract: bool = False, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        missing = [name for name in ("stream", "opcode", "facts") if name not in cls.__dict__]
+        if missing and not abstract:
+            raise TypeError(f"instruction kind {cls.__name__} states no {', '.join(missing)} of its own")
+
     def __str__(self) -> str:
         return format_instruction(self)
+
+    @property
+    def message(self) -> Carried | None:
+        """What this instruction moves between stages (a send's or receive's); None for the rest."""
+        return None
+
+
+def microbatch_of(ins: Instruction) -> int | None:
+    """The microbatch an instruction works on; None for whole-stage work (updates, state swaps)."""
+    return getattr(ins, "microbatch", None)
 
 
 # ---- compute stream ---------------------------------------------------------------------------
@@ -76,6 +95,8 @@ class Forward(Instruction):
 
     stream = Stream.COMPUTE
     opcode = "F"
+    facts = Facts(Activity.FORWARD, needs_state=True, stash=StashUse.RECORDS,
+                  consumes=Carried.ACTIVATIONS, makes=Carried.ACTIVATIONS)
     microbatch: int
     stash: bool = True
 
@@ -86,6 +107,7 @@ class Recompute(Instruction):
 
     stream = Stream.COMPUTE
     opcode = "R"
+    facts = Facts(Activity.RECOMPUTE, needs_state=True, stash=StashUse.RECORDS, fence=True)
     microbatch: int
 
 
@@ -95,6 +117,8 @@ class Backward(Instruction):
 
     stream = Stream.COMPUTE
     opcode = "B"
+    facts = Facts(Activity.BACKWARD, needs_state=True, stash=StashUse.READS, consumes=Carried.GRADIENTS,
+                  makes=Carried.GRADIENTS)
     microbatch: int
 
 
@@ -105,6 +129,7 @@ class Update(Instruction):
 
     stream = Stream.COMPUTE
     opcode = "U"
+    facts = Facts(Activity.UPDATE, needs_state=True, changes_state=True, fence=True, pins_forwards=True)
     clip: bool = False
 
 
@@ -115,6 +140,7 @@ class GradNormPart(Instruction):
 
     stream = Stream.COMPUTE
     opcode = "norm-part"
+    facts = Facts(Activity.NORM_PART, needs_state=True, all_stages=True, fence=True, pins_forwards=True)
 
 
 @dataclass(frozen=True)
@@ -124,6 +150,7 @@ class AllReduceShared(Instruction):
 
     stream = Stream.COMPUTE
     opcode = "allreduce-shared"
+    facts = Facts(Activity.ALL_REDUCE, needs_state=True, all_stages=True, fence=True, pins_forwards=True)
     group: tuple[int, ...]
     tensors: tuple[str, ...]
 
@@ -134,12 +161,13 @@ class AllReduceGradNorm(Instruction):
 
     stream = Stream.COMPUTE
     opcode = "allreduce-norm"
+    facts = Facts(Activity.ALL_REDUCE, needs_state=True, all_stages=True, fence=True, pins_forwards=True)
     group: tuple[int, ...]
 
 
 # ---- point to point ---------------------------------------------------------------------------
 @dataclass(frozen=True)
-class _PointToPoint(Instruction):
+class _PointToPoint(Instruction, abstract=True):
     """Moves `values` of a microbatch between this stage and `peer_stage` on device `peer`."""
 
     microbatch: int
@@ -148,6 +176,10 @@ class _PointToPoint(Instruction):
     peer_stage: int
     values: tuple[str, ...]
 
+    @property
+    def message(self) -> Carried | None:
+        return self.carries
+
 
 @dataclass(frozen=True)
 class Send(_PointToPoint):
@@ -155,6 +187,7 @@ class Send(_PointToPoint):
 
     stream = Stream.P2P_OUT
     opcode = "send"
+    facts = Facts(Activity.SEND)
 
 
 @dataclass(frozen=True)
@@ -163,6 +196,7 @@ class Recv(_PointToPoint):
 
     stream = Stream.P2P_IN
     opcode = "recv"
+    facts = Facts(Activity.RECEIVE)
 
 
 # ---- swaps (Harmony §4.4) ---------------------------------------------------------------------
@@ -172,6 +206,7 @@ class SwapIn(Instruction):
 
     stream = Stream.SWAP_IN
     opcode = "swap-in"
+    facts = Facts(Activity.SWAP_IN, brings_state=True, pins_forwards=True)
     state: State
     nbytes: int = 0
 
@@ -182,6 +217,7 @@ class SwapOut(Instruction):
 
     stream = Stream.SWAP_OUT
     opcode = "swap-out"
+    facts = Facts(Activity.SWAP_OUT, evicts_state=True, changes_state=True, pins_forwards=True)
     state: State
     nbytes: int = 0
 
@@ -192,6 +228,7 @@ class Free(Instruction):
 
     stream = Stream.SWAP_OUT
     opcode = "free"
+    facts = Facts(Activity.SWAP_OUT, evicts_state=True, changes_state=True, pins_forwards=True)
     state: State
 
 
@@ -201,6 +238,7 @@ class StashOut(Instruction):
 
     stream = Stream.SWAP_OUT
     opcode = "stash-out"
+    facts = Facts(Activity.SWAP_OUT, stash=StashUse.MOVES_OUT, pins_forwards=True)
     microbatch: int
     nbytes: int = 0
 
@@ -211,6 +249,7 @@ class StashIn(Instruction):
 
     stream = Stream.SWAP_IN
     opcode = "stash-in"
+    facts = Facts(Activity.SWAP_IN, stash=StashUse.MOVES_IN, pins_forwards=True)
     microbatch: int
     nbytes: int = 0
 
@@ -222,6 +261,7 @@ class HostUpdate(Instruction):
 
     stream = Stream.SWAP_OUT
     opcode = "host-U"
+    facts = Facts(Activity.UPDATE, needs_state=True, changes_state=True, fence=True, pins_forwards=True)
     clip: bool = False
 
 

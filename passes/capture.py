@@ -39,7 +39,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -82,6 +84,14 @@ class Objective(torch.nn.Module):
     would shadow a submodule named `model` (Llama's, Mistral's, BART's), and torch.export finds
     submodules by attribute.
     """
+
+    # set with object.__setattr__ (below): declared for the type checker, which reads nn.Module's
+    # __getattr__ (a tensor or a submodule) for any attribute not declared
+    _stagewise_model: torch.nn.Module
+    _stagewise_loss_fn: Callable[..., Any] | None
+    _stagewise_keyword: bool
+    _stagewise_with_output: bool
+    _stagewise_output: list[OutputStructure]
 
     def __init__(self, model: torch.nn.Module, loss_fn, keyword: bool):
         super().__init__()
@@ -137,9 +147,10 @@ def input_names(model: torch.nn.Module, example_inputs) -> tuple[list[str], str]
             params = list(inspect.signature(model.forward).parameters.values())
         except (TypeError, ValueError):
             params = []
+        by_position = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
         names = [
-            p.name if i < len(params) and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) else f"input_{i}"
-            for i, p in zip(range(len(example_inputs)), params + [None] * len(example_inputs), strict=False)
+            params[i].name if i < len(params) and params[i].kind in by_position else f"input_{i}"
+            for i in range(len(example_inputs))
         ]
         return names, "positional"
     raise ExampleInputsError(

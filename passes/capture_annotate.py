@@ -62,7 +62,7 @@ class _CountingProp(FakeTensorProp):
         return result
 
     def _module_key(self, n: fx.Node) -> str | None:
-        module = self.module.get_submodule(n.target)
+        module = self.module.get_submodule(str(n.target))
         if (next(module.children(), None) is not None or module._forward_hooks or module._forward_pre_hooks
                 or not type(module).__module__.startswith("torch.nn")):
             return None
@@ -87,7 +87,7 @@ def op_flops(template: fx.GraphModule, node: fx.Node, mode: FakeTensorMode, memo
     if not isinstance(op, torch._ops.OpOverload):
         return 0  # operator.getitem and the like
     args, kwargs = map_arg((node.args, node.kwargs), lambda n: n.meta["val"] if "val" in n.meta
-                           else attribute(template, n.target))
+                           else attribute(template, str(n.target)))
     if op.overloadpacket in flop_registry:
         return int(flop_registry[op.overloadpacket](*args, **kwargs, out_val=node.meta["val"]))
     if not op.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd):

@@ -169,6 +169,7 @@ def _safe(gm: fx.GraphModule, node: fx.Node, order: dict[fx.Node, int]) -> bool:
     """The modified value is a fresh tensor computed in the graph, and none of its readers before
     `node` took an alias of it (which would see the modification in eager)."""
     modified = node.args[0]
+    assert isinstance(modified, fx.Node), node  # _functional_form found no in-place op otherwise
     if not isinstance(modified.meta.get("val"), torch.Tensor) or not _fresh(gm, modified):
         return False
     return all(_fresh(gm, user) for user in modified.users if order[user] < order[node])

@@ -37,6 +37,7 @@ WINDOW_STEPS = 6  # ... and for at least this many steps of one thread alone
 WAKE_GAP_S = 0.01  # an idle wait like a pipeline's for its next input
 WAKE_REPEATS = 7
 _MEASURED: dict[tuple, HostContention] = {}
+OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]  # the user's, over some parameters
 
 
 def available_cores() -> int:
@@ -58,7 +59,7 @@ def costliest_layer(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequence
         signature = layer_signature(gm, layer)
         share[signature] += cost.fwd_s + cost.bwd_s
         first.setdefault(signature, layer)
-    return first[max(share, key=share.get)]
+    return first[max(share, key=share.__getitem__)]
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ class HostContention:
 
 
 def host_contention(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequence[LayerCost], traced_microbatch: int,
-                    threads: int, optimizer_factory=None) -> HostContention:
+                    threads: int, optimizer_factory: OptimizerFactory | None = None) -> HostContention:
     """Measured on the costliest layer kind at the traced microbatch size: speeds for k = 1 .. threads
     (non-increasing, never above cores / k), the wake-up cost, and with `optimizer_factory` the speeds
     of k threads stepping it over the layer's parameters. Measured once per process for a layer
@@ -87,16 +88,18 @@ def host_contention(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequence
 
 
 def _measure(gm: fx.GraphModule, layers: Sequence[Layer], layer: Layer, traced_microbatch: int,
-             threads: int, optimizer_factory) -> HostContention:
+             threads: int, optimizer_factory: OptimizerFactory | None) -> HostContention:
     shapes = shapes_at(gm, layers, traced_microbatch, traced_microbatch)
     module = layer_module(gm, layer)
     copies = [copy.deepcopy(module) for _ in range(threads)]
     inputs = [real_inputs([shapes.values[name] for name in layer.inputs], torch.device("cpu"), seed=i)
               for i in range(threads)]
-    steps = [functools.partial(_step, module, args) for module, args in zip(copies, inputs, strict=True)]
+    steps: list[Callable[[], None]] = [functools.partial(_step, module, args)
+                                       for module, args in zip(copies, inputs, strict=True)]
     speeds, warm_s = _speeds(steps)
     updates = [_update_step(module, optimizer_factory) for module in copies] if optimizer_factory else []
-    update_speeds = _speeds(updates)[0] if updates and all(updates) else ()
+    steppable = [update for update in updates if update is not None]  # a copy without parameters has no step
+    update_speeds = _speeds(steppable)[0] if steppable and len(steppable) == len(updates) else ()
     return HostContention(speeds, _wake_seconds(copies[0], inputs[0], warm_s), update_speeds)
 
 
@@ -113,7 +116,7 @@ def _speeds(steps: list[Callable[[], None]]) -> tuple[tuple[float, ...], float]:
     return tuple(speeds), 1 / alone
 
 
-def _update_step(module: torch.nn.Module, optimizer_factory) -> Callable[[], None] | None:
+def _update_step(module: torch.nn.Module, optimizer_factory: OptimizerFactory) -> Callable[[], None] | None:
     """One optimizer step over the layer copy's parameters (gradients set once), or None without any."""
     params = [p for p in module.parameters() if p.requires_grad]
     if not params:

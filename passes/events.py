@@ -9,26 +9,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from stagewise.ir.instructions import (
-    AllReduceGradNorm,
-    AllReduceShared,
-    Backward,
-    Carried,
-    Forward,
-    Free,
-    GradNormPart,
-    HostUpdate,
-    Instruction,
-    Recompute,
-    Recv,
-    Send,
-    StashIn,
-    StashOut,
-    Stream,
-    SwapIn,
-    SwapOut,
-    Update,
-)
+from stagewise.ir.instruction_facts import Activity, StashUse
+from stagewise.ir.instructions import Carried, Instruction, Stream, microbatch_of
 from stagewise.ir.program import Program
 
 
@@ -50,38 +32,31 @@ def with_events(program: Program) -> Program:
     return replace(program, instructions=tuple(events))
 
 
-_RECEIVED = {Forward: Carried.ACTIVATIONS, Backward: Carried.GRADIENTS}
-_PRODUCED_BY = {Carried.ACTIVATIONS: Forward, Carried.GRADIENTS: Backward}
-
-
 def _waits_for(ins: Instruction, prev: Instruction) -> bool:
-    """Whether `ins` depends on the earlier `prev` of another stream (the rules of `with_events`)."""
-    same = prev.stage == ins.stage and _microbatch(prev) == _microbatch(ins)
-    if isinstance(ins, StashOut):  # after the forward that stashed it and the sends that read its outputs
-        return same and (isinstance(prev, (Forward, Recompute))
-                         or (isinstance(prev, Send) and prev.carries is Carried.ACTIVATIONS))
-    if isinstance(ins, StashIn):
-        return same and isinstance(prev, StashOut)  # back only once it is out
-    if isinstance(prev, (StashIn, StashOut)):  # (the residency bound is explicit)
-        return isinstance(prev, StashIn) and isinstance(ins, Backward) and same
-    if isinstance(prev, SwapIn) and isinstance(ins, (Forward, Recompute, Backward, Update, GradNormPart,
-                                                    AllReduceShared, AllReduceGradNorm, HostUpdate)):
+    """Whether `ins` depends on the earlier `prev` of another stream (the rules of `with_events`),
+    read from the two kinds' facts (ir/instruction_facts.py)."""
+    now, before = ins.facts, prev.facts
+    same = prev.stage == ins.stage and microbatch_of(prev) == microbatch_of(ins)
+    if now.stash is StashUse.MOVES_OUT:  # after the forward that stashed it and the sends that read its outputs
+        return same and (before.stash is StashUse.RECORDS
+                         or (before.activity is Activity.SEND and prev.message is Carried.ACTIVATIONS))
+    if now.stash is StashUse.MOVES_IN:
+        return same and before.stash is StashUse.MOVES_OUT  # back only once it is out
+    if before.stash in (StashUse.MOVES_OUT, StashUse.MOVES_IN):  # (the residency bound is explicit)
+        return before.stash is StashUse.MOVES_IN and now.stash is StashUse.READS and same
+    if before.brings_state and now.needs_state:
         # state must be on the device (an all-reduce or a norm part waits for every swap-in before it)
-        return prev.stage == ins.stage or isinstance(ins, (AllReduceShared, AllReduceGradNorm, GradNormPart))
-    if isinstance(ins, (SwapOut, Free)):  # evict after the work that used or changed it
-        return prev.stream is Stream.COMPUTE or (isinstance(prev, SwapIn) and prev.stage == ins.stage)
-    if isinstance(ins, SwapIn):  # after this stage's earlier evictions (and the buffering-depth event)
+        return prev.stage == ins.stage or now.all_stages
+    if now.evicts_state:  # evict after the work that used or changed it
+        return prev.stream is Stream.COMPUTE or (before.brings_state and prev.stage == ins.stage)
+    if now.brings_state:  # after this stage's earlier evictions (and the buffering-depth event)
         # a host update changed the master it copies in; a device update the weights it evicted
-        return isinstance(prev, (SwapOut, Free, HostUpdate, Update)) and prev.stage == ins.stage
-    if isinstance(ins, (Forward, Backward)):  # a recompute re-runs a forward on inputs it already has
-        return same and isinstance(prev, Recv) and prev.carries is _RECEIVED[type(ins)]
-    if isinstance(ins, Send):
-        return same and isinstance(prev, _PRODUCED_BY[ins.carries])
-    return isinstance(ins, (AllReduceShared, AllReduceGradNorm, GradNormPart, Update, Recompute, HostUpdate))
-
-
-def _microbatch(ins: Instruction) -> int | None:
-    return getattr(ins, "microbatch", None)
+        return before.changes_state and prev.stage == ins.stage
+    if now.consumes is not None:  # a recompute re-runs a forward on inputs it already has
+        return same and before.activity is Activity.RECEIVE and prev.message is now.consumes
+    if now.activity is Activity.SEND:
+        return same and before.makes is ins.message
+    return now.fence
 
 
 def _latest_per_stream(waits: tuple[int, ...], code) -> tuple[int, ...]:

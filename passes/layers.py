@@ -9,6 +9,8 @@ Maximal runs of nodes with the same key, in topological order, are the layers.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.fx as fx
 
@@ -44,9 +46,9 @@ def layer_runs(gm: fx.GraphModule, model: torch.nn.Module) -> list[tuple[str, li
         keys[i] = keys[i] if keys[i] is not None else next_key
         next_key = keys[i]
     last = next((k for k in reversed(keys) if k is not None), "model")
-    keys = [k if k is not None else last for k in keys]  # trailing glue (the loss) joins the last layer
+    layer_keys = [k if k is not None else last for k in keys]  # trailing glue (the loss) joins the last layer
     runs: list[tuple[str, list[fx.Node]]] = []
-    for node, key in zip(compute, keys, strict=True):
+    for node, key in zip(compute, layer_keys, strict=True):
         if runs and runs[-1][0] == key:
             runs[-1][1].append(node)
         else:
@@ -76,16 +78,16 @@ def build_layers(gm: fx.GraphModule, model: torch.nn.Module) -> tuple[Layer, ...
     return tuple(layers)
 
 
-def state_targets(gm: fx.GraphModule, nodes) -> list[str]:
+def state_targets(gm: fx.GraphModule, nodes: Iterable[fx.Node]) -> tuple[str, ...]:
     """FQNs of the parameters, buffers and constants the nodes read (get_attr or call_module)."""
-    targets = []
+    targets: list[str] = []
     for node in nodes:
         if node.op == "call_module":
-            module = gm.get_submodule(node.target)
+            module = gm.get_submodule(str(node.target))
             prefix = f"{node.target}."
             targets += [prefix + k for k, _ in module.named_parameters(remove_duplicate=False)]
             targets += [prefix + k for k, _ in module.named_buffers(remove_duplicate=False)]
-        targets += [a.target for a in node.all_input_nodes if a.op == "get_attr"]
+        targets += [str(a.target) for a in node.all_input_nodes if a.op == "get_attr"]
     return _unique(targets)
 
 
@@ -93,5 +95,5 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _unique(items) -> tuple:
+def _unique(items: Iterable[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(items))

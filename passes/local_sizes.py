@@ -62,5 +62,6 @@ def _copy_size(graph: fx.Graph, size: fx.Node, copies: dict[fx.Node, fx.Node], p
     copy.meta = dict(size.meta, module_path=path)
     if copy.target is torch.ops.aten.sym_size.int:
         source, dim = copy.args
+        assert isinstance(source, fx.Node), copy  # sym_size.int reads the size of a tensor node
         copy._rename(f"{source.name}_size_{dim}")  # fx appends _1, _2 to repeats
     return copy

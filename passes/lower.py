@@ -29,6 +29,7 @@ compute stream runs the tasks before the backward.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from stagewise.ir.instructions import (
@@ -52,6 +53,8 @@ from stagewise.ir.program import Program, validate
 from stagewise.passes.events import with_events
 from stagewise.passes.swap import Residency, StateSwap, SwapPlan
 
+_Groups = dict[tuple[int, ...], list[str]]  # all-reduce groups: the stages of each, and the tensors it sums
+
 
 @dataclass(frozen=True)
 class _Wiring:
@@ -59,7 +62,7 @@ class _Wiring:
 
     stages: tuple[Stage, ...]
     transfers: tuple[Transfer, ...]
-    groups: dict[tuple[int, ...], list[str]]
+    groups: _Groups
     clip: bool
     swap: SwapPlan
     on_host: bool
@@ -152,6 +155,7 @@ def _lower_update(s: int, wiring: _Wiring, residency: Residency, code: list, emi
 def _lower_work(task: Task, wiring: _Wiring, residency: Residency, code: list, adjacent: set) -> None:
     """A forward, recompute or backward with the state it needs brought in and its stash moved."""
     s, mb = task.stage, task.microbatch
+    assert mb is not None, task  # an update task lowers in _lower_update
     residency.need(s, State.WEIGHTS)
     stashes = task.phase is Phase.RECOMPUTE or (task.phase is Phase.FORWARD and task.stash)
     waits = residency.stash_arrives(s, mb) if stashes else ()
@@ -204,7 +208,7 @@ def _emit_task(task: Task, code: list, wiring: _Wiring, waits: tuple[int, ...] =
     return compute
 
 
-def _adjacent(tasks: list[Task]) -> set[tuple[int, int]]:
+def _adjacent(tasks: list[Task]) -> set[tuple[int, int | None]]:
     """(stage, microbatch) whose backward is the device's next task after its forward: a stash that
     would come straight back from host memory stays on the device."""
     return {(t.stage, t.microbatch) for t, after in zip(tasks, tasks[1:], strict=False)
@@ -255,7 +259,7 @@ def _host_update(stage: int, residency: Residency, code: list, clip: bool) -> No
     residency.refresh(stage)
 
 
-def _staged_updates(deferred: list[int], residency: Residency, code: list, groups, emitted: set, clip: bool,
+def _staged_updates(deferred: list[int], residency: Residency, code: list, groups: _Groups, emitted: set, clip: bool,
                     on_host: bool, everyone: tuple[int, ...]) -> None:
     """Deferred updates that hold one stage's (or one shared group's) gradients at a time.
 
@@ -304,7 +308,7 @@ def _staged_updates(deferred: list[int], residency: Residency, code: list, group
             _update(s, residency, code, write_back=True, clip=clip)
 
 
-def _groups(shared: tuple[SharedTensor, ...]) -> dict[tuple[int, ...], list[str]]:
+def _groups(shared: tuple[SharedTensor, ...]) -> _Groups:
     """All-reduce groups (tuples of stages) and the tensors each sums."""
     groups: dict[tuple[int, ...], list[str]] = defaultdict(list)
     for tensor in shared:
@@ -313,7 +317,7 @@ def _groups(shared: tuple[SharedTensor, ...]) -> dict[tuple[int, ...], list[str]
     return groups
 
 
-def _jit(stage: int, groups, by_index: dict[int, Stage], clip_grad_norm: bool) -> bool:
+def _jit(stage: int, groups: _Groups, by_index: dict[int, Stage], clip_grad_norm: bool) -> bool:
     """Update right away unless a global reduction or a tie to another position must come first.
 
     Replicas of one pack reach their all-reduce in the same order on every device, so that
@@ -325,7 +329,7 @@ def _jit(stage: int, groups, by_index: dict[int, Stage], clip_grad_norm: bool) -
     return all(len({by_index[m].position for m in group}) == 1 for group in groups if stage in group)
 
 
-def _all_reduces(local: list[int], groups, emitted: set, residency: Residency) -> list[Instruction]:
+def _all_reduces(local: list[int], groups: _Groups, emitted: set, residency: Residency) -> list[Instruction]:
     """One all-reduce per group touching `local` stages, once per device (summing its members)."""
     code: list[Instruction] = []
     for group, names in sorted(groups.items()):
@@ -343,14 +347,14 @@ def _p2p(kind: type[Send] | type[Recv], stage: int, microbatch: int, carries: Ca
     return kind(stage, microbatch, carries, wiring.device_of[peer_stage], peer_stage, values)
 
 
-def _group(transfers, key: str, peer: str) -> dict[int, dict[int, tuple[str, ...]]]:
+def _group(transfers: Iterable[Transfer], key: str, peer: str) -> dict[int, dict[int, tuple[str, ...]]]:
     grouped: dict[int, dict[int, list[str]]] = defaultdict(lambda: defaultdict(list))
     for t in transfers:
         grouped[getattr(t, key)][getattr(t, peer)].append(t.value)
     return defaultdict(dict, {k: {p: tuple(v) for p, v in sorted(d.items())} for k, d in grouped.items()})
 
 
-def _with_grad(by_peer: dict[int, tuple[str, ...]], transfers, stage: int, side: str) -> dict[int, tuple[str, ...]]:
+def _with_grad(by_peer: dict[int, tuple[str, ...]], transfers: Iterable[Transfer], stage: int, side: str) -> dict[int, tuple[str, ...]]:
     """Keep only values whose gradient flows back over the transfer."""
     needs = {(t.value, t.src, t.dst) for t in transfers if t.requires_grad}
     kept = {}

@@ -38,7 +38,9 @@ def balanced_starts(layers: tuple[Layer, ...], cuts: tuple[Cut, ...], n_stages: 
             lo = mid
         else:
             hi = mid
-    return _fill(_greedy(costs, legal, n_stages, hi), legal, n_stages)
+    starts = _greedy(costs, legal, n_stages, hi)
+    assert starts is not None, hi  # hi only takes limits _greedy met, first the whole model's cost (one stage)
+    return _fill(starts, legal, n_stages)
 
 
 def _greedy(costs: list[float], legal: list[int], n_stages: int, limit: float) -> list[int] | None:

@@ -87,7 +87,7 @@ class Prediction:
 
 
 def assemble(
-    gm: fx.GraphModule, layers, cuts, traced_microbatch: int, schedule: Schedule, microbatches: int, starts: Sequence[int],
+    gm: fx.GraphModule, layers: tuple[Layer, ...], cuts: Sequence[Cut], traced_microbatch: int, schedule: Schedule, microbatches: int, starts: Sequence[int],
     stage_devices: Sequence[int], layout: Layout, swap: str, capacities: list[int | None], clip: bool,
     state_per_param_byte: float, optimizer_on_host: bool = False, stash_bytes: Sequence[float] = (),
     built: dict | None = None, replica_devices: Sequence[Sequence[int]] = (), grad_bytes: Sequence[float] | None = None,
@@ -133,7 +133,7 @@ def recorded_costs(plan: Assembled, costs: Sequence[LayerCost], topology: Topolo
     return PlanCosts(tuple(costs), topology, runtime, tuple(sorted(plan.swaps.stages)))
 
 
-def predict(plan: Assembled, costs, devices, microbatch_size: int, topology: Topology,
+def predict(plan: Assembled, costs: Sequence[LayerCost], devices: Sequence[DeviceSpec], microbatch_size: int, topology: Topology,
             runtime: RuntimeCosts = NO_RUNTIME_COSTS) -> tuple[Prediction, SimResult]:
     cost = sim_cost(plan, costs, devices, microbatch_size, topology, runtime)
     result = simulate(plan.programs, cost)
@@ -169,7 +169,8 @@ def partition(
     return straight_partition(layers, cuts, costs, layout, devices, microbatch_size, topology)
 
 
-def _balanced_at_legal(times, legal, count: int, layers, cuts) -> list[int]:
+def _balanced_at_legal(times: list[float], legal: list[bool], count: int, layers: tuple[Layer, ...],
+                       cuts: tuple[Cut, ...]) -> list[int]:
     """Harmony's balanced time packing (Alg. 2 l. 7-11), moved to the nearest legal cut."""
     packs = split_balanced(times, count)
     starts = [0]
@@ -184,7 +185,8 @@ def _balanced_at_legal(times, legal, count: int, layers, cuts) -> list[int]:
     return starts
 
 
-def _cpsat(times, cuts, costs, devices, microbatch_size: int, topology: Topology) -> tuple[list[int], list[int]]:
+def _cpsat(times: list[float], cuts: tuple[Cut, ...], costs: Sequence[LayerCost], devices: Sequence[DeviceSpec],
+           microbatch_size: int, topology: Topology) -> tuple[list[int], list[int]]:
     memory = [c.state_bytes + c.stash_bytes * len(devices) for c in costs]
     binding = partition_and_bind(times, [c.bytes_per_sample * microbatch_size for c in cuts] + [0.0], memory, devices,
                                  topology, cut_allowed=[c.legal for c in cuts], time_limit_s=5.0)
@@ -226,6 +228,7 @@ def candidates(schedule: Schedule, microbatches: int | None, batch: int, n_devic
     workers idle, §2.4.1: in-process CPU devices that share too few cores run fewer stages faster).
     replicas="per-stage" tries, for gpipe and 1f1b, the straight pipeline and the DP's replicated
     stages; replicas=(2, 1) the replication given."""
+    schedules: list[Schedule]
     if schedule != Schedule.AUTO:
         schedules = [schedule]
     elif needs_swap:
@@ -239,22 +242,25 @@ def candidates(schedule: Schedule, microbatches: int | None, batch: int, n_devic
     harmony_counts = [microbatches] if microbatches else [m for m in range(1, batch + 1) if batch % m == 0]
     if replicas == PER_STAGE or isinstance(replicas, tuple):
         return _stage_replicated(list(REPLICATED_STAGE_SCHEDULES) if schedule == Schedule.AUTO else schedules, counts, replicas)
+    # compiler/assembly/options.py checked them: replicas is now a count or "auto", stages a count, "auto" or None
+    given_replicas = replicas if isinstance(replicas, int) else None
+    given_stages = stages if isinstance(stages, int) else None
     options = []
     for name in schedules:
         for m in harmony_counts if name in HARMONY else counts:
             if name in (Schedule.INTERLEAVED, Schedule.HARMONY_DP) and m % n_devices:
                 continue
             if name not in REPLICATING:  # a number of replicas or stages given for these is refused by the layout
-                options.append(Candidate(name, m, 1 if replicas == "auto" else replicas,
-                                         stages if isinstance(stages, int) else None))
+                options.append(Candidate(name, m, 1 if given_replicas is None else given_replicas, given_stages))
                 continue
-            ds = [d for d in range(1, n_devices + 1) if n_devices % d == 0 and m % d == 0] if replicas == "auto" else [replicas]
+            ds = [d for d in range(1, n_devices + 1) if n_devices % d == 0 and m % d == 0] if given_replicas is None \
+                else [given_replicas]
             for d in ds:
                 if stages == "auto":
                     deepest = min(n_devices // d, legal_cuts + 1, max_stages or n_devices)
                     options += [Candidate(name, m, d, p) for p in range(1, deepest + 1)]
                 else:
-                    options.append(Candidate(name, m, d, stages))
+                    options.append(Candidate(name, m, d, given_stages))
     return options
 
 

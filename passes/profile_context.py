@@ -56,7 +56,7 @@ def in_context_factors(gm: fx.GraphModule, layers: Sequence[Layer], profiles: Se
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     inputs = dict(zip(placeholders, real_inputs([shapes.values[name] for name in placeholders], where), strict=True))
     outputs = {n.name for n in gm.graph.output_node().all_input_nodes}
-    times = [([], []) for _ in layers]
+    times: list[tuple[list[float], list[float]]] = [([], []) for _ in layers]
     cuda = [where.index or 0] if where.type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=cuda):
@@ -78,7 +78,12 @@ def in_context_factors(gm: fx.GraphModule, layers: Sequence[Layer], profiles: Se
     by_signature: dict[str, list[tuple[float, float]]] = {}
     for p, ratio in zip(profiles, ratios, strict=True):
         by_signature.setdefault(p.signature, []).append(ratio)
-    return [tuple(statistics.median(r[k] for r in by_signature[p.signature]) for k in (0, 1)) for p in profiles]
+    return [_medians(by_signature[p.signature]) for p in profiles]
+
+
+def _medians(ratios: list[tuple[float, float]]) -> tuple[float, float]:
+    """The factors identical layers share: the median of their forward ratios, of their backward ratios."""
+    return statistics.median(r[0] for r in ratios), statistics.median(r[1] for r in ratios)
 
 
 def _placeholders(module: fx.GraphModule) -> list[fx.Node]:
@@ -116,7 +121,8 @@ def _layers_back_to_back(layers: Sequence[Layer], modules: Sequence[fx.GraphModu
             if placeholder in written and isinstance(value, torch.Tensor):
                 value = value.clone()  # a leaf may not be modified in place; nor may a value others read
             args.append(value)
-        seconds, result = timed(lambda module=module, args=args: _cast_call(module, args, precision, where), where)
+        # timed calls it at once, in this iteration
+        seconds, result = timed(lambda: _cast_call(module, args, precision, where), where)  # noqa: B023
         forward_s.append(seconds)
         values.update(zip(layer.outputs, result, strict=True))
         leaves.append(mine)

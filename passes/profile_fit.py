@@ -104,10 +104,15 @@ class LayerProfile:
                     max_microbatch: int | None = None) -> LayerProfile:
         """Fit one piecewise-linear model per quantity through the measured probes."""
         xs = [p.u for p in probes]
-        fits = {k: PiecewiseLinear.fit(xs, [getattr(p, k) for p in probes]) for k in TIMES + SIZES}
+
+        def fit(quantity: str) -> PiecewiseLinear:
+            return PiecewiseLinear.fit(xs, [getattr(p, quantity) for p in probes])
+
         first = probes[0]
         return cls(layer.index, layer.name, signature, CostModel.PROFILE, first.param_bytes, first.grad_bytes,
-                   first.optim_bytes, probes=tuple(probes), max_microbatch=max_microbatch, **fits)
+                   first.optim_bytes, fwd_s=fit("fwd_s"), bwd_s=fit("bwd_s"), recompute_s=fit("recompute_s"),
+                   act_bytes=fit("act_bytes"), stash_bytes=fit("stash_bytes"), workspace_bytes=fit("workspace_bytes"),
+                   probes=tuple(probes), max_microbatch=max_microbatch)
 
     def in_context(self, fwd: float, bwd: float) -> LayerProfile:
         """The same profile with its forward and recompute times (fits and probes) multiplied by

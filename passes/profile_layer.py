@@ -51,7 +51,7 @@ def _target_key(gm: fx.GraphModule, node: fx.Node) -> str:
     if node.op == "call_function":
         return _get_qualified_name(node.target) if callable(node.target) else str(node.target)
     if node.op == "call_module":
-        module = gm.get_submodule(node.target)
+        module = gm.get_submodule(str(node.target))
         shapes = [(tuple(p.shape), str(p.dtype)) for p in module.parameters()]
         return f"{type(module).__qualname__}({module.extra_repr()}){shapes}"
     return str(node.target)

@@ -29,7 +29,7 @@ def probe_list(requested: Sequence[int] | None, top: int, largest: int | None, s
     sizes = sorted({int(u) for u in requested}) if requested else list(probe_sizes(top))
     if any(u < 1 for u in sizes):
         raise ProfileError(f"microbatch sizes must be positive, got {sizes}")
-    fitting = [u for u in sizes if largest is None or u <= largest] or [largest]
+    fitting = [u for u in sizes if largest is None or u <= largest] or ([largest] if largest is not None else [])
     runnable = [u for u in fitting if shapes.at(u).exact]
     return runnable or [shapes.traced]
 

@@ -41,6 +41,8 @@ from stagewise.ir.plan import Stage, Task
 
 SCHEDULES = tuple(Schedule)
 REPLICATED_STAGE_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B)  # the schedules that run stages replicated unevenly
+# Varuna's list scheduling: kind ("F", "R", "B") -> stage -> microbatch -> when it ends (None: not scheduled)
+_Ends = dict[str, list[list[float | None]]]
 
 
 def gpipe(n_stages: int, microbatches: int) -> list[list[Task]]:
@@ -120,9 +122,9 @@ def varuna(n_stages: int, microbatches: int) -> list[list[Task]]:
     both apply it to programs that recompute.
     """
     p, m = n_stages, microbatches
-    end = {kind: [[None] * m for _ in range(p)] for kind in "FRB"}
+    end: _Ends = {kind: [[None] * m for _ in range(p)] for kind in "FRB"}
     duration = {"F": 1, "R": 1, "B": 2}
-    free = [0] * p
+    free: list[float] = [0] * p
     next_f, next_b = [0] * p, [0] * p
     order: list[list[Task]] = [[] for _ in range(p)]
     while any(b < m for b in next_b):
@@ -139,25 +141,28 @@ def varuna(n_stages: int, microbatches: int) -> list[list[Task]]:
     return [tasks + [Task(Phase.UPDATE, k)] for k, tasks in enumerate(order)]
 
 
-def _varuna_ready(k: int, p: int, m: int, next_f: list[int], next_b: list[int], end) -> list[tuple[float, str, int]]:
+def _varuna_ready(k: int, p: int, m: int, next_f: list[int], next_b: list[int],
+                  end: _Ends) -> list[tuple[float, str, int]]:
     """(time ready, kind, microbatch) of the tasks stage k may run next; none if it must wait."""
     j = next_b[k]
     if j >= m:
         return []
     last = k == p - 1
-    if last:
-        if j < next_f[k]:
-            return [(end["F"][k][j], "B", j)]
-    else:
-        grad_at = end["B"][k + 1][j]
-        if end["R"][k][j] is not None:  # rule 2: nothing but this microbatch's backward
-            return [(max(grad_at, end["R"][k][j]), "B", j)] if grad_at is not None else []
-    options = []
+    if last and j < next_f[k]:
+        forward_end = end["F"][k][j]
+        assert forward_end is not None, (k, j)  # its forward is scheduled: j < next_f[k]
+        return [(forward_end, "B", j)]
+    grad_at = None if last else end["B"][k + 1][j]
+    recompute_end = None if last else end["R"][k][j]
+    if recompute_end is not None:  # rule 2: nothing but this microbatch's backward
+        return [(max(grad_at, recompute_end), "B", j)] if grad_at is not None else []
+    options: list[tuple[float, str, int]] = []
     if not last and j < next_f[k] and grad_at is not None:
         options.append((grad_at - 1, "R", j))  # rule 1
     i = next_f[k]
-    if i < m and (k == 0 or end["F"][k - 1][i] is not None):
-        options.append((0 if k == 0 else end["F"][k - 1][i], "F", i))
+    inputs_at = (0 if k == 0 else end["F"][k - 1][i]) if i < m else None
+    if inputs_at is not None:
+        options.append((inputs_at, "F", i))
     return options
 
 

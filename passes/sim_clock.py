@@ -8,12 +8,13 @@ flow means.
 
 from __future__ import annotations
 
+import functools
 import heapq
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from stagewise.ir.instructions import HostUpdate, Update
+from stagewise.ir.instructions import HostUpdate, Instruction, MessageKey, Update
 from stagewise.passes.sim_cost import SimCost
 
 _EPS = 1e-12
@@ -23,15 +24,15 @@ _EPS = 1e-12
 class Flow:
     """A transfer in flight: the bytes still to move on its link."""
 
-    key: object  # the messages a transfer carries; a compute's instruction type
-    link: tuple[int, int]
+    key: tuple[MessageKey, ...] | type[Instruction]  # the messages a transfer carries; a compute's instruction type
+    link: tuple[int, int] | tuple[str]  # devices (src, dst), or HOST for a compute
     bandwidth: float
     remaining: float
     start: float
     send: tuple[int, int]  # the instruction that ends when the flow has drained
 
 
-HOST = ("host",)  # the link key of computes sharing one host
+HOST: tuple[str] = ("host",)  # the link key of computes sharing one host
 
 
 class FairShareClock:
@@ -91,6 +92,6 @@ class FairShareClock:
                 self._finish(flow.send)
             else:
                 latency = self.cost.latency_s + self.cost.instruction_s
-                self._later(latency, lambda flow=flow: self._deliver(flow))
+                self._later(latency, functools.partial(self._deliver, flow))
         while self.timers and self.timers[0][0] <= t + _EPS * max(1.0, abs(t)):
             heapq.heappop(self.timers)[2]()

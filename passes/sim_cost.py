@@ -7,16 +7,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from stagewise.ir.errors import PlanError
-from stagewise.ir.instructions import (
-    AllReduceGradNorm,
-    AllReduceShared,
-    Backward,
-    Forward,
-    Instruction,
-    Recompute,
-    Recv,
-    Send,
-)
+from stagewise.ir.instruction_facts import Activity
+from stagewise.ir.instructions import AllReduceGradNorm, AllReduceShared, Instruction, Recv, Send
 from stagewise.ir.plan import Transfer
 
 
@@ -61,10 +53,12 @@ class SimCost:
         return cls((forward_s,) * n_stages, (backward_s,) * n_stages, **kwargs)
 
     def compute_s(self, ins: Instruction) -> float:
-        """Seconds of a forward, recompute, backward or update (on the device or the host)."""
-        if isinstance(ins, (Forward, Recompute)):
+        """Seconds of a forward, recompute, backward or update (on the device or the host): a
+        recompute costs its forward's seconds."""
+        activity = ins.facts.activity
+        if activity in (Activity.FORWARD, Activity.RECOMPUTE):
             return _at(self.forward_s, ins.stage)
-        if isinstance(ins, Backward):
+        if activity is Activity.BACKWARD:
             return _at(self.backward_s, ins.stage)
         return _at(self.update_s, ins.stage)
 

@@ -14,11 +14,27 @@ from __future__ import annotations
 from collections import deque
 
 from stagewise.ir.deviations import DeviationPoints
-from stagewise.ir.instructions import Stream, message_keys
+from stagewise.ir.instructions import MessageKey, Recv, Stream, message_keys
+from stagewise.ir.program import Program
 
 
 class VarunaDeviation:
-    """The simulator's side of the policy: start a ready forward ahead of a backward whose gradient is late."""
+    """The simulator's side of the policy: start a ready forward ahead of a backward whose gradient is late;
+    the simulation (passes/simulate.py) supplies the state below, `_ready` and `_start`."""
+
+    programs: dict[int, Program]
+    queues: dict[tuple[int, Stream], deque[int]]
+    started: dict[tuple[int, int], float]
+    finished: dict[tuple[int, int], float]
+    arrived: dict[tuple[MessageKey, ...], deque[float]]
+    deviations: dict[int, DeviationPoints]
+    adopted: list[tuple[int, int]]
+
+    def _ready(self, device: int, index: int) -> bool:
+        raise NotImplementedError
+
+    def _start(self, device: int, index: int) -> None:
+        raise NotImplementedError
 
     def _start_early(self, device: int, queue: deque[int]) -> bool:
         """If the compute head is a recompute, or a backward no recompute precedes, whose gradient has
@@ -49,16 +65,20 @@ class VarunaDeviation:
         return True
 
     def _grad_arrived(self, device: int, plan: DeviationPoints, head: int) -> bool:
-        code = self.programs[device].instructions
-        return all((device, g) in self.finished or self.arrived[message_keys(code[g])]
-                   for g in plan.grad_recvs[head])
+        return all((device, g) in self.finished or self._message_waits(device, g) for g in plan.grad_recvs[head])
+
+    def _message_waits(self, device: int, recv: int) -> bool:
+        """Whether a message for the receive `recv` has arrived and no posted receive took it yet."""
+        ins = self.programs[device].instructions[recv]
+        assert isinstance(ins, Recv), ins
+        return bool(self.arrived[message_keys(ins)])
 
     def _ready_early(self, device: int, plan: DeviationPoints, early: int) -> bool:
         """Its other dependencies are done and each activation receive is done or, not yet posted, has
         its message (a posted receive completes the moment its message arrives)."""
-        code, recvs = self.programs[device].instructions, plan.act_recvs[early]
+        recvs = plan.act_recvs[early]
         if not all((device, j) in self.finished for j in self.programs[device].instructions[early].waits if j not in recvs):
             return False
         return all((device, r) in self.finished
-                   or ((device, r) not in self.started and self.arrived[message_keys(code[r])])
+                   or ((device, r) not in self.started and self._message_waits(device, r))
                    for r in recvs)

@@ -58,6 +58,7 @@ from stagewise.ir.instructions import (
     Free,
     GradNormPart,
     HostUpdate,
+    MessageKey,
     Recompute,
     Recv,
     Send,
@@ -121,8 +122,8 @@ class _Simulation(FairShareClock, VarunaDeviation, Interpreter):
         self.finished: dict[tuple[int, int], float] = {}
         self.timers: list[tuple[float, int, Callable[[], None]]] = []
         self.flows: list[Flow] = []
-        self.arrived: dict[tuple, deque[float]] = defaultdict(deque)  # key -> start times of arrived flows
-        self.waiting: dict[tuple, deque[tuple[int, int]]] = defaultdict(deque)  # key -> posted recvs
+        self.arrived: dict[tuple[MessageKey, ...], deque[float]] = defaultdict(deque)  # key -> start times of arrived flows
+        self.waiting: dict[tuple[MessageKey, ...], deque[tuple[int, int]]] = defaultdict(deque)  # key -> posted recvs
         self.rendezvous: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
         self.seen: dict[tuple, int] = defaultdict(int)
         self.span_start: dict[tuple[int, int], float] = {}
@@ -300,16 +301,16 @@ class _Simulation(FairShareClock, VarunaDeviation, Interpreter):
         arrived occupies a transfer buffer on the receiver from now (the runtime's mailbox holds it
         whether or not the receive is posted) until the receiving stage's backward of that microbatch."""
         self._finish(flow.send)
-        send = self.programs[flow.send[0]].instructions[flow.send[1]]
-        assert isinstance(send, Send), send
+        send, key = self.programs[flow.send[0]].instructions[flow.send[1]], flow.key
+        assert isinstance(send, Send) and isinstance(key, tuple), send  # a compute's flow finishes in _advance
         nbytes = self.cost.bytes_of(send)
         if nbytes:
             self.memory[send.peer].append((self.now, nbytes))
             self.buffers[(send.peer, send.peer_stage, send.microbatch)] += nbytes
-        if self.waiting[flow.key]:
-            self._complete_recv(self.waiting[flow.key].popleft(), flow.start)
+        if self.waiting[key]:
+            self._complete_recv(self.waiting[key].popleft(), flow.start)
         else:
-            self.arrived[flow.key].append(flow.start)
+            self.arrived[key].append(flow.start)
 
     def _complete_recv(self, op: tuple[int, int], flow_start: float) -> None:
         """The recv's span covers the data moving, not the wait before the sender started."""

@@ -37,13 +37,14 @@ device cannot hold the stashes its schedule keeps in flight beside the state it 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from stagewise.ir.choices import parse_choice
 from stagewise.ir.costs import optimizer_state_per_param_byte
 from stagewise.ir.instructions import Free, Instruction, Phase, StashIn, StashOut, State, SwapIn, SwapOut
-from stagewise.ir.plan import Task
+from stagewise.ir.plan import Layer, Stage, Task
 
 
 class SwapMode(enum.StrEnum):
@@ -114,7 +115,7 @@ class Residency:
         self.resident.add(key)
         if what is State.GRADS and key not in self.on_host:
             return  # not made yet: the first backward creates it on the device
-        waits = ()
+        waits: tuple[int, ...] = ()
         evicted = self.evictions[what]
         if len(evicted) >= self.plan.depth:
             waits = (evicted[-self.plan.depth],)
@@ -143,7 +144,7 @@ class Residency:
             self.on_host.add((stage, State.GRADS))
             self.code.append(SwapOut(stage, State.GRADS, self._bytes(stage, State.GRADS)))
 
-    def keep_only(self, stages) -> None:
+    def keep_only(self, stages: Iterable[int]) -> None:
         """Before the deferred updates bring in the next stages' state: evict every other swapped
         stage still resident (so at most `depth` stages' state is on the device). Nothing has
         updated weights yet at that point: gradients are written, weights freed."""
@@ -192,10 +193,9 @@ class Residency:
             self.stash_ends[residency] = index
 
     def _open_stash(self, stage: int, microbatch: int) -> tuple[int, ...]:
-        waits = ()
         depth = self.plan.stash_depth
-        if len(self.stash_ends) >= depth and self.stash_ends[-depth] is not None:
-            waits = (self.stash_ends[-depth],)
+        ended = self.stash_ends[-depth] if len(self.stash_ends) >= depth else None
+        waits = (ended,) if ended is not None else ()
         self.stash_ends.append(None)
         self.open_stash[(stage, microbatch)] = len(self.stash_ends) - 1
         return waits
@@ -206,7 +206,7 @@ class Residency:
         return table[what].get(stage, 0)
 
 
-def plan_swaps(mode: SwapMode | str, stages, layers, capacities: list[int | None], state_per_param_byte: float,
+def plan_swaps(mode: SwapMode | str, stages: Sequence[Stage], layers: Sequence[Layer], capacities: list[int | None], state_per_param_byte: float,
                tasks: Sequence[Sequence[Task]] = (), stash_bytes: Sequence[float] = (),
                grad_bytes: Sequence[float] | None = None) -> SwapPlan:
     """The swap plan for `swap=`: "off", "on" (Harmony-style everywhere), "all" ("on", and every stage's
@@ -274,7 +274,8 @@ def _resident_state(state: dict[int, float], swapped: frozenset[int], depth: int
     return kept + sum(moving[:depth])
 
 
-def _stash_in_flight(tasks: Sequence[Task], stash: dict[int, int], swapped=frozenset(), depth: int = 2) -> float:
+def _stash_in_flight(tasks: Sequence[Task], stash: dict[int, int], swapped: AbstractSet[int] = frozenset(),
+                     depth: int = 2) -> float:
     """The most stash bytes a device holds while it runs `tasks` in order: each forward (or recompute)
     of a stage that keeps its stashes holds one until its backward; the stages that swap theirs
     hold at most `depth` of them at a time."""

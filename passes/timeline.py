@@ -12,20 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stagewise.ir.errors import StagewiseError
-from stagewise.ir.instructions import (
-    AllReduceGradNorm,
-    AllReduceShared,
-    Backward,
-    Forward,
-    GradNormPart,
-    HostUpdate,
-    Instruction,
-    Recompute,
-    Recv,
-    Send,
-    Stream,
-    Update,
-)
+from stagewise.ir.instruction_facts import Activity
+from stagewise.ir.instructions import Instruction, Recv, Send, Stream, microbatch_of
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -34,33 +22,35 @@ if TYPE_CHECKING:
 
 _STREAMS = list(Stream)
 
-# (legend label, colour) per instruction type; swaps share one entry per direction
-_STYLE: dict[type[Instruction], tuple[str, str]] = {
-    Forward: ("forward", "#4285f4"),
-    Recompute: ("recompute", "#8ab4f8"),
-    Backward: ("backward", "#34a853"),
-    Update: ("update", "#fb8c00"),
-    HostUpdate: ("update", "#fb8c00"),
-    Send: ("send", "#ab47bc"),
-    Recv: ("receive", "#e91e63"),
-    AllReduceShared: ("all-reduce", "#fdd835"),
-    AllReduceGradNorm: ("all-reduce", "#fdd835"),
-    GradNormPart: ("all-reduce", "#fdd835"),
+# (legend label, colour) per activity: a norm part is drawn with the all-reduce it feeds, every
+# swap (state or stash) with its direction
+STYLE: dict[Activity, tuple[str, str]] = {
+    Activity.FORWARD: ("forward", "#4285f4"),
+    Activity.RECOMPUTE: ("recompute", "#8ab4f8"),
+    Activity.BACKWARD: ("backward", "#34a853"),
+    Activity.UPDATE: ("update", "#fb8c00"),
+    Activity.SEND: ("send", "#ab47bc"),
+    Activity.RECEIVE: ("receive", "#e91e63"),
+    Activity.ALL_REDUCE: ("all-reduce", "#fdd835"),
+    Activity.NORM_PART: ("all-reduce", "#fdd835"),
+    Activity.SWAP_IN: ("swap in", "#00acc1"),
+    Activity.SWAP_OUT: ("swap out", "#00897b"),
 }
-_SWAP_STYLE = {Stream.SWAP_IN: ("swap in", "#00acc1"), Stream.SWAP_OUT: ("swap out", "#00897b")}
+_PHASES = (Activity.FORWARD, Activity.RECOMPUTE, Activity.BACKWARD, Activity.UPDATE)
 
 
 def _style(ins: Instruction) -> tuple[str, str]:
-    return _STYLE.get(type(ins)) or _SWAP_STYLE.get(ins.stream, ("other", "#787878"))
+    return STYLE[ins.facts.activity]
 
 
 def label(ins: Instruction) -> str:
-    """A short name for a timeline bar: `F3`, `send act mb3 -> dev2`, `swap-in weights`."""
-    microbatch = getattr(ins, "microbatch", None)
-    if isinstance(ins, (Forward, Recompute, Backward, Update)):
+    """A short name for a timeline bar: `F3`, `send act mb3 -> dev2`, `swap-in weights`; a compute
+    stream's forward, recompute, backward or update is its opcode and microbatch."""
+    microbatch = microbatch_of(ins)
+    if ins.stream is Stream.COMPUTE and ins.facts.activity in _PHASES:
         return ins.opcode if microbatch is None else f"{ins.opcode}{microbatch}"
     if isinstance(ins, (Send, Recv)):
-        arrow = "->" if isinstance(ins, Send) else "<-"
+        arrow = "->" if ins.facts.activity is Activity.SEND else "<-"
         return f"{ins.opcode} {ins.carries.value} mb{ins.microbatch} {arrow} dev{ins.peer}"
     return str(ins).split(" after ")[0].split(maxsplit=1)[1]
 
@@ -78,7 +68,7 @@ def chrome_trace(result: SimResult) -> dict[str, Any]:
             "ph": "X", "name": label(ins), "cat": type(ins).__name__, "pid": span.device,
             "tid": _STREAMS.index(span.stream), "ts": span.start * 1e6, "dur": (span.end - span.start) * 1e6,
             "args": {"instruction": str(ins), "index": span.index, "stage": ins.stage,
-                     "microbatch": getattr(ins, "microbatch", None)},
+                     "microbatch": microbatch_of(ins)},
         })
     for d, steps in result.memory.items():
         events += [{"ph": "C", "name": "memory", "pid": d, "ts": t * 1e6, "args": {"bytes": b}} for t, b in steps]

@@ -14,7 +14,9 @@ then, and a step that fails is rolled back on every stage (runtime/recovery.py, 
 
 Varuna's opportunistic policy (runtime/opportunistic.py) lets the compute stream of a program
 that recomputes run a later forward early, taking over its receives and sends. The handlers,
-one per instruction kind, are in runtime/handlers.py.
+one per instruction kind, are in runtime/handlers.py. The executor and these parts share one
+`ExecutorState` (runtime/executor_state.py), each holding a reference to it: `pipe.executor.state`
+is where the step count, the loss scaler, the last step's timeline and the like are read.
 """
 
 from __future__ import annotations
@@ -27,61 +29,34 @@ import torch
 
 from stagewise.ir.deviations import DeviationPoints
 from stagewise.ir.errors import PlanError
-from stagewise.ir.instructions import (
-    AllReduceGradNorm,
-    AllReduceShared,
-    Backward,
-    Forward,
-    Free,
-    GradNormPart,
-    HostUpdate,
-    Instruction,
-    Recompute,
-    Recv,
-    Send,
-    StashIn,
-    StashOut,
-    Stream,
-    SwapIn,
-    SwapOut,
-    Update,
-)
-from stagewise.ir.interpreter import Interpreter
+from stagewise.ir.instructions import Instruction, Send, Stream
 from stagewise.ir.precision import LossScaling
 from stagewise.ir.program import Program
+from stagewise.runtime.executor_state import ExecutorState, StepRun
 from stagewise.runtime.forward_replay import ForwardReplay
-from stagewise.runtime.handlers import Handlers
-from stagewise.runtime.loss_weights import LossWeights
+from stagewise.runtime.handlers import InstructionHandlers
 from stagewise.runtime.opportunistic import OpportunisticCompute
 from stagewise.runtime.precision import LossScaler
 from stagewise.runtime.recovery import GRACE_S, StepRecovery
 from stagewise.runtime.rollback import StepGuard
 from stagewise.runtime.streams import DeviceStreams
 from stagewise.runtime.sync import Aborted, Sync
-from stagewise.runtime.tables import ProgramTables
 from stagewise.runtime.threadless import THREADLESS, ThreadlessStreams
-from stagewise.runtime.threads import Countdown, StreamThreads
-from stagewise.runtime.transport import LocalTransport, StepOutcome
+from stagewise.runtime.threads import StreamThreads
+from stagewise.runtime.transport import StepOutcome, Transport
 from stagewise.runtime.worker import StageWorker
 
 DEFAULT_TIMEOUT_S = 300.0
 
 
-class StreamExecutor(StepRecovery, OpportunisticCompute, Handlers, Interpreter):
-    """Runs the programs on stream threads; one handler per instruction kind executes it."""
-
-    handlers = {
-        Forward: "_forward", Recompute: "_forward", Backward: "_backward", Update: "_update",
-        HostUpdate: "_update", GradNormPart: "_count_norm_part", AllReduceShared: "_all_reduce_shared",
-        AllReduceGradNorm: "_all_reduce_norm", Send: "_send", Recv: "_recv",
-        SwapIn: "_swap_in", StashIn: "_swap_in", SwapOut: "_swap_out", Free: "_swap_out", StashOut: "_swap_out",
-    }
+class StreamExecutor:
+    """Runs the programs on stream threads; `interpreter` executes each instruction with its handler."""
 
     def __init__(
         self,
         programs: tuple[Program, ...],
         workers: list[StageWorker],
-        transport: LocalTransport,
+        transport: Transport,
         clip_grad_norm: float | None,
         device_of: dict[int, int],
         timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -93,213 +68,210 @@ class StreamExecutor(StepRecovery, OpportunisticCompute, Handlers, Interpreter):
         """`programs` and `workers`: this process's (all of them in one process, one device's under
         torch.distributed); `device_of`: every stage's device, for all-reduce groups. `opportunistic`:
         Varuna's run-time deviation (runtime/opportunistic.py) for programs that recompute (None, the
-        default), for every program (True) or none (False); it may be changed between steps. `seed`:
+        default), for every program (True) or none (False); `state.opportunistic` may change between steps. `seed`:
         the plan's, which random ops' streams are keyed by (runtime/forward_replay.py). `precision`: the
         autocast forwards run under; `loss_scaling`: fp16's, for a training executor (runtime/precision.py)."""
-        self.precision = precision
-        self.scaler = None if loss_scaling is None else LossScaler(loss_scaling)
-        self.step_overflowed = False  # the running step's global grad norm is inf or NaN: no stage updates
-        self.last_step_skipped = False
-        self.replay = ForwardReplay(seed)
-        self.opportunistic = opportunistic
-        self._plans: dict[int, DeviationPoints] = {}
-        self.stash_bytes: dict[int, int] = {}  # stage -> bytes its last forward stashed
-        self.programs = programs  # sets `tables`
-        self.workers = {w.stage.index: w for w in workers}
-        self.device_of = device_of
-        self.transport = transport
-        self.clip_grad_norm = clip_grad_norm
-        self.timeout_s = timeout_s
-        self.iteration = 0  # completed steps (a failed one does not count)
-        self.step_grad_norm: float | None = None  # the running step's global gradient norm, once all-reduced
-        self.last_grad_norm: float | None = None  # the last completed step's (None without clipping)
-        self.guard = StepGuard(self.workers, transport.pools)
-        self.loss_weights = LossWeights()  # set by the feed when the loss's reduction is declared
-        self.jobs: Countdown | None = None
-        self.unfinished: Countdown | None = None
-        self.threads = StreamThreads()
-        weakref.finalize(self, self.threads.close)
+        by_stage = {w.stage.index: w for w in workers}
         torch_devices = {w.stage.device: w.device for w in workers}
-        self.streams = {p.device: DeviceStreams(torch_devices.get(p.device, torch.device("cpu"))) for p in programs}
+        self.state = ExecutorState(  # what every part below reads and writes, declared in one place
+            workers=by_stage, transport=transport, device_of=device_of,
+            streams={p.device: DeviceStreams(torch_devices.get(p.device, torch.device("cpu"))) for p in programs},
+            guard=StepGuard(by_stage, transport.pools), replay=ForwardReplay(seed), precision=precision,
+            scaler=None if loss_scaling is None else LossScaler(loss_scaling), clip_grad_norm=clip_grad_norm,
+            timeout_s=timeout_s, opportunistic=opportunistic)
+        self.state.load(programs)
+        self.interpreter = InstructionHandlers(self.state)  # what each instruction kind does
+        self.recovery = StepRecovery(self.state)  # a failed step's rollback; `broken`, `stuck`
+        self.varuna = OpportunisticCompute(self.state)  # Varuna's compute stream
+        self.threads = StreamThreads()  # one long-lived thread per (device, stream), reused by every step
+        weakref.finalize(self, self.threads.close)
 
     @property
     def programs(self) -> tuple[Program, ...]:
-        return self._programs
+        return self.state.programs
 
     @programs.setter
     def programs(self, programs: tuple[Program, ...]) -> None:
-        """Programs may be replaced between steps; their lookups are computed here, once."""
-        self._programs = tuple(programs)
-        self.program_of = {p.device: p for p in self._programs}
-        self.tables = {p.device: ProgramTables(p) for p in self._programs}
-        self._plans.clear()
+        """Programs may be replaced between steps; their lookups are computed then, once."""
+        self.state.load(programs)
+
+    def settle(self, broken_ok: bool = False) -> None:
+        """Before a step, a save or reading the state: a stuck step rolled back, or an error (runtime/recovery.py)."""
+        self.recovery.settle(broken_ok)
 
     def run(self, microbatches: int, feed: Callable[[], None] | None = None) -> torch.Tensor:
         """One iteration, atomic: it completes on every stage, or it is rolled back and its error
         raised (runtime/recovery.py). `feed` gives the workers their inputs. Returns the mean loss."""
+        state = self.state
         self.settle()
-        self.guard.begin()
-        self.step_grad_norm, self.step_overflowed = None, False
+        state.guard.begin()
+        state.step_grad_norm, state.step_overflowed = None, False
         failed = self._attempt(microbatches, feed)
         partial = self._partial_loss() if failed is None else None
         if failed is not None:
-            self.transport.notify_failure(failed)
+            state.transport.notify_failure(failed)
         try:
-            outcome: StepOutcome | None = self.transport.conclude(partial, failed)
+            outcome: StepOutcome | None = state.transport.conclude(partial, failed)
         except BaseException as error:  # noqa: BLE001 - the ranks could not agree: broken
             failed, outcome = failed or error, None
         if outcome is not None and outcome.failure is None:
-            self.guard.commit()
-            self.iteration += 1
-            if self.step_grad_norm is not None:  # a forward-only pass keeps the last update's
-                self.last_grad_norm, self.last_step_skipped = self.step_grad_norm, self.step_overflowed
-                if self.scaler is not None:
-                    self.scaler.conclude(self.step_overflowed)
+            assert outcome.loss is not None, "a step that succeeded has its last stages' losses"
+            state.guard.commit()
+            state.iteration += 1
+            if state.step_grad_norm is not None:  # a forward-only pass keeps the last update's
+                state.last_grad_norm, state.last_step_skipped = state.step_grad_norm, state.step_overflowed
+                if state.scaler is not None:
+                    state.scaler.conclude(state.step_overflowed)
             return outcome.loss / microbatches
-        raise self._failed(failed, outcome)
+        raise self.recovery.handle_failure(failed, outcome)
 
     def _attempt(self, microbatches: int, feed: Callable[[], None] | None) -> BaseException | None:
         """Feed the workers and run the step's threads until they return or the deadline passes; the
         error that failed the step, if one did."""
-        self.unfinished = self.jobs = None
+        state = self.state
+        state.unfinished = state.jobs = None
         try:
             if feed is not None:
                 feed()
             self._launch(microbatches)
-            if self.sync.error is None:
+            if state.step.sync.error is None:
                 self._check_threadless_ran()
         except BaseException as error:  # noqa: BLE001 - the step failed: handed to run()
-            if self.jobs is not None and not self.jobs.done():  # interrupted while waiting: stop the threads
-                self.sync.fail(error)
+            if state.jobs is not None and not state.jobs.done():  # interrupted while waiting: stop the threads
+                state.step.sync.fail(error)
                 self._await_threads(GRACE_S)
             return error
-        return self.sync.error
+        return state.step.sync.error
 
     def _launch(self, microbatches: int) -> None:
         """Start a thread job per stream; wait for them until the step's deadline."""
-        self.microbatches = microbatches
-        plans = {p.device: self._opportunities(p) for p in self.programs}
-        self.threadless = {p.device: ThreadlessStreams(p, self.tables[p.device], self._threadless(p, plans[p.device]))
-                           for p in self.programs}
-        streams = [(p, s) for p in self.programs for s in self.tables[p.device].streams
-                   if s not in self.threadless[p.device].streams]
-        self.sync = Sync(len(streams), self.timeout_s)
-        self.transport.sync = self.sync
-        self.done = {p.device: [False] * len(p.instructions) for p in self.programs}
-        self.started = {p.device: [False] * len(p.instructions) for p in self.programs}
-        self.owner: dict[int, dict[int, Stream]] = {p.device: {} for p in self.programs}  # adoptable index -> stream
-        self.deviations: list[tuple[int, int, int]] = []  # (device, forward run early, the head it overtook)
-        self.timeline: list[tuple[int, Stream, int, float, float]] = []  # measured (device, stream, index, start, end)
-        self.started_at = time.perf_counter()
-        deadline = time.monotonic() + self.timeout_s
-        for device_streams in self.streams.values():
+        state = self.state
+        plans = {p.device: self.varuna.opportunities(p) for p in state.programs}
+        threadless = {p.device: ThreadlessStreams(p, state.tables[p.device], self._threadless(p, plans[p.device]))
+                      for p in state.programs}
+        streams = [(p, s) for p in state.programs for s in state.tables[p.device].streams
+                   if s not in threadless[p.device].streams]
+        sync = Sync(len(streams), state.timeout_s)
+        state.transport.sync = sync
+        state.step = StepRun.launched(state.programs, microbatches, sync, threadless)
+        deadline = time.monotonic() + state.timeout_s
+        for device_streams in state.streams.values():
             device_streams.begin_step()
-        self.jobs = self.threads.start(
-            [((p.device, s), lambda p=p, s=s: self._stream(p, s, plans[p.device])) for p, s in streams])
-        if not self.jobs.wait(deadline - time.monotonic()):
-            self.sync.fail(self._timeout_error())
+        jobs = self.threads.start([((p.device, s), self._stream_job(p, s, plans[p.device])) for p, s in streams])
+        state.jobs = jobs
+        if not jobs.wait(deadline - time.monotonic()):
+            sync.fail(self.recovery.timeout_error())
             self._await_threads(GRACE_S)
-        if self.unfinished is None:
-            for device_streams in self.streams.values():
+        if state.unfinished is None:
+            for device_streams in state.streams.values():
                 device_streams.end_step()
+
+    def _stream_job(self, program: Program, stream: Stream, plan: DeviationPoints | None) -> Callable[[], None]:
+        """What a stream's thread runs this step."""
+        return lambda: self._stream(program, stream, plan)
 
     def _await_threads(self, grace_s: float) -> None:
         """The step failed: give its threads `grace_s` to stop; those that do not are stuck."""
-        if not self.jobs.wait(grace_s):
-            self.unfinished = self.jobs
+        jobs = self.state.jobs
+        if jobs is not None and not jobs.wait(grace_s):
+            self.state.unfinished = jobs
 
     def _partial_loss(self) -> torch.Tensor | None:
         """This process's sum of the microbatches' (weighted) losses (one last stage per data-parallel replica)."""
         losses = {}
-        for worker in self.workers.values():
+        for worker in self.state.workers.values():
             if worker.is_last:
                 losses.update({mb: loss.detach() for mb, loss in worker.losses.items()})
                 worker.losses.clear()
-        return self.loss_weights.total(losses, self.microbatches)
+        return self.state.loss_weights.total(losses, self.state.step.microbatches)
 
     def _threadless(self, program: Program, plan: DeviationPoints | None) -> tuple[Stream, ...]:
         """The p2p streams of `program` that run without a thread this step (runtime/threadless.py): on a
         CPU device whose messages stay in this process, unless Varuna's policy takes receives over."""
-        if plan is not None or self.streams[program.device].cuda or not self.transport.in_memory:
+        state = self.state
+        if plan is not None or state.streams[program.device].cuda or not state.transport.in_memory:
             return ()
-        return tuple(stream for stream in THREADLESS if self.tables[program.device].order[stream])
+        return tuple(stream for stream in THREADLESS if state.tables[program.device].order[stream])
 
     def _stream(self, program: Program, stream: Stream, plan: DeviationPoints | None) -> None:
         """Run this stream's instructions in order; on CUDA each waits for its events on the GPU too.
 
         Under Varuna's opportunistic policy the compute stream may run a later forward first,
         taking over its receives and sends: the p2p threads skip what it took."""
-        device_streams = self.streams[program.device]
+        device_streams = self.state.streams[program.device]
+        sync = self.state.step.sync
         try:
             with device_streams.running(stream):
                 self._help(program.device)  # a threadless instruction that waits for nothing
                 if plan is not None and stream is Stream.COMPUTE:
-                    self._compute_opportunistically(program, plan)
+                    self.varuna.compute(program, plan, self._run)
                     return
-                for index in self.tables[program.device].order[stream]:
-                    if plan is not None and index in plan.adoptable and not self._claim(program.device, index, stream):
+                for index in self.state.tables[program.device].order[stream]:
+                    if plan is not None and index in plan.adoptable and not self.varuna.claim(program.device, index, stream):
                         continue  # the compute stream took it over for a forward it ran early
                     self._run(program, index, stream)
         except Aborted:
             pass
         except BaseException as error:  # noqa: BLE001 - handed to the caller of run()
-            self.sync.fail(error)
+            sync.fail(error)
         finally:
-            self.sync.thread_done()
+            sync.thread_done()
 
     def _run(self, program: Program, index: int, stream: Stream) -> None:
         """Wait for instruction `index`'s events, execute it on `stream`'s thread, then run what it
         made ready on threadless streams. Once the step failed nothing more runs (an instruction
         without waits would otherwise start, and hold the step, after the failure)."""
-        done, tables = self.done[program.device], self.tables[program.device]
+        step = self.state.step
+        done, tables = step.done[program.device], self.state.tables[program.device]
         ins = program.instructions[index]
         waits = ins.waits
         if waits:
-            self.sync.wait_until(lambda: all([done[j] for j in waits]), tables.labels[index], tables.waits_on[index])
-            self.streams[program.device].wait(stream, waits)
-        if self.sync.error is not None:
+            step.sync.wait_until(lambda: all([done[j] for j in waits]), tables.labels[index], tables.waits_on[index])
+            self.state.streams[program.device].wait(stream, waits)
+        if step.sync.error is not None:
             raise Aborted
         self._execute(program, index, stream)
         self._help(program.device, ins)
 
     def _execute(self, program: Program, index: int, stream: Stream) -> None:
         """Execute instruction `index` (its events are done), record it, publish that it is done."""
-        device = program.device
+        device, step = program.device, self.state.step
         ins = program.instructions[index]
         start = time.perf_counter()
-        self.started[device][index] = True
+        step.started[device][index] = True
         try:
-            self.dispatch(device, index, ins)
+            self.interpreter.dispatch(device, index, ins)
         except Aborted:
             raise
         except BaseException as error:
-            self._blame(error, device, index, ins)
+            self.recovery.blame(error, device, index, ins)
             raise
         end = time.perf_counter()
-        self.streams[device].record(stream, index)
-        self.timeline.append((device, ins.stream, index, start - self.started_at, end - self.started_at))
-        with self.sync.locked():
-            self.done[device][index] = True
-            self.threadless[device].finished(ins.stream)
-            self.sync.changed(self.tables[device].done_key[index])
+        self.state.streams[device].record(stream, index)
+        step.timeline.append((device, ins.stream, index, start - step.started_at, end - step.started_at))
+        with step.sync.locked():
+            step.done[device][index] = True
+            step.threadless[device].finished(ins.stream)
+            step.sync.changed(self.state.tables[device].done_key[index])
 
     # ---- threadless streams (runtime/threadless.py) --------------------------------------------
     def _help(self, device: int, finished: Instruction | None = None) -> None:
         """Run every threadless instruction that is ready now on `device` and, through the messages
         the sends among them (and `finished`, if a send) deliver, on the receivers' devices."""
+        step, transport = self.state.step, self.state.transport
         devices = [device, finished.peer] if isinstance(finished, Send) else [device]
         while devices:
             device = devices[-1]
-            threadless = self.threadless.get(device)
+            threadless = step.threadless.get(device)
             index = None
             if threadless is not None and threadless.streams:
-                with self.sync.locked():
-                    if self.sync.error is None:
-                        index = threadless.claim(self.done[device], self.transport.arrived)
+                with step.sync.locked():
+                    if step.sync.error is None:
+                        index = threadless.claim(step.done[device], transport.arrived)
             if index is None:
                 devices.pop()
                 continue
-            program = self.program_of[device]
+            program = self.state.program_of[device]
             ins = program.instructions[index]
             self._execute(program, index, ins.stream)
             if isinstance(ins, Send):
@@ -307,8 +279,8 @@ class StreamExecutor(StepRecovery, OpportunisticCompute, Handlers, Interpreter):
 
     def _check_threadless_ran(self) -> None:
         """Every thread finished: a threadless instruction still unrun waited for something that never came."""
-        for device, threadless in self.threadless.items():
+        for device, threadless in self.state.step.threadless.items():
             unrun = threadless.unrun()
             if unrun:
                 raise PlanError("the device programs wait on each other forever (deadlock) at: "
-                                f"{self.tables[device].labels[unrun[0]]}")
+                                f"{self.state.tables[device].labels[unrun[0]]}")

@@ -4,6 +4,8 @@ loss reduction, compiler/assembly/loss_reduction.py), so the step equals eager t
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 
@@ -23,7 +25,7 @@ class LossWeights:
         if not losses:
             return None
         if self.weights is None:
-            return sum(losses[mb] for mb in sorted(losses))
+            return cast(torch.Tensor, sum(losses[mb] for mb in sorted(losses)))  # not empty: a tensor
         weights = self.weights
         terms = [losses[mb] * (weights[mb] * microbatches) for mb in sorted(losses) if weights[mb]]
-        return sum(terms) if terms else torch.zeros_like(next(iter(losses.values())))
+        return cast(torch.Tensor, sum(terms)) if terms else torch.zeros_like(next(iter(losses.values())))

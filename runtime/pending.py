@@ -33,15 +33,15 @@ class Pending:
         self.on_done = on_done  # under gloo: called once finished (a receive wakes who waits on its message)
         if blocking_wait:
             self.event = threading.Event()
-            threading.Thread(target=self._wait, name=f"wait {what}", daemon=True).start()
+            threading.Thread(target=self._wait, args=(self.event,), name=f"wait {what}", daemon=True).start()
 
-    def _wait(self) -> None:
+    def _wait(self, finished: threading.Event) -> None:
         try:
             self.work.wait()
         except BaseException as error:  # noqa: BLE001 - re-raised by the polling thread
             self.error = error
         finally:
-            self.event.set()
+            finished.set()
             if self.on_done is not None:
                 self.on_done()
 

@@ -139,7 +139,7 @@ class MemoryPool:
             self.swap_in_bytes, self.swap_out_bytes = ledger.swap_in_bytes, ledger.swap_out_bytes
             self.reused_buffers = ledger.reused_buffers
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | None]:  # capacity_bytes: None where the device has no limit
         with self.lock:
             return {
                 "device": self.index,

@@ -19,18 +19,13 @@ Two cases cannot be undone at once:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from stagewise.ir.errors import PipelineBrokenError, StepFailedError, StepTimeoutError
 from stagewise.ir.instructions import Instruction
+from stagewise.runtime.executor_state import ExecutorState
 from stagewise.runtime.failure_notice import PeerFailed
 from stagewise.runtime.threads import Countdown
-from stagewise.runtime.transport import LocalTransport, StepOutcome, describe_failure
-
-if TYPE_CHECKING:
-    from stagewise.runtime.rollback import StepGuard
-    from stagewise.runtime.streams import DeviceStreams
-    from stagewise.runtime.tables import ProgramTables
+from stagewise.runtime.transport import StepOutcome, describe_failure
 
 GRACE_S = 0.5  # after a deadline, how long threads get to notice the failure before they count as stuck
 RECOVER = "sw.load the last checkpoint, or compile the model again"
@@ -48,19 +43,12 @@ class StuckStep:
 
 
 class StepRecovery:
-    """Mixed into `StreamExecutor`: the failure path of a step, and the checks before the next."""
+    """The failure path of a step, and the checks before the next, over the executor's state."""
 
-    broken: str | None = None  # why the pipeline cannot train on, once it cannot
-    stuck: StuckStep | None = None
-    unfinished: Countdown | None  # the last step's threads, when some had not returned at its end
-    guard: StepGuard
-    streams: dict[int, DeviceStreams]
-    tables: dict[int, ProgramTables]
-    started: dict[int, list[bool]]  # per device, per instruction: it began this step
-    done: dict[int, list[bool]]
-    iteration: int
-    timeout_s: float
-    transport: LocalTransport
+    def __init__(self, state: ExecutorState):
+        self.state = state
+        self.broken: str | None = None  # why the pipeline cannot train on, once it cannot
+        self.stuck: StuckStep | None = None  # a failed step whose threads have not all returned yet
 
     def settle(self, broken_ok: bool = False) -> None:
         """Before a step, a save or reading the state: finish rolling back a stuck step whose threads
@@ -81,19 +69,19 @@ class StepRecovery:
         if rollback_error is not None and not broken_ok:
             raise PipelineBrokenError(self.broken) from rollback_error
 
-    def _failed(self, failed: BaseException | None, outcome: StepOutcome | None) -> BaseException:
+    def handle_failure(self, failed: BaseException | None, outcome: StepOutcome | None) -> BaseException:
         """Undo the failed step (or leave it to `settle` while a thread is stuck); the exception to
         raise: this process's own, or `StepFailedError` where only a peer failed."""
-        step = self.iteration + 1
+        step = self.state.iteration + 1
         own = failed if not isinstance(failed, PeerFailed) else None  # PeerFailed: a peer's notice stopped this rank
         error = own if own is not None else StepFailedError(
             f"step {step} failed on another rank ({outcome.failure if outcome else 'unknown'}); it was rolled "
             "back on this rank too")
-        self.guard.restore_rng()
+        self.state.guard.restore_rng()
         if outcome is None:
             self._break(step, "the ranks could not agree whether the step completed")
-        if self.unfinished is not None:
-            self.stuck = StuckStep(step, self.unfinished, self._running_labels() or "an instruction")
+        if self.state.unfinished is not None:
+            self.stuck = StuckStep(step, self.state.unfinished, self.running_labels() or "an instruction")
             error.add_note(f"stagewise: `{self.stuck.running}` is still running; the pipeline cannot step or save "
                            "until it returns, then the step is rolled back")
             return error
@@ -105,10 +93,10 @@ class StepRecovery:
         """Every thread returned: drain the transport and undo the step; the error that stopped the
         rollback, if one did (the pipeline is then broken)."""
         try:
-            for device_streams in self.streams.values():
+            for device_streams in self.state.streams.values():
                 device_streams.end_step()
-            self.transport.drain()
-            self.guard.roll_back()
+            self.state.transport.drain()
+            self.state.guard.roll_back()
         except BaseException as error:  # noqa: BLE001 - the pipeline is broken; the caller raises
             self._break(step, f"its rollback failed ({describe_failure(error)})")
             return error
@@ -119,23 +107,25 @@ class StepRecovery:
             self.broken = (f"the pipeline is broken since step {step}: {why}, so its state may differ from "
                            f"every state training passed through. To go on, {RECOVER}")
 
-    def _blame(self, error: BaseException, device: int, index: int, ins: Instruction) -> None:
+    def blame(self, error: BaseException, device: int, index: int, ins: Instruction) -> None:
         """Note on `error` where it was raised: device, stage, microbatch and instruction."""
         microbatch = getattr(ins, "microbatch", None)
         part = f"microbatch {microbatch}" if microbatch is not None else "no microbatch (a per-step instruction)"
         error.add_note(f"stagewise: raised on device {device}, stage {ins.stage}, {part}, "
-                       f"by `{self.tables[device].labels[index]}`")
+                       f"by `{self.state.tables[device].labels[index]}`")
 
-    def _timeout_error(self) -> StepTimeoutError:
-        running = self._running_labels()
+    def timeout_error(self) -> StepTimeoutError:
+        """The error of a step that passed its deadline, naming what was running."""
+        running = self.running_labels()
         what = (f"`{running}` was still running" if running else
                 "no instruction was running (every stream waited)")
         return StepTimeoutError(
-            f"step {self.iteration + 1} did not finish within timeout_s={self.timeout_s:g} s: {what}. If that "
+            f"step {self.state.iteration + 1} did not finish within timeout_s={self.state.timeout_s:g} s: {what}. If that "
             "stage is only slow, raise pipe.timeout_s; if it hangs, fix the code it runs")
 
-    def _running_labels(self) -> str:
+    def running_labels(self) -> str:
         """The instructions that started and have not finished, by label."""
-        labels = [self.tables[device].labels[index] for device, started in self.started.items()
-                  for index, began in enumerate(started) if began and not self.done[device][index]]
+        step, tables = self.state.step, self.state.tables
+        labels = [tables[device].labels[index] for device, started in step.started.items()
+                  for index, began in enumerate(started) if began and not step.done[device][index]]
         return "`, `".join(labels)

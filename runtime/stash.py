@@ -106,7 +106,7 @@ class Stash:
     def to_host(self, buffers: HostBuffers) -> int:
         """Copy the stash to host memory and release it on the device; returns the bytes moved."""
         members: dict[int, list[tuple[object, torch.Tensor]]] = {}
-        for target, tensor in [(h, h.tensor) for h in self.saved] + [(o, o) for o in self.outputs]:
+        for target, tensor in [(h, h.get()) for h in self.saved] + [(o, o) for o in self.outputs]:
             members.setdefault(storage_of(tensor), []).append((target, tensor))
         self.host, self.layouts, moved = {}, [], 0
         for key, group in members.items():
@@ -129,6 +129,8 @@ class Stash:
 
     def to_device(self, buffers: HostBuffers) -> int:
         """Copy the stash back from host memory (on the calling stream); returns the bytes moved."""
+        if self.host is None:
+            raise PlanError("a stash-in found its stash on the device already (no stash-out before it)")
         storages, moved = {}, 0
         for key, host in self.host.items():
             device_bytes = torch.empty(host.numel(), dtype=torch.uint8, device=self.device)

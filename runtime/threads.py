@@ -17,7 +17,7 @@ class StreamThreads:
     of the jobs itself: its thread-local state, such as grad mode or autocast, would reach that
     job only.)"""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.queues: dict[tuple[int, Stream], queue.SimpleQueue] = {}
 
     def start(self, jobs: list[tuple[tuple[int, Stream], Callable[[], None]]]) -> Countdown:

@@ -13,6 +13,7 @@ schedules) exchange through the same mechanism.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, cast
 
 import torch
 
@@ -37,6 +38,30 @@ def describe_failure(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}{where}"
 
 
+class Transport(Protocol):
+    """What the executor calls on its transport: `LocalTransport` in one process, `DistributedTransport`
+    (runtime/distributed.py) under torch.distributed."""
+
+    pools: list[MemoryPool]
+    sync: Sync | None  # the running step's monitor, which the executor installs at each launch
+
+    @property
+    def adopts_receives(self) -> bool: ...  # any thread may receive (Varuna's policy may take one over)
+
+    @property
+    def in_memory(self) -> bool: ...  # a receive whose message arrived returns at once (threadless streams)
+
+    def send(self, key: tuple, src_device: int, dst_device: int, tensor: torch.Tensor, instruction: str) -> None: ...
+    def recv(self, key: tuple, instruction: str) -> torch.Tensor: ...
+    def arrived(self, key: tuple) -> bool: ...
+    def poll(self, key: tuple, instruction: str) -> bool: ...
+    def all_reduce(self, tag: tuple, group: tuple[int, ...], rank: int, tensors: list[torch.Tensor],
+                   instruction: str) -> list[torch.Tensor]: ...
+    def notify_failure(self, error: BaseException) -> None: ...
+    def conclude(self, partial: torch.Tensor | None, failed: BaseException | None) -> StepOutcome: ...
+    def drain(self) -> None: ...
+
+
 class LocalTransport:
     def __init__(self, pools: list[MemoryPool]):
         self.pools = pools
@@ -55,19 +80,28 @@ class LocalTransport:
         if buffer.is_cuda or tensor.is_cuda:
             _finish_on_gpu(tensor, buffer)
         self.pools[src_device].count_sent(tensor.numel() * tensor.element_size())
-        with self.sync.locked():  # any thread may send (a forward run early, a threadless stream)
+        sync = self._monitor()
+        with sync.locked():  # any thread may send (a forward run early, a threadless stream)
             self.mailbox[key] = buffer
             self.receiver[key] = pool
-            self.sync.changed(("message", key))
+            sync.changed(("message", key))
 
     def recv(self, key: tuple, instruction: str) -> torch.Tensor:
-        with self.sync.locked():
+        sync = self._monitor()
+        with sync.locked():
             buffer = self._take(key)
-        if buffer is None:
-            self.sync.wait_until(lambda: key in self.mailbox, instruction, (("message", key),))
-            with self.sync.locked():
-                buffer = self._take(key)
-        return buffer
+        if buffer is not None:
+            return buffer
+        sync.wait_until(lambda: key in self.mailbox, instruction, (("message", key),))
+        with sync.locked():
+            del self.receiver[key]
+            return self.mailbox.pop(key)
+
+    def _monitor(self) -> Sync:
+        """The running step's monitor: the transport moves tensors only inside a step."""
+        if self.sync is None:
+            raise RuntimeError("the transport was used outside a step: the executor installs its monitor at launch")
+        return self.sync
 
     def _take(self, key: tuple) -> torch.Tensor | None:
         """The message under `key` out of the mailbox, if it is there (caller holds the lock)."""
@@ -116,14 +150,17 @@ class LocalTransport:
         """Sum `tensors` over the group members (in group order, so every member gets the same bits)."""
         key = (tag, group)
         _finish_on_gpu(*tensors)
-        with self.sync.locked():
+        sync = self._monitor()
+        with sync.locked():
             self.reductions.setdefault(key, {}).setdefault(rank, [t.detach() for t in tensors])
-            self.sync.changed(("all-reduce", key))
-        self.sync.wait_until(lambda: len(self.reductions.get(key, {})) == len(group), instruction, [("all-reduce", key)])
-        with self.sync.locked():
+            sync.changed(("all-reduce", key))
+        sync.wait_until(lambda: len(self.reductions.get(key, {})) == len(group), instruction, [("all-reduce", key)])
+        with sync.locked():
             contributions = self.reductions[key]
             device = tensors[0].device if tensors else torch.device("cpu")
-            result = [sum(contributions[r][i].to(device) for r in group) for i in range(len(tensors))]
+            # a group is never empty, so each sum is a tensor (Python's sum, from 0, as every member adds)
+            result = [cast(torch.Tensor, sum(contributions[r][i].to(device) for r in group))
+                      for i in range(len(tensors))]
             taken = self.taken.setdefault(key, set())
             taken.add(rank)
             if taken == set(group):

@@ -153,7 +153,7 @@ class StageWorker(CheckpointAccess):
         self.pool.allocate("grads", ("grads", self.stage.index), self.grad_bytes.count(), instruction)
         inputs = self.inputs.get(microbatch, {})
         self.input_grads[microbatch] = {
-            name: inputs[name].grad.clone() if inputs[name].grad is not None else torch.zeros_like(inputs[name])
+            name: input_grad.clone() if (input_grad := inputs[name].grad) is not None else torch.zeros_like(inputs[name])
             for name in self.grad_inputs
             if name in inputs
         }
@@ -175,7 +175,7 @@ class StageWorker(CheckpointAccess):
 
     def named_grads(self, names) -> list[torch.Tensor]:
         params = self.aliases
-        return [params[n].grad if params[n].grad is not None else torch.zeros_like(params[n]) for n in names]
+        return [grad if (grad := params[n].grad) is not None else torch.zeros_like(params[n]) for n in names]
 
     def set_grads(self, names, grads) -> None:
         for name, grad in zip(names, grads, strict=True):
@@ -215,8 +215,8 @@ class StageWorker(CheckpointAccess):
     def tensors(self, what: str, microbatch: int | None = None) -> dict[str, torch.Tensor]:
         """The device tensors of `what` (a microbatch's for "stash"), e.g. to hand them to another stream."""
         if what == "stash":
-            stash = self.stashes.get(microbatch)
-            return dict(enumerate(stash.device_tensors())) if stash is not None else {}
+            stash = self.stashes.get(microbatch) if microbatch is not None else None
+            return {str(i): t for i, t in enumerate(stash.device_tensors())} if stash is not None else {}
         if what == "weights":
             return {n: p.data for n, p in self.params.items()}
         if what == "grads":
@@ -231,7 +231,7 @@ class StageWorker(CheckpointAccess):
             self.params[name].data = tensor
         elif what == "grads":
             self.params[name].grad = tensor
-        else:
+        elif self.optimizer is not None:  # "optimizer": only a stage with one holds its state (`tensors`)
             param_name, key = name.rsplit(".", 1)
             self.optimizer.state[self.params[param_name]][key] = tensor
 
@@ -249,8 +249,10 @@ class StageWorker(CheckpointAccess):
                     self.host[(what, name)] = host
                 host.copy_(tensor, non_blocking=True)
                 moved += tensor.numel() * tensor.element_size()
-            empty = None if what == "grads" else torch.empty(0, dtype=tensor.dtype, device=self.device)
-            self._set(what, name, empty)
+            if what == "grads":
+                self.params[name].grad = None
+            else:
+                self._set(what, name, torch.empty(0, dtype=tensor.dtype, device=self.device))
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
         self.pool.count_swap_out(what, moved)
@@ -275,18 +277,18 @@ class StageWorker(CheckpointAccess):
         if what == "weights":
             self._note_resident()
 
-    def _stash_out(self, microbatch: int, instruction: str) -> None:
+    def _stash_out(self, microbatch: int | None, instruction: str) -> None:
         """Harmony's sX: microbatch's stashed activations to host memory, released from the pool."""
-        stash = self.stashes.get(microbatch)
+        stash = self.stashes.get(microbatch) if microbatch is not None else None
         if stash is None or stash.on_host:
             raise PlanError(f"`{instruction}`: stage {self.stage.index} holds no stash of microbatch {microbatch} on the device")
         moved = stash.to_host(self.host_bytes)  # complete (on CUDA: synchronized) when it returns
         self.pool.allocate("stash", ("stash", self.stage.index, microbatch), stash.nbytes() - moved, instruction)
         self.pool.count_swap_out("stash", moved)
 
-    def _stash_in(self, microbatch: int, instruction: str) -> None:
+    def _stash_in(self, microbatch: int | None, instruction: str) -> None:
         """The stash back into the pool and onto the device, before the microbatch's backward."""
-        stash = self.stashes.get(microbatch)
+        stash = self.stashes.get(microbatch) if microbatch is not None else None
         if stash is None or not stash.on_host:
             raise PlanError(f"`{instruction}`: stage {self.stage.index} has no stash of microbatch {microbatch} in host memory")
         self.pool.allocate("stash", ("stash", self.stage.index, microbatch), stash.nbytes(), instruction)
@@ -317,16 +319,16 @@ class StageWorker(CheckpointAccess):
     def update(self, instruction: str, on_host: bool = False, clip: bool = False) -> None:
         """The optimizer step: on the device, or `on_host` (gradients already copied to host memory).
         With `clip` the gradients are first scaled by the coefficient of the norm counted ahead."""
-        coefficient = self.clip_coefficient
+        coefficient = self.clip_coefficient if clip else None
         self.clip_coefficient = None
         if clip and coefficient is None:
             raise PlanError(f"`{instruction}` clips, but no grad-norm all-reduce of this stage's part came first")
         if self.optimizer is None:
             return
         if on_host:
-            self._host_step(coefficient if clip else None)
+            self._host_step(self.optimizer, coefficient)
             return
-        if clip:
+        if coefficient is not None:
             self.scale_grads(coefficient)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -334,11 +336,11 @@ class StageWorker(CheckpointAccess):
         self.pool.allocate("optimizer", ("optimizer", self.stage.index), nbytes(self.tensors("optimizer").values()), instruction)
 
     # ---- the optimizer on the host (Harmony's CPU update, ZeRO-Offload) ------------------------
-    def _host_step(self, coefficient: float | None) -> None:
+    def _host_step(self, optimizer: torch.optim.Optimizer, coefficient: float | None) -> None:
         """Step the fp32 host masters with the host gradients; the state the optimizer makes lives
         beside them. The device copies are refreshed by the program's next swap-in (or, swapped,
         by the next use's)."""
-        masters = self._host_masters()
+        masters = self._host_masters(optimizer)
         device_data = {}
         with torch.no_grad():
             for name, param in self.params.items():
@@ -351,15 +353,15 @@ class StageWorker(CheckpointAccess):
                     if coefficient is not None:
                         param.grad.mul_(coefficient)
         try:
-            self.optimizer.step()
+            optimizer.step()
         finally:
-            self.optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=True)
             for name, param in self.params.items():
                 param.data = device_data[name]
                 self.versions[name] = param._version
         self.pool.release(("grads", self.stage.index))
 
-    def _host_masters(self) -> dict[str, torch.Tensor]:
+    def _host_masters(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
         """Each parameter's fp32 master in host memory (`host["weights", name]`, which a swap-in
         copies to the device). Made at the first host step from the current copy: the host copy of
         a swapped-out parameter, else the device's. A device copy written since (load_state_dict)
@@ -377,14 +379,14 @@ class StageWorker(CheckpointAccess):
             self.host[("weights", name)] = masters[name] = host
         if not self.on_host:
             self.on_host = True
-            self._state_to_host()
+            self._state_to_host(optimizer)
         return masters
 
-    def _state_to_host(self) -> None:
+    def _state_to_host(self, optimizer: torch.optim.Optimizer) -> None:
         """Optimizer state that sits elsewhere (loaded from a checkpoint onto the device, or parked
         in `host` by it) joins the masters in host memory."""
         names = {id(p): n for n, p in self.params.items()}
-        for param, state in self.optimizer.state.items():
+        for param, state in optimizer.state.items():
             for key, value in state.items():
                 parked = self.host.pop(("optimizer", f"{names[id(param)]}.{key}"), None)
                 if parked is not None:

@@ -212,7 +212,7 @@ def test_a_stuck_stage_meets_the_deadline_and_the_pipeline_waits_for_it(tmp_path
     finally:
         FAULTS.block = None
         release.set()
-    assert pipe.executor.stuck.finished.wait(30)
+    assert pipe.executor.recovery.stuck.finished.wait(30)
     pipe.step(X, target=Y)
     eager_train(reference, [((X,), Y)], loss_fn=F.cross_entropy, optimizer=EAGER_SGD, microbatches=MICROBATCHES)
     assert_state_equal(pipe.state_dict(), reference.state_dict())

@@ -34,7 +34,7 @@ def test_stream_work_overlaps_on_the_gpu():
     """Swap-ins are issued on their own CUDA stream: the executor gives every device five streams."""
     pipe = sw.compile(TinyGPT(layers=4), gpus(2), token_batches()[0][0], loss_fn=lm_loss,
                       example_target=token_batches()[0][1], microbatches=4, schedule="harmony-pp", swap="on")
-    streams = pipe.executor.streams[0].streams
+    streams = pipe.executor.state.streams[0].streams
     assert len({s.cuda_stream for s in streams.values()}) == 5
     assert torch.cuda.default_stream().cuda_stream not in {s.cuda_stream for s in streams.values()}
 

@@ -57,7 +57,7 @@ def run_evaluate(name: str, schedule: str) -> dict:
     result = {"trained": trained, "eval": evaluate(pipe, batches[-1]), "eval_again": evaluate(pipe, batches[-1])}
     inputs = batches[-1][0]  # a model returning its own loss predicts its .logits (labels given, unused)
     result["predict"] = pipe.predict(*inputs) if name in LOSS_FNS else pipe.predict(**inputs).logits
-    result["iteration"] = pipe.executor.iteration
+    result["iteration"] = pipe.executor.state.iteration
     result["training"] = pipe.training
     losses.append(step(pipe, batches[-1]))
     twin = compiled(name, batches, schedule, dropout=dropout)
@@ -98,7 +98,7 @@ def run_token_mean(name: str, schedule: str) -> dict:
     pipe = compiled(name, batches, schedule, optimizer=SGD,
                     loss_reduction=sw.TokenMean(ignore_index=-100, labels="labels", shift=True))
     losses = [step(pipe, b) for b in batches]
-    return {"losses": losses, "state": state_of(pipe), "weights": pipe.executor.loss_weights.weights,
+    return {"losses": losses, "state": state_of(pipe), "weights": pipe.executor.state.loss_weights.weights,
             "eval": evaluate(pipe, batches[0])}
 
 

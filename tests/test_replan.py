@@ -83,7 +83,7 @@ def test_an_fx_graph_is_planned_again_at_any_microbatch_count_and_again_from_its
     losses = [one.step(batches[0][0], target=batches[0][1])]
     one.save(tmp_path / "one")
     two = sw.load(tmp_path / "one", devices=["cpu", "cpu"], report=False)
-    assert len(two.plan.devices) == 2 and two.executor.iteration == STEPS + 1
+    assert len(two.plan.devices) == 2 and two.executor.state.iteration == STEPS + 1
     losses += [two.step(ids, target=target) for ids, target in batches[1:]]
     torch.testing.assert_close(torch.stack(losses), torch.stack(want_losses), rtol=1e-5, atol=1e-6)
     got = two.state_dict()

@@ -50,14 +50,17 @@ def test_stats_count_peak_stash_and_p2p():
 
 def test_time_breakdown_names_every_stream_and_sums_what_ran():
     pipe = compile_mlp()
+    before = pipe.time_breakdown()  # before the first step nothing ran (an AttributeError once)
+    assert [r["device"] for r in before] == [0, 1, 2]
+    assert all(seconds == 0.0 for row in before for name, seconds in row.items() if name != "device")
     pipe.step(X, target=Y)
     rows = pipe.time_breakdown()
     assert [r["device"] for r in rows] == [0, 1, 2]
     for row in rows:
         assert set(row) == {"device", "step_s", "compute_s", "swap_in_s", "swap_out_s", "p2p_in_s", "p2p_out_s"}
         assert 0 < row["compute_s"] <= row["step_s"]
-    spans = {(d, s): 0.0 for d, s, *_ in pipe.executor.timeline}
-    for device, stream, _, start, end in pipe.executor.timeline:
+    spans = {(d, s): 0.0 for d, s, *_ in pipe.executor.state.step.timeline}
+    for device, stream, _, start, end in pipe.executor.state.step.timeline:
         spans[(device, stream)] += end - start
     assert rows[1]["p2p_in_s"] == pytest.approx(sum(v for (d, s), v in spans.items() if d == 1 and s.value == "p2p_in"))
 
@@ -108,7 +111,7 @@ def test_a_failing_stream_stops_every_device_and_reports_the_error():
 
 def test_silent_peer_times_out():
     pipe = compile_mlp()
-    pipe.executor.timeout_s = 0.5
+    pipe.executor.state.timeout_s = 0.5
     original = pipe.transport.send
 
     def lose_messages_to_device_2(key, src, dst, tensor, instruction):

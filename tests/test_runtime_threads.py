@@ -79,11 +79,11 @@ def test_cpu_p2p_streams_run_without_threads_in_program_order():
     executor = pipe.executor
     assert torch.isfinite(loss)
     for program in executor.programs:
-        assert executor.threadless[program.device].streams == (Stream.P2P_IN, Stream.P2P_OUT)
+        assert executor.state.step.threadless[program.device].streams == (Stream.P2P_IN, Stream.P2P_OUT)
         for stream in (Stream.P2P_IN, Stream.P2P_OUT):
-            ran = sorted((start, index) for device, s, index, start, _ in executor.timeline
+            ran = sorted((start, index) for device, s, index, start, _ in executor.state.step.timeline
                          if device == program.device and s is stream)
-            assert [index for _, index in ran] == executor.tables[program.device].order[stream]
+            assert [index for _, index in ran] == executor.state.tables[program.device].order[stream]
     assert set(executor.threads.queues) == {(p.device, Stream.COMPUTE) for p in executor.programs}
 
 

@@ -55,11 +55,11 @@ class Mix:
             return None
         if len(self.clusters) == 1:
             return _levels(self.clusters[0])
-        links: list[tuple[float, float | None]] = []  # per device: its instance's (intra, inter) link
+        links: list[tuple[float, float]] = []  # per device: its instance's (intra, inter) link
         for cluster, members in nodes:
             intra = cluster.intra_node_bandwidth if len(members) > 1 else float("inf")
             inter = cluster.inter_node_bandwidth / len(members) if cluster.inter_node_bandwidth else None
-            if intra is None or (inter is None and len(nodes) > 1):
+            if intra is None or inter is None:  # two clusters or more: always several nodes
                 return None
             links.extend([(intra, inter)] * len(members))
         node_of = [n for n, (_, members) in enumerate(nodes) for _ in members]
@@ -72,11 +72,13 @@ def _levels(cluster: Cluster) -> Topology | None:
     """Instances of one type: within one the intra-node link, across them the network's share."""
     per_node, nodes = len(cluster.nodes[0]), len(cluster.nodes)
     intra, inter = cluster.intra_node_bandwidth, cluster.inter_node_bandwidth
-    if (per_node > 1 and intra is None) or (nodes > 1 and inter is None):
+    if per_node > 1 and intra is None:
         return None
-    if nodes == 1:
-        return Topology.uniform(per_node, intra)
-    return Topology.two_level(nodes, per_node, intra if per_node > 1 else inter, inter / per_node)
+    if nodes == 1:  # one device alone has no links: `topology` answers None before asking
+        return None if intra is None else Topology.uniform(per_node, intra)
+    if inter is None:
+        return None
+    return Topology.two_level(nodes, per_node, intra if intra is not None and per_node > 1 else inter, inter / per_node)
 
 
 def check_request(request: str, catalogue: Catalogue) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch.utils._pytree import tree_map
 
@@ -40,22 +42,24 @@ def input_specs(tensors: list[torch.Tensor]) -> tuple[InputSpec, ...]:
     return tuple(InputSpec(str(t.dtype), tuple(t.shape[1:] if t.dim() else t.shape), t.dim() > 0) for t in tensors)
 
 
-def check_step_tensors(named: dict[str, object], specs: tuple[InputSpec, ...], microbatches: int,
+def check_step_tensors(named: Mapping[str, object], specs: tuple[InputSpec, ...], microbatches: int,
                        largest: int, smallest: int, call: str = "step") -> int:
     """Every tensor `call` (step, evaluate or predict: what the errors name) got is a tensor with data, all carry one batch along dim 0, and each has
     the example's dtype and sizes the stage code takes (`specs`, in the order of `named`; a plan saved
     before they were recorded has none). The batch splits into `microbatches` of `smallest` to
     `largest` samples (memory was planned for `largest`). Returns the batch size."""
+    tensors: dict[str, torch.Tensor] = {}
     for name, value in named.items():
         if not isinstance(value, torch.Tensor):
             raise ExampleInputsError(f"{call} got a {type(value).__name__} for {name!r}; give a tensor, as in "
                                      "example_inputs / example_target")
         if value.is_meta:
             raise ExampleInputsError(f"{call} got {name!r} on the meta device (no data); give a tensor on 'cpu' or 'cuda'")
-    batch = _common_batch(named, specs, call)
+        tensors[name] = value
+    batch = _common_batch(tensors, specs, call)
     _check_batch_size(batch, microbatches, largest, smallest, call)
-    for index, (name, value) in enumerate(named.items()):
-        if len(specs) == len(named):
+    for index, (name, value) in enumerate(tensors.items()):
+        if len(specs) == len(tensors):
             _check_like_example(name, value, specs[index], call)
     return batch
 
@@ -135,8 +139,8 @@ def split_batch(inputs, microbatches: int) -> list:
     if isinstance(inputs, dict):
         chunks = {k: v.tensor_split(microbatches) if v.dim() else [v] * microbatches for k, v in inputs.items()}
         return [{k: c[i] for k, c in chunks.items()} for i in range(microbatches)]
-    chunks = [v.tensor_split(microbatches) if v.dim() else [v] * microbatches for v in inputs]
-    return [tuple(c[i] for c in chunks) for i in range(microbatches)]
+    pieces = [v.tensor_split(microbatches) if v.dim() else [v] * microbatches for v in inputs]
+    return [tuple(c[i] for c in pieces) for i in range(microbatches)]
 
 
 def first_microbatch(target, microbatches: int):
@@ -149,7 +153,7 @@ def first_microbatch(target, microbatches: int):
 def on_model_device(model: torch.nn.Module, value):
     """The example's tensors where the model is, for tracing: data on the GPU beside a model still on
     the CPU (the usual order: the model is compiled before it is placed) traces like CPU data."""
-    state = next(iter(model.parameters()), None)
+    state: torch.Tensor | None = next(iter(model.parameters()), None)
     state = state if state is not None else next(iter(model.buffers()), None)
     device = state.device if state is not None else torch.device("cpu")
     return tree_map(lambda item: item.to(device) if isinstance(item, torch.Tensor) else item, value)

@@ -146,6 +146,8 @@ def loss_weights(reduction: LossReduction, pieces: list[dict[str, torch.Tensor]]
                  target_name: str | None) -> tuple[float, ...]:
     """Each microbatch's share of the batch's counted items (0 for a microbatch that counts none)."""
     name = reduction.labels if reduction.labels is not None else target_name
+    if name is None:  # compile refuses a reduction with neither (check above); a guard, not a path users reach
+        raise LossError(f"loss_reduction={reduction!r} counts the labels' items, but no labels= and no target name them")
     counts = [reduction.count(piece[name]) for piece in pieces]
     total = sum(counts)
     return tuple(count / total if total else 0.0 for count in counts)

@@ -78,7 +78,9 @@ class _SavedGroups:
         self.group_of = {name: index for index, (names, _) in enumerate(self.groups) for name in names}
         for tie in aliases:
             placed = next((self.group_of[name] for name in tie if name in self.group_of), None)
-            for name in tie if placed is not None else ():
+            if placed is None:
+                continue
+            for name in tie:
                 self.group_of.setdefault(name, placed)
 
     def __call__(self, named: NamedParameters) -> list[dict]:

@@ -14,9 +14,9 @@ import torch.fx as fx
 from stagewise.compiler.assembly.optimizer_groups import ParamGroups, StageOptimizerFactory
 from stagewise.compiler.assembly.state_dict import model_name
 from stagewise.compiler.assembly.step_shapes import StateSpecs, state_specs
-from stagewise.ir.errors import DeviceError
+from stagewise.ir.errors import DeviceError, PlanError
 from stagewise.ir.instructions import StashOut
-from stagewise.ir.plan import Plan
+from stagewise.ir.plan import Plan, Stage
 from stagewise.ir.precision import LossScaling
 from stagewise.runtime.distributed import DistributedTransport
 from stagewise.runtime.executor import DEFAULT_TIMEOUT_S, StreamExecutor
@@ -71,8 +71,7 @@ def start_runtime(plan: Plan, modules: Sequence[fx.GraphModule | None], optimize
             swapped=stage.index in swapped,
             swapped_stashes=frozenset(mb for s, mb in stash_swaps if s == stage.index),
         )
-        for stage, module in zip(plan.stages, modules, strict=True)
-        if stage.device in local
+        for stage, module in _local_modules(plan, modules, local)
     ]
     executor = StreamExecutor(tuple(p for p in plan.programs if p.device in local), workers, transport,
                               clip_grad_norm, {s.index: s.device for s in plan.stages}, seed=plan.seed,
@@ -81,6 +80,16 @@ def start_runtime(plan: Plan, modules: Sequence[fx.GraphModule | None], optimize
     others = [m.to("meta") if m is not None and s.device not in local else m
               for s, m in zip(plan.stages, modules, strict=True)]  # their shapes only: no memory
     return Runtime(context, pools, transport, workers, executor, optimizer, others, states, clip_grad_norm)
+
+
+def _local_modules(plan: Plan, modules: Sequence[fx.GraphModule | None],
+                   local: set[int]) -> list[tuple[Stage, fx.GraphModule]]:
+    """The stages this process runs with their modules (None only for another rank's)."""
+    held = [(stage, module) for stage, module in zip(plan.stages, modules, strict=True) if stage.device in local]
+    missing = [stage.index for stage, module in held if module is None]
+    if missing:
+        raise PlanError(f"stages {missing} run in this process but no module was given for them")
+    return [(stage, module) for stage, module in held if module is not None]
 
 
 def _stage_optimizer(plan: Plan, module: torch.nn.Module, optimizer: Callable) -> Callable:

@@ -114,9 +114,9 @@ class SafeReader(dcp.FileSystemReader):
 
     def read_metadata(self, *args, **kwargs) -> Metadata:  # noqa: ANN002, ANN003 - torch's signature varies
         metadata = self.saved.metadata
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage = getattr(metadata, "storage_meta", None) or StorageMeta()
+        storage.load_id = self.load_id
+        metadata.storage_meta = storage
         return metadata
 
 

@@ -93,6 +93,8 @@ def read_marker(root: Path) -> dict[str, FileRecord]:
         raise CheckpointError(f"{path} is missing: {root} is not a complete stagewise checkpoint; {_DAMAGED}")
     try:
         data = strict_json(_marker_bytes(root), path)
+        if not isinstance(data, dict):
+            raise ValueError(f"a JSON {type(data).__name__}, not an object")
         if data["format"] != FORMAT:
             raise ValueError(f"format {data['format']!r}")
         version = int(data["version"])

@@ -93,7 +93,7 @@ def _read(root: Path, rank: int, ranks: int) -> Checkpoint:
     plan = _parse(root, "plan.json", files, lambda data: Plan.from_json(_unique_keys(data, root / "plan.json")))
     training = _parse(root, TRAINING_FILE, files, _safe_load)
     read_checked(root, "programs.txt", files)  # only for reading, but a damaged copy is still told
-    structures = [_parse(root, f"stage_{s.index}.json", files, _json(root / f"stage_{s.index}.json"))
+    structures = [_parse(root, f"stage_{s.index}.json", files, _json_object(root / f"stage_{s.index}.json"))
                   for s in plan.stages]
     for stage in plan.stages:
         read_checked(root, f"stage_{stage.index}.py", files)  # the code to read, never run: told when damaged
@@ -121,8 +121,14 @@ def _saved_tensors(root: Path, files: dict[str, FileRecord]) -> SavedTensors:
     return SavedTensors(metadata, check_metadata(metadata, shards, root / name))
 
 
-def _json(path: Path) -> Callable[[bytes], object]:
-    return lambda data: strict_json(data, path)
+def _json_object(path: Path) -> Callable[[bytes], dict]:
+    """A parser of `path`'s JSON that must hold one object (a stage structure)."""
+    def parse(data: bytes) -> dict:
+        parsed = strict_json(data, path)
+        if not isinstance(parsed, dict):
+            raise CheckpointError(f"a JSON {type(parsed).__name__}, not the object a stage structure is")
+        return parsed
+    return parse
 
 
 def _unique_keys(data: bytes, path: Path) -> str:

@@ -58,9 +58,9 @@ def _restore_training(plan: Plan, runtime: Runtime, training: dict, optimizer: d
         state = stage_optimizer_state(plan, worker, optimizer[worker.stage.index],
                                       training.get("optimizer_values", {}), training.get("optimizer_groups", []))
         worker.load_optimizer_state(state)
-    runtime.executor.iteration = training.get("step", 0)  # random draws go on where they were saved
-    if runtime.executor.scaler is not None and training.get("loss_scaler") is not None:
-        runtime.executor.scaler.load_state_dict(training["loss_scaler"])  # fp16's scale goes on
+    runtime.executor.state.iteration = training.get("step", 0)  # random draws go on where they were saved
+    if runtime.executor.state.scaler is not None and training.get("loss_scaler") is not None:
+        runtime.executor.state.scaler.load_state_dict(training["loss_scaler"])  # fp16's scale goes on
 
 
 def unheld_names(plan: Plan) -> list[str]:

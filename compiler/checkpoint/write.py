@@ -212,8 +212,8 @@ def _write_small(plan: Plan, staging: Path, parts: list[_Part], loop: dict) -> d
 
 def _loop_settings(runtime: Runtime, training: dict) -> dict:
     """The training loop's state now (`training` and the runtime's step, clipping and loss scale)."""
-    scaler = runtime.executor.scaler
-    return {**training, "step": runtime.executor.iteration, "clip_grad_norm": runtime.clip_grad_norm,
+    scaler = runtime.executor.state.scaler
+    return {**training, "step": runtime.executor.state.iteration, "clip_grad_norm": runtime.clip_grad_norm,
             "loss_scaler": None if scaler is None else scaler.state_dict()}
 
 

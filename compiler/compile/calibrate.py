@@ -199,9 +199,12 @@ def handoff_seconds(rounds: int = 200) -> float:
     Measured once per process by two threads passing a counter back and forth."""
     sync, state = Sync(2, timeout_s=10.0), {"turn": 0}
 
+    def turn_is(turn: int) -> bool:
+        return state["turn"] == turn
+
     def play(parity: int) -> None:
         for i in range(rounds):
-            sync.wait_until(lambda i=i: state["turn"] == 2 * i + parity, "handoff", ["turn"])
+            sync.wait_until(functools.partial(turn_is, 2 * i + parity), "handoff", ["turn"])
             with sync.locked():
                 state["turn"] += 1
                 sync.changed("turn")

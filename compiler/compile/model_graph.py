@@ -71,8 +71,8 @@ def _replan_options(options: CompileOptions, virtual_devices: int | None) -> dic
             "virtual_devices": virtual_devices}
 
 
-def usable(model_graph: dict | None, graph: fx.GraphModule | None, root: object) -> dict:
-    """`model_graph` if it describes a graph (`graph`: it rebuilt); else a CheckpointError saying how to
+def usable(model_graph: dict | None, graph: fx.GraphModule | None, root: object) -> tuple[dict, fx.GraphModule]:
+    """`model_graph` and `graph` (what it rebuilt) if it describes one; else a CheckpointError saying how to
     load onto other devices."""
     fix = "compile the model for the new devices and call pipe.restore(directory)"
     if model_graph is None:
@@ -86,7 +86,7 @@ def usable(model_graph: dict | None, graph: fx.GraphModule | None, root: object)
                               f"data ({model_graph['unavailable']}); {fix}")
     if graph is None:
         raise CheckpointError(f"{root}/{FILE} holds no 'graph' to plan again from: {fix}")
-    return model_graph
+    return model_graph, graph
 
 
 def stand_in(model_graph: dict, saved: Checkpoint, module: fx.GraphModule) -> fx.GraphModule:

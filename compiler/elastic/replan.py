@@ -50,8 +50,8 @@ def replan(saved: Checkpoint, graph: fx.GraphModule | None, devices, trusted: Ma
     """A pipeline planned for `devices` from `saved`'s graph (`graph`: graph.json rebuilt on the meta
     device, compiler/checkpoint/verify.py), holding its state; trains on from it. `trusted`: the
     caller's functions by name."""
-    model_graph = usable(saved.model_graph, graph, saved.root)
-    model = stand_in(model_graph, saved, graph)
+    model_graph, rebuilt = usable(saved.model_graph, graph, saved.root)
+    model = stand_in(model_graph, saved, rebuilt)
     plan, training = saved.plan, saved.training
     inputs, target = _example_batch(plan)
     options = _options(model_graph, plan, training, target, trusted, saved.root / GRAPH_FILE)

@@ -72,7 +72,7 @@ class Evaluation:
             raise ModeError(f"evaluate cannot run stages {swapped} yet: their weights live in host memory between "
                             "uses (swapping); compile with swap='off' or more device memory to evaluate")
         executor = self._forward_executor(training_executor)
-        executor.timeout_s = training_executor.timeout_s
+        executor.state.timeout_s = training_executor.state.timeout_s
         modes = [(m, m.training) for w in self.workers for m in w.module.modules()]
         ledgers = [pool.ledger() for pool in self.pools]
         training = self.training
@@ -101,9 +101,9 @@ class Evaluation:
             local = {p.device for p in training_executor.programs}
             programs = tuple(p for p in forward_only_programs(self.plan) if p.device in local)
             self._executor = StreamExecutor(programs, self.workers, self.transport, None,
-                                            training_executor.device_of, opportunistic=False, seed=self.plan.seed,
+                                            training_executor.state.device_of, opportunistic=False, seed=self.plan.seed,
                                             precision=self.plan.precision)
-            self._executor.loss_weights = training_executor.loss_weights  # the feed sets the step's weights
+            self._executor.state.loss_weights = training_executor.state.loss_weights  # the feed sets the step's weights
         return self._executor
 
 

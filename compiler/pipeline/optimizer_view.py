@@ -42,11 +42,15 @@ class PipelineOptimizer(torch.optim.Optimizer):
         self._settle = settle
         self._distributed = distributed
         self._factory = factory
-        if not self._stages and not (distributed and factory is not None):
-            raise OptionError("this pipeline holds no trainable parameter: there is no optimizer")
         self._names = {id(p): model_name(plan, n) for w in self._stages for n, p in w.params.items()}
         self._position = {n: i for i, n in enumerate(plan.state_names)}  # the model's order
-        super().__init__(self._stage_groups() if self._stages else _idle_groups(factory), {})
+        if self._stages:
+            groups = self._stage_groups()
+        elif distributed and factory is not None:  # a rank whose stages train nothing
+            groups = _idle_groups(factory)
+        else:
+            raise OptionError("this pipeline holds no trainable parameter: there is no optimizer")
+        super().__init__(groups, {})
         self.state = _StageStates(self._stages)  # type: ignore[assignment]
 
     def _stage_groups(self) -> list[dict]:

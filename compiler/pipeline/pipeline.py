@@ -193,7 +193,7 @@ class Pipeline:
             >>> resumed.state_dict()["last_epoch"] == scheduler.state_dict()["last_epoch"]
             True
         """
-        resume_scheduler(self.optimizer, scheduler, self.resumed, self.executor.iteration)
+        resume_scheduler(self.optimizer, scheduler, self.resumed, self.executor.state.iteration)
 
     @property
     def loss_reduction(self) -> LossReduction | None:
@@ -225,7 +225,7 @@ class Pipeline:
             >>> pipe.loss_scale is None  # compiled in fp32
             True
         """
-        return None if self.executor.scaler is None else self.executor.scaler.scale
+        return None if self.executor.state.scaler is None else self.executor.state.scaler.scale
 
     @property
     def last_step_skipped(self) -> bool:
@@ -237,7 +237,7 @@ class Pipeline:
             >>> pipe.last_step_skipped
             False
         """
-        return self.executor.last_step_skipped
+        return self.executor.state.last_step_skipped
 
     @property
     def skipped_steps(self) -> int:
@@ -259,10 +259,10 @@ class Pipeline:
             >>> pipe.last_grad_norm is None  # compiled without clip_grad_norm
             True
         """
-        return self.executor.last_grad_norm
+        return self.executor.state.last_grad_norm
 
     def time_breakdown(self) -> list[dict[str, float]]:
-        """Where the last step's time went, per device (after a step).
+        """Where the last step's time went, per device (before the first step, every device at zero).
 
         Returns:
             One dict per device: its index, the step's seconds, and the seconds each stream (compute,
@@ -273,7 +273,7 @@ class Pipeline:
             >>> [sorted(row) for row in pipe.time_breakdown()][0]
             ['compute_s', 'device', 'p2p_in_s', 'p2p_out_s', 'step_s', 'swap_in_s', 'swap_out_s']
         """
-        timeline = self.executor.timeline
+        timeline = self.executor.state.step.timeline
         step = max((end for *_, end in timeline), default=0.0)
         rows = []
         for program in self.executor.programs:
@@ -299,18 +299,18 @@ class Pipeline:
             >>> pipe.timeout_s = 300.0
         """
         transport = self.transport
-        return transport.timeout_s if isinstance(transport, DistributedTransport) else self.executor.timeout_s
+        return transport.timeout_s if isinstance(transport, DistributedTransport) else self.executor.state.timeout_s
 
     @timeout_s.setter
     def timeout_s(self, seconds: float) -> None:
         # Across processes the transport's wait names the silent rank: let it expire first.
         transport = self.transport
-        self.executor.timeout_s = 2 * seconds if isinstance(transport, DistributedTransport) else seconds
+        self.executor.state.timeout_s = 2 * seconds if isinstance(transport, DistributedTransport) else seconds
         if isinstance(transport, DistributedTransport):
             transport.timeout_s = seconds
 
     @property
-    def stats(self) -> list[dict[str, int]]:
+    def stats(self) -> list[dict[str, int | None]]:
         """Per device, from its memory pool: peak and current bytes (by kind), swap and p2p bytes.
         (`pipe.stats[0]["peak_bytes"]`: device 0's peak.)
 
@@ -691,7 +691,7 @@ class Pipeline:
         """Give each worker its inputs of every microbatch it runs (a failed step clears them), the
         executors each microbatch's loss weight (None: 1 / microbatches), and the transport the sizes
         of what is sent where they are not the plan's (compiler/assembly/step_shapes.py)."""
-        self.executor.loss_weights.weights = weights
+        self.executor.state.loss_weights.weights = weights
         self.transport.transfer_specs = transfer_specs
         for worker in self.workers:
             for mb, piece in enumerate(pieces):

@@ -24,7 +24,7 @@ from stagewise.compiler.pipeline.prediction_output import model_output
 from stagewise.compiler.pipeline.small_batches import GivenSamples, filled
 from stagewise.compiler.pipeline.step_inputs import named_inputs
 from stagewise.compiler.pipeline.token_ids import EmbeddingBound, check_token_ids
-from stagewise.ir.errors import PredictError
+from stagewise.ir.errors import PlanError, PredictError
 from stagewise.ir.plan import Plan
 from stagewise.ir.subgraph import MODEL_OUTPUT
 from stagewise.runtime.distributed import DistributedTransport
@@ -152,7 +152,10 @@ def _predict_module(module: fx.GraphModule, last: bool) -> tuple[fx.GraphModule,
         return module, ()
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    outputs = list(graph.graph_copy(module.graph, env))
+    copied = graph.graph_copy(module.graph, env)
+    if not isinstance(copied, tuple | list):  # codegen's stage modules return a tuple
+        raise PlanError(f"stage module {module.__class__.__name__} returns {type(copied).__name__}, not a tuple")
+    outputs = list(copied)
     if last:
         outputs[0] = graph.call_function(torch.zeros, ((),))  # the loss, which needs the target
     graph.output(tuple(outputs + [env[n] for n in marked]))

@@ -37,12 +37,12 @@ class StepNotices:
 
     def step_done(self, executor: StreamExecutor) -> None:
         """After `executor` committed a step: count it if its update was skipped, and say so the first time."""
-        if not executor.last_step_skipped:
+        if not executor.state.last_step_skipped:
             return
         self.skipped_steps += 1
-        eager = ("as torch.amp.GradScaler skips it, and the loss scale backed off" if executor.scaler is not None else
+        eager = ("as torch.amp.GradScaler skips it, and the loss scale backed off" if executor.state.scaler is not None else
                  "where eager training with clip_grad_norm_ would have written NaN into every weight "
                  "(clip_grad_norm_(..., error_if_nonfinite=True) raises instead)")
-        self.warn_once(SkippedUpdateWarning, f"step {executor.iteration}: the gradients hold an inf or NaN, so no stage updated "
+        self.warn_once(SkippedUpdateWarning, f"step {executor.state.iteration}: the gradients hold an inf or NaN, so no stage updated "
                        f"(weights and optimizer state as before), {eager}; pipe.skipped_steps counts such steps "
                        "(this warning is given once per pipeline). Look for a loss or input that is not finite")

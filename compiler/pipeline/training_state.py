@@ -53,10 +53,11 @@ def training_state(scheduler: object, extra: object) -> TrainingState:
         raise OptionError(f"pipe.save(extra=...) takes a dict of metadata, got {type(extra).__name__}")
     state = None
     if scheduler is not None:
-        if not callable(getattr(scheduler, "state_dict", None)):
+        state_dict = getattr(scheduler, "state_dict", None)
+        if not callable(state_dict):
             raise OptionError(f"pipe.save(scheduler=...) takes a torch.optim.lr_scheduler made over pipe.optimizer, "
                               f"got {type(scheduler).__name__}")
-        state = scheduler.state_dict()
+        state = state_dict()
     try:
         serialised((state, extra))
     except CheckpointError as err:

@@ -35,7 +35,7 @@ def measured_seconds(pipe: sw.Pipeline) -> tuple[tuple[float, ...], ...]:
     """Each stage's median forward, backward and update seconds in the step just run: the overlaps
     that decide a peak depend on how long each stage computes."""
     spans: dict[tuple[type, int], list[float]] = {}
-    for device, _, index, start, end in pipe.executor.timeline:
+    for device, _, index, start, end in pipe.executor.state.step.timeline:
         ins = pipe.plan.programs[device].instructions[index]
         if isinstance(ins, (Forward, Recompute, Backward, Update, HostUpdate)):
             kind = Forward if isinstance(ins, Recompute) else HostUpdate if isinstance(ins, Update) else type(ins)
@@ -48,6 +48,6 @@ def measured_seconds(pipe: sw.Pipeline) -> tuple[tuple[float, ...], ...]:
 def stream_orders(pipe: sw.Pipeline) -> dict[tuple[int, Stream], list[int]]:
     """Per device and stream, the instructions it ran, in the order they started."""
     runs: dict[tuple[int, Stream], list[tuple[float, int]]] = {}
-    for device, stream, index, start, _ in pipe.executor.timeline:
+    for device, stream, index, start, _ in pipe.executor.state.step.timeline:
         runs.setdefault((device, stream), []).append((start, index))
     return {key: [i for _, i in sorted(v)] for key, v in runs.items()}
