@@ -107,7 +107,7 @@ def stage_seconds(pipe, repeats: int = 5) -> tuple[dict, dict, float]:
     minor page faults per worker F or B."""
     plain, worker_path = {}, {}
     faults = instructions = 0
-    for worker in pipe.workers:
+    for worker in pipe._workers:
         inputs = RECORDER.inputs.get(worker.stage.index)
         if inputs is None:
             continue
@@ -150,7 +150,7 @@ def concurrent_stage_seconds(pipe, seconds: float = 0.8) -> dict[int, tuple[floa
     device runs its own stages in a loop in its own thread at the same time, without the runtime:
     how much the devices of one process slow each other down (cores, GIL, memory bandwidth)."""
     by_device = collections.defaultdict(list)
-    for worker in pipe.workers:
+    for worker in pipe._workers:
         inputs = RECORDER.inputs.get(worker.stage.index)
         if inputs is not None:
             by_device[worker.stage.device].append((worker, [inputs[name] for name in worker.stage.inputs]))
@@ -169,6 +169,6 @@ def concurrent_stage_seconds(pipe, seconds: float = 0.8) -> dict[int, tuple[floa
         t.start()
     for t in threads:
         t.join()
-    for worker in pipe.workers:
+    for worker in pipe._workers:
         worker.module.zero_grad(set_to_none=True)
     return {s: (statistics.median(f), statistics.median(b)) for s, (f, b) in times.items() if f}

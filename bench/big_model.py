@@ -168,7 +168,7 @@ def run_config(args, schedule: str, swap: str, capacity: int, batches) -> dict:
     return {
         "schedule": schedule,
         "swap": swap,
-        "swapped_stages": sum(w.swapped for w in pipe.workers),
+        "swapped_stages": sum(w.swapped for w in pipe._workers),
         "stages": len(pipe.plan.stages),
         "packs": len({s.position for s in pipe.plan.stages}),
         "stages_per_device": stages_per_device,

@@ -19,7 +19,7 @@ tensors per parameter. Then on that pipeline, in one run, the two methods altern
   the code path of restoring into any plan) and `sw.load(dir)` (a second pipeline rebuilt from the
   checkpoint alone).
 - gather to rank 0 (the design before): each rank takes its stages' state (`w.state_tensors()`
-  and `w.optimizer_state()` for `w in pipe.workers`), `dist.gather_object` to rank 0, which
+  and `w.optimizer_state()` for `w in pipe._workers`), `dist.gather_object` to rank 0, which
   `torch.save`s one file (beside, fsync'd, renamed: DCP's writer syncs its files too) while the
   other rank waits at a barrier, so that with both methods save returns once the checkpoint is in
   place. Load: rank 0 `torch.load(weights_only=True)`s the file, `dist.scatter_object_list` hands
@@ -127,8 +127,8 @@ def sw_load(pipe, root: Path, rank: int) -> None:
 
 def gather_save(pipe, root: Path, rank: int) -> None:
     """Every stage's state gathered to rank 0, which writes one file; returns once it is in place."""
-    pipe.executor.settle()
-    part = {w.stage.index: {"weights": w.state_tensors(), "optimizer": w.optimizer_state()} for w in pipe.workers}
+    pipe._executor.settle()
+    part = {w.stage.index: {"weights": w.state_tensors(), "optimizer": w.optimizer_state()} for w in pipe._workers}
     parts: list | None = [None] * RANKS if rank == 0 else None
     dist.gather_object(part, parts, dst=0)
     del part
@@ -151,7 +151,7 @@ def gather_load(pipe, root: Path, rank: int) -> None:
     dist.scatter_object_list(mine, parts, src=0)
     del parts
     with torch.no_grad():
-        for worker in pipe.workers:
+        for worker in pipe._workers:
             saved = mine[0][worker.stage.index]
             for name, tensor in worker.state_tensors().items():
                 tensor.copy_(saved["weights"][name])
@@ -192,10 +192,10 @@ def run_rank(rank: int, init_file: str, out: str, args) -> None:
             runs.setdefault((method, operation), []).append(measured(functools.partial(fn, pipe, root, rank)))
     dist.barrier()
     result = {"runs": runs, "written": written(root, rank), "loss": loss,
-              "stages": sorted(w.stage.index for w in pipe.workers),
+              "stages": sorted(w.stage.index for w in pipe._workers),
               "gather_part": len(pickle.dumps({w.stage.index: {"weights": w.state_tensors(),
                                                                 "optimizer": w.optimizer_state()}
-                                               for w in pipe.workers}))}
+                                               for w in pipe._workers}))}
     (root / f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
     dist.barrier()
     dist.destroy_process_group()

@@ -133,14 +133,14 @@ def profiled_compute(pipe) -> float:
 def core_per_device_s(pipe) -> float:
     """The plan's step simulated as if every device had a core of its own: no contention between
     devices and no wake-ups (what 4 real devices would see; this machine cannot measure it)."""
-    cost = dataclasses.replace(pipe.sim_cost, concurrency=(), wake_s=0.0, update_concurrency=(),
+    cost = dataclasses.replace(pipe._sim_cost, concurrency=(), wake_s=0.0, update_concurrency=(),
                                shared_devices=frozenset())
     return simulate(pipe.plan.programs, cost).iteration_time
 
 
 def contention(pipe) -> str:
     """The simulator's speed of each of k devices computing at once (k = 1, 2, ...), measured at compile."""
-    return "/".join(f"{v:.2f}" for v in getattr(pipe.sim_cost, "concurrency", ())) or "none"
+    return "/".join(f"{v:.2f}" for v in getattr(pipe._sim_cost, "concurrency", ())) or "none"
 
 
 def compile_plans(case: Case, devices: int, args, tries: int = 3) -> list:

@@ -83,7 +83,7 @@ class Compute:
 
 
 def compute_ratios(pipe, steps: int) -> Compute:
-    cost = pipe.sim_cost
+    cost = pipe._sim_cost
     spans = [span for span in RECORDER.spans if isinstance(span[1], (*COMPUTES, HostUpdate))]
     by_device = collections.defaultdict(list)
     for d, _, a, b, _, _ in spans:
@@ -136,7 +136,7 @@ def with_overhead(cost, c: float):
 
 def fit_overhead(pipe, measured: float) -> float:
     """The per-instruction overhead c with simulate(programs, cost + c) == measured (bisection)."""
-    base = pipe.sim_cost
+    base = pipe._sim_cost
     if simulate(pipe.plan.programs, base).iteration_time >= measured:
         return 0.0
     lo, hi = 0.0, 1e-3
@@ -196,11 +196,11 @@ def run_plan(models: dict, key: str, devices: int, schedule: str, m: int, args) 
     null = null_model(model.target.shape[0])
     null_pipe = compile_plan(null, devices, schedule, m)
     c = fit_overhead(null_pipe, statistics.median(step_times(null_pipe, null, args.warmup, args.null_steps)))
-    calibrated = simulate(pipe.plan.programs, with_overhead(pipe.sim_cost, c)).iteration_time
-    staged = simulate(pipe.plan.programs, with_overhead(stage_cost(pipe.sim_cost, worker_path, False), c)).iteration_time
-    concurrent = simulate(pipe.plan.programs, with_overhead(stage_cost(pipe.sim_cost, together, True), c)).iteration_time
+    calibrated = simulate(pipe.plan.programs, with_overhead(pipe._sim_cost, c)).iteration_time
+    staged = simulate(pipe.plan.programs, with_overhead(stage_cost(pipe._sim_cost, worker_path, False), c)).iteration_time
+    concurrent = simulate(pipe.plan.programs, with_overhead(stage_cost(pipe._sim_cost, together, True), c)).iteration_time
     instructions = max(len(p.instructions) for p in pipe.plan.programs)
-    cost = pipe.sim_cost
+    cost = pipe._sim_cost
     return Row(key, devices, schedule, m, instructions, pipe.plan.predicted_iteration_s, statistics.median(times),
                times, compute, _fb_ratio(plain, cost), _fb_ratio(worker_path, cost), c, calibrated,
                staged, concurrent, _fb_ratio(together, cost), alone_faults, 1 / cost.speed_with(devices),

@@ -15,7 +15,7 @@ then, and a step that fails is rolled back on every stage (runtime/recovery.py, 
 Varuna's opportunistic policy (runtime/opportunistic.py) lets the compute stream of a program
 that recomputes run a later forward early, taking over its receives and sends. The handlers,
 one per instruction kind, are in runtime/handlers.py. The executor and these parts share one
-`ExecutorState` (runtime/executor_state.py), each holding a reference to it: `pipe.executor.state`
+`ExecutorState` (runtime/executor_state.py), each holding a reference to it: `pipe._executor.state`
 is where the step count, the loss scaler, the last step's timeline and the like are read.
 """
 

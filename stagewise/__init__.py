@@ -16,6 +16,7 @@ from stagewise.compiler.advice.recommend import recommend
 from stagewise.compiler.advice.recommend_report import Candidate, Recommendation
 from stagewise.compiler.assembly.loss_reduction import SampleMean, TokenMean
 from stagewise.compiler.assembly.optimizer_groups import ParamGroups
+from stagewise.compiler.assembly.option_groups import MemoryOptions, PlanOptions, TrainingOptions
 from stagewise.compiler.checkpoint.async_save import SaveHandle
 from stagewise.compiler.compile.driver import compile, plan, simulate  # noqa: A004 - the public name of the API
 from stagewise.compiler.elastic.load import load
@@ -70,6 +71,7 @@ __all__ = [
     "ExampleInputsError",
     "LossError",
     "LossScaling",
+    "MemoryOptions",
     "ModeError",
     "OptionError",
     "OversubscribedWarning",
@@ -81,6 +83,7 @@ __all__ = [
     "Pipeline",
     "PipelineBrokenError",
     "Plan",
+    "PlanOptions",
     "Schedule",
     "PlanError",
     "PrecisionError",
@@ -97,6 +100,7 @@ __all__ = [
     "StepTimeoutError",
     "TokenMean",
     "Topology",
+    "TrainingOptions",
     "TraceError",
     "UnweightedLossWarning",
     "UntrustedCodeError",

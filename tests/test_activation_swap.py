@@ -36,7 +36,7 @@ def stash_bytes(pipe) -> dict[int, int]:
     """What one microbatch of each stage stashes, as its pool counted it (equal for every microbatch of
     the example's sizes, the only ones these tests give)."""
     sizes = {}
-    for worker in pipe.workers:
+    for worker in pipe._workers:
         sizes[worker.stage.index] = max(v for (grad, _), v in worker.stash_size.items() if grad)
     return sizes
 
@@ -82,12 +82,12 @@ def test_schedules_with_stash_swapping_train_like_eager(schedule):
     for stage in pipe.plan.stages:
         moved[stage.device] += len(swapped.get(stage.index, [])) * sizes[stage.index]
     assert sum(moved.values()) > 0
-    for pool in pipe.pools:
+    for pool in pipe._runtime.pools:
         assert pool.swapped["stash"] == steps * 2 * moved[pool.index]  # out and back in, every step
         assert pool.by_kind["stash"] == 0
     if schedule == "1f1b":  # stage 0 swaps every microbatch; the last stage runs each B right after its F
         assert sorted(swapped) == [0] and sorted(swapped[0]) == list(range(m))
-        assert pipe.pools[0].swapped["stash"] == steps * 2 * m * sizes[0]
+        assert pipe._runtime.pools[0].swapped["stash"] == steps * 2 * m * sizes[0]
     if schedule == "gpipe":  # every microbatch: the backwards run in microbatch order, none right after its forward
         assert {s: sorted(mbs) for s, mbs in swapped.items()} == {0: list(range(m)), 1: list(range(m))}
     pipe.simulate()
@@ -97,7 +97,7 @@ def test_hf_gpt2_with_stash_swapping():
     pipe = check_equal_training(gpt2(layers=4), lm_batches(), 2, optimizer=ADAMW, microbatches=4, schedule="1f1b",
                                 swap="all")
     assert_stash_program_order(pipe)
-    assert pipe.pools[0].swapped["stash"] == 3 * 2 * 4 * stash_bytes(pipe)[0] > 0
+    assert pipe._runtime.pools[0].swapped["stash"] == 3 * 2 * 4 * stash_bytes(pipe)[0] > 0
     pipe.simulate()
 
 
@@ -106,7 +106,7 @@ def _probe(model, batches, m):
                       microbatches=m, schedule="gpipe", split_points=["blocks.2"], swap="off")
     pipeline_train(pipe, batches[:1])
     state = [s["weights_bytes"] + s["optimizer_bytes"] + s["weights_bytes"] for s in pipe.stats]  # + gradients
-    planned = pipe.sim_cost.stash_bytes
+    planned = pipe._sim_cost.stash_bytes
     stash = [max(sizes, planned[s]) for s, sizes in sorted(stash_bytes(pipe).items())]
     return state, stash
 
@@ -223,7 +223,7 @@ def test_a_backward_without_its_stash_is_an_error():
     index = {id(i): n for n, i in enumerate(kept)}
     renumber = {n: index[id(i)] for n, i in enumerate(program.instructions) if id(i) in index}
     kept = tuple(replace(i, waits=tuple(renumber[w] for w in i.waits if w in renumber)) for i in kept)
-    pipe.executor.programs = (replace(program, instructions=kept),) + pipe.executor.programs[1:]
+    pipe._executor.programs = (replace(program, instructions=kept),) + pipe._executor.programs[1:]
     pipe.timeout_s = 20
     with pytest.raises(sw.PlanError, match="stash-in"):
         pipe.step(ids[:, :-1], target=ids[:, 1:])
@@ -236,6 +236,6 @@ def test_stash_swapping_on_cuda_streams_trains_like_eager(schedule):
     from tests.harness.cuda import check_on_gpu, gpus
 
     pipe = check_on_gpu(TinyGPT(layers=4), token_batches(), gpus(2), microbatches=4, schedule=schedule, swap="all")
-    assert all(w.device.type == "cuda" for w in pipe.workers)
+    assert all(w.device.type == "cuda" for w in pipe._workers)
     assert sum(s["swap_stash_bytes"] for s in pipe.stats) > 0
-    assert all(buffer.is_pinned() for w in pipe.workers for free in w.host_bytes.free.values() for buffer, _ in free)
+    assert all(buffer.is_pinned() for w in pipe._workers for free in w.host_bytes.free.values() for buffer, _ in free)

@@ -28,11 +28,6 @@ from torch import nn
 import stagewise as sw
 from tests.models.mlp import mlp
 
-# The keywords of compile, plan and simulate are being regrouped (and their docstrings rewritten) on
-# another branch of issue 22; their sections are checked once that lands.
-DOCUMENTED_ELSEWHERE = frozenset({"compile", "plan", "simulate"})
-# Pipeline internals that another branch of issue 22 makes private (a leading underscore).
-PIPELINE_INTERNALS = frozenset({"pools", "transport", "workers", "executor", "rebuild"})
 OPTIONS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 
@@ -45,7 +40,7 @@ def _public_objects() -> Iterator[tuple[str, object]]:
         if not isinstance(obj, type) or issubclass(obj, (BaseException, enum.Enum)):
             continue
         for member, value in vars(obj).items():
-            if member.startswith("_") or (obj is sw.Pipeline and member in PIPELINE_INTERNALS):
+            if member.startswith("_"):
                 continue
             if isinstance(value, (property, classmethod, staticmethod)) or inspect.isfunction(value):
                 yield f"{name}.{member}", value
@@ -98,8 +93,7 @@ def missing_sections(name: str, obj: object) -> list[str]:
 
 
 def test_every_public_object_has_its_sections():
-    missing = {name: gaps for name, obj in _public_objects()
-               if name not in DOCUMENTED_ELSEWHERE and (gaps := missing_sections(name, obj))}
+    missing = {name: gaps for name, obj in _public_objects() if (gaps := missing_sections(name, obj))}
     assert not missing, "public API docstrings lack sections:\n" + "\n".join(
         f"  {name}: {', '.join(gaps)}" for name, gaps in sorted(missing.items()))
 
@@ -149,8 +143,8 @@ def namespace(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
 def test_every_example_section_holds_examples():
     """An `Example:` section of prose alone would pass the section check and run nothing."""
     with_examples = {test.name for test in DOCTESTS}
-    bare = [name for name, obj in _public_objects() if name not in DOCUMENTED_ELSEWHERE
-            and not (isinstance(obj, type) and issubclass(obj, BaseException)) and name not in with_examples]
+    bare = [name for name, obj in _public_objects()
+            if not (isinstance(obj, type) and issubclass(obj, BaseException)) and name not in with_examples]
     assert not bare, f"public objects whose docstring runs no >>> example: {bare}"
 
 

@@ -55,7 +55,7 @@ def test_steps_run_while_it_writes_and_it_holds_the_state_at_the_save(tmp_path, 
     loaded = sw.load(tmp_path / "ck")
     assert_exact(loaded.state_dict(), state)  # the state at the save, not after the two steps
     assert_exact(optimizer_state(loaded), moments)
-    assert loaded.executor.state.iteration == 2
+    assert loaded._executor.state.iteration == 2
     alone, _ = async_problem(schedule, swap=swap)  # the same training, never saved
     want = pipeline_train(alone, batches)
     torch.testing.assert_close(torch.stack(after), torch.stack(want[2:]), rtol=0, atol=0)
@@ -76,7 +76,7 @@ def test_a_failure_in_the_background_is_raised_and_keeps_the_earlier_checkpoint(
             handle.wait()
     pipe.wait_for_save()  # told already: the pipeline does not raise it again
     assert _files(tmp_path / "ck") == before and sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
-    assert sw.load(tmp_path / "ck").executor.state.iteration == 1
+    assert sw.load(tmp_path / "ck")._executor.state.iteration == 1
 
     pipe.save(tmp_path / "ck", asynchronous=True)  # fails again, and no one waits for it
     pipeline_train(pipe, batches[2:3])  # steps never raise it
@@ -85,7 +85,7 @@ def test_a_failure_in_the_background_is_raised_and_keeps_the_earlier_checkpoint(
         pipe.save(tmp_path / "ck")  # the next save does, and does not start
     assert _files(tmp_path / "ck") == before
     pipe.save(tmp_path / "ck")
-    assert sw.load(tmp_path / "ck").executor.state.iteration == 3
+    assert sw.load(tmp_path / "ck")._executor.state.iteration == 3
 
     monkeypatch.setattr(checkpoint_write, "write_tensors", _failing)
     handle = pipe.save(tmp_path / "ck", asynchronous=True)
@@ -104,4 +104,4 @@ def test_a_save_waits_for_the_one_in_flight(tmp_path, monkeypatch):
     threading.Timer(0.2, gate.set).start()
     pipe.save(tmp_path / "b")  # blocks until the first is in place
     assert first.done()
-    assert [sw.load(tmp_path / n).executor.state.iteration for n in ("a", "b")] == [1, 2]
+    assert [sw.load(tmp_path / n)._executor.state.iteration for n in ("a", "b")] == [1, 2]

@@ -107,7 +107,7 @@ def model(batchnorm: bool) -> nn.Sequential:
 
 def snapshot(pipe) -> dict:
     """Everything a failed step must leave as it was."""
-    workers = pipe.workers
+    workers = pipe._workers
     return {
         "state": {k: v.detach().clone() for k, v in pipe.state_dict().items()},
         "optimizer": [copy.deepcopy(w.optimizer_state()) for w in workers],
@@ -115,8 +115,8 @@ def snapshot(pipe) -> dict:
         "host grads": [k for w in workers for k in w.host if k[0] == "grads"],
         "placement": [(n, p.data.numel()) for w in workers for n, p in w.params.items()],
         "host": [sorted(w.host) for w in workers],
-        "pools": [pool.stats() for pool in pipe.pools],
-        "transport": (len(pipe.transport.mailbox), len(pipe.transport.reductions)),
+        "pools": [pool.stats() for pool in pipe._runtime.pools],
+        "transport": (len(pipe._runtime.transport.mailbox), len(pipe._runtime.transport.reductions)),
         "rng": torch.get_rng_state(),
     }
 
@@ -175,7 +175,7 @@ def test_a_failed_step_is_rolled_back_and_training_goes_on_as_eager(schedule, op
     pipe = sw.compile(net, 2, (X,), loss_fn=F.cross_entropy, example_target=Y, optimizer=SGD,
                       microbatches=MICROBATCHES, schedule=schedule, **options)
     FAULTS.recomputes = any(isinstance(ins, Recompute) and ins.stage == 0 for p in pipe.programs for ins in p.instructions)
-    updates = sum(1 for w in pipe.workers if w.optimizer is not None)
+    updates = sum(1 for w in pipe._workers if w.optimizer is not None)
     kinds = ["forward", "backward"] + (["recompute"] if FAULTS.recomputes else [])
     faults = [("update", updates)]  # the first step: no optimizer state yet, and it must stay so
     faults += [(kind, nth) for kind in kinds for nth in (1, MICROBATCHES // 2, MICROBATCHES)]
@@ -212,7 +212,7 @@ def test_a_stuck_stage_meets_the_deadline_and_the_pipeline_waits_for_it(tmp_path
     finally:
         FAULTS.block = None
         release.set()
-    assert pipe.executor.recovery.stuck.finished.wait(30)
+    assert pipe._executor.recovery.stuck.finished.wait(30)
     pipe.step(X, target=Y)
     eager_train(reference, [((X,), Y)], loss_fn=F.cross_entropy, optimizer=EAGER_SGD, microbatches=MICROBATCHES)
     assert_state_equal(pipe.state_dict(), reference.state_dict())
@@ -226,7 +226,7 @@ def test_a_step_whose_rollback_fails_breaks_the_pipeline(tmp_path):
     def broken_drain():
         raise OSError("transport lost")
 
-    pipe.transport.drain = broken_drain
+    pipe._runtime.transport.drain = broken_drain
     FAULTS.arm("backward", 2)
     try:
         with pytest.raises(InjectedBackwardError) as info:

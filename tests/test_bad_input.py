@@ -235,7 +235,7 @@ def test_token_ids_outside_the_embedding_are_named_before_anything_runs(kind):
                 call(method, bad)
         with pytest.raises(sw.ExampleInputsError, match=f"predict got '{name}' holding the id {bad_id}"):
             pipe.predict(bad) if kind == "fx-leaf" else pipe.predict(input_ids=bad)
-    assert pipe.executor.state.iteration == 0
+    assert pipe._executor.state.iteration == 0
     for key, value in pipe.state_dict().items():
         assert torch.equal(value, before[key]), key
     assert torch.isfinite(call(pipe.step, ids))

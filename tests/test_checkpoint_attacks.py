@@ -152,7 +152,7 @@ def test_a_trusted_optimizer_class_of_ones_own_loads(saved, tmp_path: Path):
     with pytest.raises(CheckpointError, match=r"trusted_functions=\[OwnSGD\]"):
         sw.load(crafted_path)
     pipe = sw.load(crafted_path, trusted_functions=[OwnSGD])
-    assert all(type(w.optimizer) is OwnSGD for w in pipe.runtime.workers)
+    assert all(type(w.optimizer) is OwnSGD for w in pipe._runtime.workers)
 
 
 class OwnSGD(torch.optim.SGD):

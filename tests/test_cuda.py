@@ -21,7 +21,7 @@ def test_schedules_on_cuda_streams_train_like_eager(schedule, swap):
     if schedule == "interleaved" and swap == "on":
         pytest.skip("interleaved does not swap")
     pipe = check_on_gpu(TinyGPT(layers=4), token_batches(), gpus(2), microbatches=4, schedule=schedule, swap=swap)
-    assert all(w.device.type == "cuda" for w in pipe.workers)
+    assert all(w.device.type == "cuda" for w in pipe._workers)
     assert (sum(s["swap_in_bytes"] for s in pipe.stats) > 0) == (swap == "on")
 
 
@@ -34,7 +34,7 @@ def test_stream_work_overlaps_on_the_gpu():
     """Swap-ins are issued on their own CUDA stream: the executor gives every device five streams."""
     pipe = sw.compile(TinyGPT(layers=4), gpus(2), token_batches()[0][0], loss_fn=lm_loss,
                       example_target=token_batches()[0][1], microbatches=4, schedule="harmony-pp", swap="on")
-    streams = pipe.executor.state.streams[0].streams
+    streams = pipe._executor.state.streams[0].streams
     assert len({s.cuda_stream for s in streams.values()}) == 5
     assert torch.cuda.default_stream().cuda_stream not in {s.cuda_stream for s in streams.values()}
 
@@ -103,7 +103,7 @@ def test_a_gpu_checkpoint_restores_on_the_cpu_and_loads_back_on_the_gpu(tmp_path
     for name, tensor in on_cpu.state_dict().items():
         assert torch.equal(tensor, want[name]), name
     loaded = sw.load(tmp_path / "ck", trusted_functions=[lm_loss])
-    assert all(w.device.type == "cuda" for w in loaded.workers)
+    assert all(w.device.type == "cuda" for w in loaded._workers)
     more = batches[2:]
     torch.testing.assert_close(torch.stack([x.cpu() for x in pipeline_train(loaded, more)]),
                                torch.stack([x.cpu() for x in pipeline_train(pipe, more)]), rtol=0, atol=0)

@@ -38,7 +38,7 @@ def run_both(schedule: str, swap: str, clip: float | None = 1.0):
     pipe = sw.compile(TinyGPT(), [sw.Device("cpu") for _ in range(devices)], (ids,), loss_fn=lm_loss,
                       example_target=ids, optimizer=ADAMW, schedule=schedule, microbatches=4, cost="analytic",
                       split_points=splits, swap=swap, clip_grad_norm=clip)
-    pipe.executor.state.opportunistic = False
+    pipe._executor.state.opportunistic = False
     pipe.step(ids, target=ids)  # the first step creates the optimizer state
     before = [dict(s) for s in pipe.stats]
     pipe.step(ids, target=ids)
@@ -120,4 +120,4 @@ def test_every_compute_runs_on_both() -> None:
     pipe, _, (predicted, _) = run_both("varuna", "off", clip=None)
     kinds = {type(s.instruction) for s in predicted.timeline}
     assert {Forward, Recompute, Backward} <= kinds
-    assert len(pipe.executor.state.step.timeline) == len(predicted.timeline) == sum(len(p.instructions) for p in pipe.plan.programs)
+    assert len(pipe._executor.state.step.timeline) == len(predicted.timeline) == sum(len(p.instructions) for p in pipe.plan.programs)

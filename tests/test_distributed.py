@@ -65,7 +65,7 @@ def _train_cases(rank: int, init_file: str, out: str, cases) -> None:
 def _train_case(rank: int, case) -> dict:
     pipe, batches = compile_case(*case)
     pipe.timeout_s = 20.0
-    devices = {w.stage.device for w in pipe.workers}
+    devices = {w.stage.device for w in pipe._workers}
     # every rank makes its scheduler over pipe.optimizer, a rank without a trainable stage too
     scheduler = torch.optim.lr_scheduler.LambdaLR(pipe.optimizer, lambda step: 1.0)  # eager keeps its lr
     losses = pipeline_train(pipe, batches[:1])
@@ -96,7 +96,7 @@ def _failure(rank: int, init_file: str, out: str, how: str) -> None:
         _idle_until(Path(out) / "rank0.pkl" if how == "silent" else None)
         os._exit(0)  # no destroy_process_group: a crashed peer says no goodbye either
     if rank == 0 and how == "fails-locally":
-        _break_forward(pipe.workers[0], microbatch=1)
+        _break_forward(pipe._workers[0], microbatch=1)
     start = time.monotonic()
     try:
         pipe.step(*inputs, target=target)

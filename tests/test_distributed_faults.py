@@ -95,7 +95,7 @@ def _transport_pieces(rank: int, init_file: str, out: str) -> None:
         pipe = sw.compile(model, RANKS, inputs, example_target=target, schedule="gpipe", cost="analytic",
                           swap="off", **options)
         pipe.timeout_s = TIMEOUT_S
-        transport, pool = pipe.transport, pipe.pools[rank]
+        transport, pool = pipe._runtime.transport, pipe._runtime.pools[rank]
         transport.sync = Sync(1, 2 * TIMEOUT_S)
         transfer = next(t for t in pipe.plan.transfers if t.src == 0 and t.dst == 1)
         act = [("act", transfer.value, mb, 0, 1) for mb in range(pipe.plan.microbatches)]
@@ -166,7 +166,7 @@ CASES_LIMIT_S = 240.0  # every case on one pair of ranks (about 40 s on an idle 
 
 def _inject(pipe, kind: str, stage: str, position: str | None):
     """Make one call of a local stage's forward, recompute, backward or update raise; returns the undo."""
-    workers = sorted(pipe.workers, key=lambda w: w.stage.index)
+    workers = sorted(pipe._workers, key=lambda w: w.stage.index)
     worker = workers[0 if stage == "first" else -1]
     microbatches = sorted(worker.stage.microbatches or range(pipe.plan.microbatches))
     target = microbatches[{"first": 0, "middle": len(microbatches) // 2, "last": -1}[position]] if position else None
@@ -187,7 +187,7 @@ def _inject(pipe, kind: str, stage: str, position: str | None):
 def _local_state(pipe) -> dict:
     """What this rank holds: weights, buffers, gradients, optimizer state, pool bytes."""
     found: dict = {("pool", "current"): pipe.stats[pipe.context.rank]["current_bytes"]}
-    for worker in pipe.workers:
+    for worker in pipe._workers:
         for name, tensor in worker.module.state_dict().items():
             found[(worker.stage.index, name)] = tensor.detach().clone()
         for name, param in worker.params.items():

@@ -72,7 +72,7 @@ def _save_and_load(rank: int, init_file: str, out: str, cases) -> None:
             loaded.timeout_s = TIMEOUT_S
             results[case] = {
                 "seen": seen,
-                "stages": sorted(w.stage.index for w in loaded.workers),
+                "stages": sorted(w.stage.index for w in loaded._workers),
                 "all_stages": sorted(s.index for s in pipe.plan.stages),
                 "loaded": pipeline_train(loaded, _more()),
                 "original": pipeline_train(pipe, _more()),
@@ -168,7 +168,7 @@ def test_distributed_save_loads_in_one_process_like_a_single_process_run(ranks, 
     assert [(s.index, s.device, s.layers) for s in loaded.plan.stages] == [
         (s.index, s.device, s.layers) for s in alone.plan.stages
     ]
-    assert [w.swapped for w in loaded.workers] == [w.swapped for w in alone.workers]
+    assert [w.swapped for w in loaded._workers] == [w.swapped for w in alone._workers]
     assert_state_equal(loaded.state_dict(), alone.state_dict())
     assert_optimizer_state_equal(optimizer_state(loaded), optimizer_state(alone))
     want = torch.stack(pipeline_train(alone, _more()))

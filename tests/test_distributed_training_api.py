@@ -57,7 +57,7 @@ def run_evaluate(name: str, schedule: str) -> dict:
     result = {"trained": trained, "eval": evaluate(pipe, batches[-1]), "eval_again": evaluate(pipe, batches[-1])}
     inputs = batches[-1][0]  # a model returning its own loss predicts its .logits (labels given, unused)
     result["predict"] = pipe.predict(*inputs) if name in LOSS_FNS else pipe.predict(**inputs).logits
-    result["iteration"] = pipe.executor.state.iteration
+    result["iteration"] = pipe._executor.state.iteration
     result["training"] = pipe.training
     losses.append(step(pipe, batches[-1]))
     twin = compiled(name, batches, schedule, dropout=dropout)
@@ -80,9 +80,9 @@ def run_optimizer(name: str, schedule: str) -> dict:
         losses.append(step(pipe, batch))
         norms.append(pipe.last_grad_norm)
         used_lrs.append(([g["lr"] for g in pipe.optimizer.param_groups],  # what the step used, in every stage
-                         sorted({(i, g["lr"]) for w in pipe.workers for i, g in enumerate(w.optimizer.param_groups)})))
+                         sorted({(i, g["lr"]) for w in pipe._workers for i, g in enumerate(w.optimizer.param_groups)})))
         sched.step()
-    stage_decay = sorted({(model_name(pipe.plan, n), g["weight_decay"]) for w in pipe.workers
+    stage_decay = sorted({(model_name(pipe.plan, n), g["weight_decay"]) for w in pipe._workers
                           for g in w.optimizer.param_groups for n, p in w.params.items()
                           if any(p is q for q in g["params"])})
     optimizer_state = pipe.optimizer.state_dict()
@@ -98,7 +98,7 @@ def run_token_mean(name: str, schedule: str) -> dict:
     pipe = compiled(name, batches, schedule, optimizer=SGD,
                     loss_reduction=sw.TokenMean(ignore_index=-100, labels="labels", shift=True))
     losses = [step(pipe, b) for b in batches]
-    return {"losses": losses, "state": state_of(pipe), "weights": pipe.executor.state.loss_weights.weights,
+    return {"losses": losses, "state": state_of(pipe), "weights": pipe._executor.state.loss_weights.weights,
             "eval": evaluate(pipe, batches[0])}
 
 

@@ -100,12 +100,12 @@ def test_checkpoints_rotate_resume_on_other_devices_and_pass_over_a_damaged_one(
         assert again.resume(alone, alone_scheduler) == 4
     for name, tensor in alone.state_dict().items():
         assert torch.equal(tensor, at_4[name]), name
-    assert alone.executor.state.iteration == 4 and alone_scheduler.last_epoch == 4
+    assert alone._executor.state.iteration == 4 and alone_scheduler.last_epoch == 4
     assert alone_scheduler.get_last_lr() == lr_at_4 == [g["lr"] for g in alone.optimizer.param_groups]
     assert not again.after_step(alone, alone_scheduler)  # step 4 is saved already
     assert _train(alone, alone_scheduler, again, range(4, 6)) == [False, True]
     assert again.saved_steps() == [4, 6, 8]  # the damaged step_8 is left for the user to look at
-    assert sw.load(tmp_path / "ck" / "step_6").executor.state.iteration == 6
+    assert sw.load(tmp_path / "ck" / "step_6")._executor.state.iteration == 6
 
     _flip_a_byte(tmp_path / "ck" / "step_6")
     _flip_a_byte(tmp_path / "ck" / "step_4")
@@ -128,10 +128,10 @@ def test_asynchronous_checkpoints_remove_the_old_one_only_once_the_new_one_is_in
     monkeypatch.setattr(checkpoint_write, "write_tensors", held)
     _train(pipe, scheduler, checkpoints, range(2, 5))  # step 4's save is held: training went on past it
     older = sw.load(tmp_path / "ck" / "step_2")  # the old one is still there, whole
-    assert older.executor.state.iteration == 2 and checkpoints.saved_steps() == [2]
+    assert older._executor.state.iteration == 2 and checkpoints.saved_steps() == [2]
     gate.set()
     checkpoints.wait()
-    assert checkpoints.saved_steps() == [4] and sw.load(tmp_path / "ck" / "step_4").executor.state.iteration == 4
+    assert checkpoints.saved_steps() == [4] and sw.load(tmp_path / "ck" / "step_4")._executor.state.iteration == 4
 
 
 def test_every_seconds_saves_when_the_time_is_up(tmp_path):
@@ -312,7 +312,7 @@ def test_a_lost_machine_the_survivor_resumes_alone_from_the_checkpoint_both_save
     _check_result(text, where / "final.pt", uninterrupted, restarted_world=1)
     assert sorted(p.name for p in (where / "ck").glob("step_*")) == ["step_4", "step_6", "step_8"]
     before_failure = sw.load(where / "ck" / "step_4")  # the one the survivor resumed from, still whole
-    assert before_failure.executor.state.iteration == 4 and len(before_failure.plan.devices) == 2
+    assert before_failure._executor.state.iteration == 4 and len(before_failure.plan.devices) == 2
 
 
 def test_a_dead_rank_restarts_both_at_the_same_size_from_the_checkpoint(torchrun_jobs, uninterrupted):

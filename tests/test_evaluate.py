@@ -36,8 +36,8 @@ def _eager_eval_loss(model, microbatches: int, loss_fn, inputs, target) -> torch
 
 def _snapshot(pipe) -> tuple[dict[str, torch.Tensor], list, int]:
     state = {k: v.clone() for k, v in pipe.state_dict().items()}
-    optimizers = [copy.deepcopy(w.optimizer.state_dict()) if w.optimizer else None for w in pipe.workers]
-    return state, optimizers, pipe.executor.state.iteration
+    optimizers = [copy.deepcopy(w.optimizer.state_dict()) if w.optimizer else None for w in pipe._workers]
+    return state, optimizers, pipe._executor.state.iteration
 
 
 def _stepped_once(schedule: str, devices: int):
@@ -72,7 +72,7 @@ def test_forward_only_programs_hold_forwards_only():
     pipe = sw.compile(DropoutGPT(), 2, (inputs,), loss_fn=lm_loss, example_target=target, microbatches=4,
                       schedule="varuna", cost="analytic")
     pipe.evaluate(inputs, target=target)
-    programs = pipe.evaluation._executor.programs
+    programs = pipe._evaluation._executor.programs
     kinds = {type(i) for p in programs for i in p.instructions}
     assert not kinds & {Backward, Recompute, Update}
     forwards = [i for p in programs for i in p.instructions if isinstance(i, Forward)]
@@ -134,7 +134,7 @@ def test_step_under_no_grad_is_refused():
     pipe = sw.compile(DropoutGPT(), 2, (inputs,), loss_fn=lm_loss, example_target=target, microbatches=4, cost="analytic")
     with torch.no_grad(), pytest.raises(ModeError, match="pipe.evaluate"):
         pipe.step(inputs, target=target)
-    assert pipe.executor.state.iteration == 0
+    assert pipe._executor.state.iteration == 0
 
 
 @pytest.mark.parametrize("devices", [2, 4])
@@ -151,7 +151,7 @@ def test_huggingface_gpt2_evaluates_like_eager(devices):
         parts = [eager(input_ids=ids, labels=labels).loss
                  for ids, labels in zip(batch["input_ids"].chunk(4), batch["labels"].chunk(4), strict=True)]
     torch.testing.assert_close(loss, torch.stack(parts).mean(), rtol=RTOL, atol=ATOL)
-    assert pipe.training and pipe.executor.state.iteration == 0
+    assert pipe.training and pipe._executor.state.iteration == 0
 
 
 def _eager_predict(model, inputs) -> torch.Tensor:
@@ -209,7 +209,7 @@ def test_predict_gives_the_output_of_a_model_returning_its_own_loss(build, devic
             assert type(got) is type(want) and list(got.keys()) == ["logits"]
             torch.testing.assert_close(got.logits, want.logits, rtol=RTOL, atol=ATOL)
     assert_state_equal(_snapshot(pipe)[0], before[0])
-    assert pipe.executor.state.iteration == before[2]
+    assert pipe._executor.state.iteration == before[2]
 
 
 def _logits_loss(out, target: torch.Tensor) -> torch.Tensor:

@@ -71,7 +71,7 @@ def frozen_names(model: nn.Module) -> set[str]:
 
 def assert_frozen_have_no_optimizer_state(pipe) -> None:
     """No worker's optimizer holds a frozen parameter; a stage with nothing to train has none."""
-    for worker in pipe.workers:
+    for worker in pipe._workers:
         trainable = [p for p in worker.module.parameters() if p.requires_grad]
         if not trainable:
             assert worker.optimizer is None
@@ -111,7 +111,7 @@ def test_frozen_parameters_take_no_optimizer_memory() -> None:
     model.blocks[0].requires_grad_(False)
     pipe, *_ = train_beside_eager(model, token_batches(steps=1), 2, microbatches=2, schedule="1f1b",
                                   split_points=["blocks.1"])
-    for worker, stats in zip(pipe.workers, pipe.stats, strict=True):
+    for worker, stats in zip(pipe._workers, pipe.stats, strict=True):
         trainable = sum(p.numel() * p.element_size() for p in worker.module.parameters() if p.requires_grad)
         assert stats["optimizer_bytes"] == 2 * trainable
 
@@ -151,7 +151,7 @@ def test_stage_without_trainable_parameters(schedule: str) -> None:
                                                     schedule=schedule, split_points=["blocks.2"])
     assert_trains_like_eager(pipe, got, reference, want)
     assert_frozen_have_no_optimizer_state(pipe)
-    assert all(w.optimizer is None for w in pipe.workers if w.stage.position == 0)
+    assert all(w.optimizer is None for w in pipe._workers if w.stage.position == 0)
     grads_in = [i for p in pipe.programs for i in p.instructions
                 if isinstance(i, Recv) and i.carries is Carried.GRADIENTS and pipe.plan.stages[i.stage].position == 0]
     assert not grads_in
@@ -168,7 +168,7 @@ def test_frozen_middle_stage_passes_gradients_back(options: dict) -> None:
     pipe, got, reference, want = train_beside_eager(model, token_batches(steps=2), 3, microbatches=2,
                                                     split_points=["blocks.1", "blocks.3"], **options)
     assert_trains_like_eager(pipe, got, reference, want)
-    assert pipe.workers[1].optimizer is None
+    assert pipe._workers[1].optimizer is None
     assert_frozen_have_no_optimizer_state(pipe)
 
 
@@ -194,7 +194,7 @@ def test_model_without_parameters_returns_its_loss(schedule: str) -> None:
                       schedule=schedule, microbatches=2, split_points=["tanh"], clip_grad_norm=1.0)
     for _ in range(2):
         torch.testing.assert_close(pipe.step(x, target=y), F.mse_loss(Activations()(x), y))
-    assert all(w.optimizer is None for w in pipe.workers)
+    assert all(w.optimizer is None for w in pipe._workers)
 
 
 def test_model_with_every_parameter_frozen_returns_its_loss() -> None:

@@ -114,7 +114,7 @@ def _same_outputs(pipe, batch: dict) -> list[dict]:
     """Every stage rebuilt and run beside the original on the same inputs (the keyed random streams
     drawn alike); the structures."""
     structures, env = [], dict(batch)
-    for worker in pipe.runtime.workers:
+    for worker in pipe._runtime.workers:
         structure, rebuilt = _round_trip(worker.module)
         args = [env[name] for name in worker.stage.inputs]
         with drawing(seed=7, step=0, microbatch=0):
@@ -156,7 +156,7 @@ def test_gpt2_through_torch_export():
     assert {"aten.embedding.default", "aten.addmm.default", "aten.scaled_dot_product_attention.default"} <= ops
     # torch.export names the tied embedding and head once: each stage reads it as lm_head.weight
     assert all("lm_head.weight" in s["tensors"] and "transformer.wte.weight" not in s["tensors"] for s in structures)
-    assert structures[0] == stage_structure(pipe.runtime.workers[0].module)
+    assert structures[0] == stage_structure(pipe._runtime.workers[0].module)
 
 
 def test_llama_rotary_buffer_and_lifted_constants():
@@ -164,11 +164,11 @@ def test_llama_rotary_buffer_and_lifted_constants():
     first, = _same_outputs(pipe, batch)
     assert first["tensors"]["model.rotary_emb.inv_freq"]["kind"] == "buffer"
     assert any(".lifted_tensor_" in name for name in first["tensors"])
-    assert "model.rotary_emb.inv_freq" in stage_tensors(pipe.runtime.workers[0].module)
+    assert "model.rotary_emb.inv_freq" in stage_tensors(pipe._runtime.workers[0].module)
 
 
 def test_structure_is_deterministic(tied):
-    module = tied[0].runtime.workers[0].module
+    module = tied[0]._runtime.workers[0].module
     assert json.dumps(stage_structure(module), sort_keys=True) == json.dumps(stage_structure(module), sort_keys=True)
 
 

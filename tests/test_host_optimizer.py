@@ -32,7 +32,7 @@ def assert_optimizer_on_host(pipe) -> None:
     for stats in pipe.stats:
         assert stats["optimizer_bytes"] == 0 and stats["swap_optimizer_bytes"] == 0
         assert stats["swap_grads_bytes"] > 0 and stats["swap_in_bytes"] > 0  # gradients out, weights in
-    for worker in pipe.workers:
+    for worker in pipe._workers:
         for state in worker.optimizer.state.values():
             assert all(v.device.type == "cpu" for v in state.values() if isinstance(v, torch.Tensor))
         for name, param in worker.params.items():  # the masters are host tensors of their own

@@ -115,7 +115,7 @@ def unreduced():
 @pytest.mark.parametrize("case", ["no-padding", "reduction-given"])
 def test_no_warning_where_the_mean_of_means_is_eager_or_declared(unreduced, case):
     pipe, ids, target = unreduced
-    pipe.notices, pipe.loss_reduction = StepNotices(), None  # as compiled: nothing warned yet
+    pipe._notices, pipe.loss_reduction = StepNotices(), None  # as compiled: nothing warned yet
     if case == "no-padding":
         target = target.masked_fill(target == -100, 0)
     else:

@@ -76,7 +76,7 @@ def test_a_new_plan_that_does_not_fit_says_how_to_plan_with_other_options(four_d
 def _goes_on_as_uninterrupted(pipe, four_device_run) -> None:
     """`pipe` holds the saved state and trains on as the 4-device run did, within fp32 rounding."""
     _, batches, saved, want_losses, want_state, want_optimizer = four_device_run
-    assert pipe.extra == {"epoch": 1} and pipe.executor.state.iteration == SAVED_AFTER
+    assert pipe.extra == {"epoch": 1} and pipe._executor.state.iteration == SAVED_AFTER
     assert_state_equal(state_of(pipe), saved)
     losses = [step(pipe, batch) for batch in batches[SAVED_AFTER:]]
     torch.testing.assert_close(torch.stack(losses), torch.stack(want_losses), rtol=1e-5, atol=1e-6)
@@ -197,5 +197,5 @@ def test_another_optimizer_takes_the_weights_alone_or_is_refused(four_device_run
         pipe.restore(directory)
     pipe.restore(directory, report=False, training_state=False)
     assert_state_equal(state_of(pipe), saved)
-    assert pipe.executor.state.iteration == 0 and pipe.extra == {} and not pipe.optimizer.state_dict()["state"]
+    assert pipe._executor.state.iteration == 0 and pipe.extra == {} and not pipe.optimizer.state_dict()["state"]
     step(pipe, batches[0])

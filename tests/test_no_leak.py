@@ -162,7 +162,7 @@ def test_a_pipeline_whose_first_step_failed_is_released_whole():
                                 FailsWhenArmed(), torch.nn.Linear(16, 5))
     x, y = torch.randn(8, 8), torch.randint(0, 5, (8,))
     pipe = sw.compile(model, 2, (x,), loss_fn=F.cross_entropy, example_target=y, microbatches=2, cost="analytic")
-    held = [weakref.ref(p) for worker in pipe.workers for p in worker.params.values()]
+    held = [weakref.ref(p) for worker in pipe._workers for p in worker.params.values()]
     FAILING[0] = True
     try:
         with pytest.raises(RuntimeError, match="injected failure"):

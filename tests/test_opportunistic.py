@@ -55,7 +55,7 @@ def overtaken(order: list[str], static: list[str]) -> list[tuple[str, str]]:
 
 def slow_last_backward(pipe) -> None:
     """The last stage's backward sleeps first: the gradient its predecessor needs comes late."""
-    (worker,) = [w for w in pipe.workers if w.is_last]
+    (worker,) = [w for w in pipe._workers if w.is_last]
     backward = worker.backward
 
     def slow(*args, **kwargs):
@@ -78,7 +78,7 @@ def test_late_gradient_lets_a_ready_forward_run_first_and_training_is_unchanged(
     those of the static order, and equal eager training's."""
     model, batches = TinyGPT(), token_batches()
     static = compile_gpt(copy.deepcopy(model), batches)
-    static.executor.state.opportunistic = False
+    static._executor.state.opportunistic = False
     moved = compile_gpt(copy.deepcopy(model), batches)
     slow_last_backward(moved)
     assert moved.plan.schedule == "varuna" and len(moved.programs) == 3
@@ -93,18 +93,18 @@ def test_late_gradient_lets_a_ready_forward_run_first_and_training_is_unchanged(
     assert all(torch.equal(static_state[k], moved_state[k]) for k in static_state)
 
     for program in static.programs:  # switched off: every device in the static order
-        assert compute_order(static.executor.state.step.timeline, program) == program_order(program)
-    assert static.executor.state.step.deviations == []
+        assert compute_order(static._executor.state.step.timeline, program) == program_order(program)
+    assert static._executor.state.step.deviations == []
     middle = moved.programs[1]
-    order = compute_order(moved.executor.state.step.timeline, middle)
+    order = compute_order(moved._executor.state.step.timeline, middle)
     assert order != program_order(middle)
     assert overtaken(order, program_order(middle)), order  # some F(k) ran before an R(m) or B(m) it follows in the schedule
     assert [b for b in order if b[0] == "B"] == [b for b in program_order(middle) if b[0] == "B"]
-    for device, early, head in moved.executor.state.step.deviations:
+    for device, early, head in moved._executor.state.step.deviations:
         code = moved.programs[device].instructions
         assert isinstance(code[early], Forward) and isinstance(code[head], (Recompute, Backward))
-    early_on_1 = [middle.instructions[e].microbatch for device, e, _ in moved.executor.state.step.deviations if device == 1]
-    taken = [i for i, stream in moved.executor.state.step.owner[1].items() if stream is Stream.COMPUTE]  # in the last step
+    early_on_1 = [middle.instructions[e].microbatch for device, e, _ in moved._executor.state.step.deviations if device == 1]
+    taken = [i for i, stream in moved._executor.state.step.owner[1].items() if stream is Stream.COMPUTE]  # in the last step
     assert early_on_1 and {middle.instructions[i].microbatch for i in taken if isinstance(middle.instructions[i], Recv)} \
         >= set(early_on_1)  # the compute thread received the early forwards' activations itself
     for s in moved.stats:
@@ -126,14 +126,14 @@ def test_no_forward_runs_early_where_the_pool_has_no_room_for_its_stash():
     model, batches = TinyGPT(), token_batches(steps=1)
     pipe = compile_gpt(model, batches)
     slow_last_backward(pipe)
-    for pool in pipe.pools:
+    for pool in pipe._runtime.pools:
         pool.capacity = 1 << 40
-    pipe.executor.varuna._note_stash = lambda ins: None
-    pipe.executor.state.stash_bytes = {stage.index: 1 << 41 for stage in pipe.plan.stages}  # never fits
+    pipe._executor.varuna._note_stash = lambda ins: None
+    pipe._executor.state.stash_bytes = {stage.index: 1 << 41 for stage in pipe.plan.stages}  # never fits
     pipeline_train(pipe, batches)
-    assert pipe.executor.state.step.deviations == []
+    assert pipe._executor.state.step.deviations == []
     for program in pipe.programs:
-        assert compute_order(pipe.executor.state.step.timeline, program) == program_order(program)
+        assert compute_order(pipe._executor.state.step.timeline, program) == program_order(program)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -150,7 +150,7 @@ def test_late_gradient_on_cuda_streams():
     want = torch.stack(eager_train(model, batches, loss_fn=lm_loss, optimizer=ADAMW, microbatches=4))
     torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
     assert_state_equal({k: v.cpu() for k, v in pipe.state_dict().items()}, model.state_dict())
-    assert any(device == 1 for device, _, _ in pipe.executor.state.step.deviations)
+    assert any(device == 1 for device, _, _ in pipe._executor.state.step.deviations)
 
 
 # ---- the simulator -----------------------------------------------------------------------------
@@ -215,10 +215,10 @@ def _rank(rank: int, init_file: str, out: str) -> None:
         if rank == RANKS - 1:
             slow_last_backward(pipe)
         losses = pipeline_train(pipe, batches)
-        (program,) = pipe.executor.programs
+        (program,) = pipe._executor.programs
         result = {"losses": losses, "state": {k: v.clone() for k, v in pipe.state_dict().items()},
-                  "order": compute_order(pipe.executor.state.step.timeline, program), "static": program_order(program),
-                  "deviations": pipe.executor.state.step.deviations, "stats": pipe.stats[rank]}
+                  "order": compute_order(pipe._executor.state.step.timeline, program), "static": program_order(program),
+                  "deviations": pipe._executor.state.step.deviations, "stats": pipe.stats[rank]}
     except Exception:  # noqa: BLE001 - the parent shows it
         result = {"error": traceback.format_exc()}
         path.write_bytes(pickle.dumps(result))

@@ -107,5 +107,5 @@ def test_the_phases_make_the_plan_compile_makes(searched):
     assert pipe.plan == ctx.plan
     assert bool(pipe.plan.considered) == searched
     assert list(pipe.compile_times) == [phase.__name__ for phase in PHASES]
-    assert pipe.sim_cost is not None and len(pipe.sim_cost.forward_s) == len(pipe.plan.stages)
+    assert pipe._sim_cost is not None and len(pipe._sim_cost.forward_s) == len(pipe.plan.stages)
 

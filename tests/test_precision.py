@@ -96,7 +96,7 @@ def test_fp16_overflow_skips_the_step_on_every_stage_then_trains() -> None:
     run_pipeline(pipe, batches[:1])
     params = {k: v.clone() for k, v in pipe.state_dict().items()}
     optimizer = copy.deepcopy(pipe.optimizer.state_dict())
-    pipe.executor.state.scaler.scale = 2.0**120  # the seed's scale overflows fp16 in every stage's backward
+    pipe._executor.state.scaler.scale = 2.0**120  # the seed's scale overflows fp16 in every stage's backward
     run_pipeline(pipe, batches[1:2])
     assert pipe.last_step_skipped and pipe.loss_scale == 2.0**119
     assert not torch.isfinite(torch.tensor(pipe.last_grad_norm))
@@ -105,8 +105,8 @@ def test_fp16_overflow_skips_the_step_on_every_stage_then_trains() -> None:
     after = pipe.optimizer.state_dict()
     for key, state in optimizer["state"].items():
         assert all(torch.equal(after["state"][key][k], v) for k, v in state.items())
-    assert all(w.params[n].grad is None for w in pipe.workers for n in w.params)
-    pipe.executor.state.scaler.scale = 2.0**16
+    assert all(w.params[n].grad is None for w in pipe._workers for n in w.params)
+    pipe._executor.state.scaler.scale = 2.0**16
     run_pipeline(pipe, batches[2:])
     assert not pipe.last_step_skipped and pipe.loss_scale == 2.0**16
     assert any(not torch.equal(v, params[k]) for k, v in pipe.state_dict().items())
@@ -136,7 +136,7 @@ def test_fp16_scale_grows_and_resumes_bitwise(tmp_path) -> None:
     run_pipeline(first, batches[:3])
     first.save(tmp_path / "ckpt")
     resumed = sw.load(tmp_path / "ckpt")
-    assert resumed.loss_scale == 2.0**11 and resumed.executor.state.scaler.clean_steps == 1
+    assert resumed.loss_scale == 2.0**11 and resumed._executor.state.scaler.clean_steps == 1
     assert run_pipeline(resumed, batches[3:]) == uninterrupted[3:]
     assert resumed.loss_scale == whole.loss_scale
     for name, value in resumed.state_dict().items():
@@ -152,10 +152,10 @@ def test_a_rolled_back_step_leaves_the_loss_scale_as_it_was(monkeypatch) -> None
     def failing(*args, **kwargs):
         raise RuntimeError("injected update failure")
 
-    monkeypatch.setattr(pipe.workers[1], "update", failing)
+    monkeypatch.setattr(pipe._workers[1], "update", failing)
     with pytest.raises(RuntimeError, match="injected update failure"):
         run_pipeline(pipe, batches[1:])
-    assert pipe.loss_scale == scale and pipe.executor.state.scaler.clean_steps == 0
+    assert pipe.loss_scale == scale and pipe._executor.state.scaler.clean_steps == 0
 
 
 def test_bf16_memory_is_planned_smaller_and_simulated_as_measured() -> None:
@@ -164,11 +164,11 @@ def test_bf16_memory_is_planned_smaller_and_simulated_as_measured() -> None:
     stash = {}
     for precision in ("fp32", "bf16"):
         pipe, _ = compile_gpt(precision, devices=2)
-        pipe.executor.state.opportunistic = False
+        pipe._executor.state.opportunistic = False
         (ids,), _ = gpt_batches(1)[0]
         pipe.step(ids, target=ids)
         pipe.step(ids, target=ids)
-        stash[precision] = [max(v for (grad, *_), v in w.stash_size.items() if grad) for w in pipe.workers]
+        stash[precision] = [max(v for (grad, *_), v in w.stash_size.items() if grad) for w in pipe._workers]
         measured = replace(measured_cost(pipe), stash_bytes=tuple(float(b) for b in stash[precision]))
         simulated = simulate(pipe.plan.programs, measured, opportunistic=False)
         for device, stats in enumerate(pipe.stats):

@@ -239,7 +239,7 @@ def test_resuming_from_a_checkpoint_draws_the_masks_of_uninterrupted_training(tm
     pipe.save(tmp_path / "ckpt")
     uninterrupted = torch.stack(pipeline_train(pipe, batches[2:]))
     loaded = sw.load(tmp_path / "ckpt")
-    assert loaded.plan.seed == pipe.plan.seed and loaded.executor.state.iteration == 2
+    assert loaded.plan.seed == pipe.plan.seed and loaded._executor.state.iteration == 2
     resumed = torch.stack(pipeline_train(loaded, batches[2:]))
     assert torch.equal(resumed, uninterrupted)
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), pipe.state_dict().values(),

@@ -83,7 +83,7 @@ def test_an_fx_graph_is_planned_again_at_any_microbatch_count_and_again_from_its
     losses = [one.step(batches[0][0], target=batches[0][1])]
     one.save(tmp_path / "one")
     two = sw.load(tmp_path / "one", devices=["cpu", "cpu"], report=False)
-    assert len(two.plan.devices) == 2 and two.executor.state.iteration == STEPS + 1
+    assert len(two.plan.devices) == 2 and two._executor.state.iteration == STEPS + 1
     losses += [two.step(ids, target=target) for ids, target in batches[1:]]
     torch.testing.assert_close(torch.stack(losses), torch.stack(want_losses), rtol=1e-5, atol=1e-6)
     got = two.state_dict()
@@ -125,7 +125,7 @@ def test_a_checkpoint_without_a_graph_is_placed_as_saved_or_refused(tmp_path):
     """A graph that could not be saved as data: the saved plan's devices go onto the new ones (told
     in a warning), and asking for a new plan names the way through the model."""
     pipe = _compiled(2)
-    pipe.model_graph = {"format": "stagewise.model/1", "unavailable": "a tensor subclass"}
+    pipe._model_graph = {"format": "stagewise.model/1", "unavailable": "a tensor subclass"}
     pipe.save(tmp_path / "ck")
     with pytest.warns(UserWarning, match="a tensor subclass"):
         placed = sw.load(tmp_path / "ck", devices=["cpu"])

@@ -205,7 +205,7 @@ def _train_2_1_on_three_ranks(rank: int, init_file: str, out: str) -> None:
         pipe.timeout_s = 20.0
         losses = pipeline_train(pipe, batches)
         result = {"losses": losses, "state": {k: v.clone() for k, v in pipe.state_dict().items()},
-                  "devices": {w.stage.device for w in pipe.workers}}
+                  "devices": {w.stage.device for w in pipe._workers}}
     except Exception:  # noqa: BLE001 - the parent shows it
         result = {"error": traceback.format_exc()}
     (Path(out) / f"rank{rank}.pkl").write_bytes(pickle.dumps(result))

@@ -34,7 +34,7 @@ def test_resumed_run_is_bitwise_the_uninterrupted_one(tmp_path, name, devices):
 
     torch.manual_seed(12345)  # a fresh process's global generator: the resumed run must not depend on it
     loaded = sw.load(tmp_path / "ck")
-    assert loaded.executor.state.iteration == SAVED_AFTER and loaded.extra == {"epoch": 3, "seen": [1, 2]}
+    assert loaded._executor.state.iteration == SAVED_AFTER and loaded.extra == {"epoch": 3, "seen": [1, 2]}
     resumed = torch.optim.lr_scheduler.LambdaLR(loaded.optimizer, warmup_cosine)
     loaded.load_scheduler(resumed)
     torch.rand(7)
@@ -60,6 +60,6 @@ def test_the_step_count_keys_the_masks_of_a_resumed_run(tmp_path):
     pipe.save(tmp_path / "ck")
     want = pipe.step(*batches[-1][0], target=batches[-1][1])
     loaded, restarted = sw.load(tmp_path / "ck"), sw.load(tmp_path / "ck")
-    restarted.executor.state.iteration = 0
+    restarted._executor.state.iteration = 0
     assert torch.equal(loaded.step(*batches[-1][0], target=batches[-1][1]), want)
     assert not torch.equal(restarted.step(*batches[-1][0], target=batches[-1][1]), want)

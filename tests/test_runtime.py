@@ -59,8 +59,8 @@ def test_time_breakdown_names_every_stream_and_sums_what_ran():
     for row in rows:
         assert set(row) == {"device", "step_s", "compute_s", "swap_in_s", "swap_out_s", "p2p_in_s", "p2p_out_s"}
         assert 0 < row["compute_s"] <= row["step_s"]
-    spans = {(d, s): 0.0 for d, s, *_ in pipe.executor.state.step.timeline}
-    for device, stream, _, start, end in pipe.executor.state.step.timeline:
+    spans = {(d, s): 0.0 for d, s, *_ in pipe._executor.state.step.timeline}
+    for device, stream, _, start, end in pipe._executor.state.step.timeline:
         spans[(device, stream)] += end - start
     assert rows[1]["p2p_in_s"] == pytest.approx(sum(v for (d, s), v in spans.items() if d == 1 and s.value == "p2p_in"))
 
@@ -89,7 +89,7 @@ def test_inconsistent_programs_are_a_deadlock_error_not_a_hang():
     # drop device 2's first gradient send: device 1 then waits for a message that never comes
     first_send = next(i for i, ins in enumerate(program.instructions) if isinstance(ins, Send))
     broken = Program(2, program.instructions[:first_send] + program.instructions[first_send + 1 :])
-    pipe.executor.programs = pipe.plan.programs[:2] + (_renumber(broken, first_send),)
+    pipe._executor.programs = pipe.plan.programs[:2] + (_renumber(broken, first_send),)
     with pytest.raises(sw.PlanError, match="deadlock"):
         pipe.step(X, target=Y)
     del pipe
@@ -104,21 +104,21 @@ def test_a_failing_stream_stops_every_device_and_reports_the_error():
     def explode(*args, **kwargs):
         raise RuntimeError("simulated device failure")
 
-    pipe.workers[1].forward = explode
+    pipe._workers[1].forward = explode
     with pytest.raises(RuntimeError, match="simulated device failure"):
         pipe.step(X, target=Y)
 
 
 def test_silent_peer_times_out():
     pipe = compile_mlp()
-    pipe.executor.state.timeout_s = 0.5
-    original = pipe.transport.send
+    pipe._executor.state.timeout_s = 0.5
+    original = pipe._runtime.transport.send
 
     def lose_messages_to_device_2(key, src, dst, tensor, instruction):
         if dst != 2:
             original(key, src, dst, tensor, instruction)
 
-    pipe.transport.send = lose_messages_to_device_2
+    pipe._runtime.transport.send = lose_messages_to_device_2
     # device 2 waits for its activation; devices 0 and 1 keep waiting for gradients: a deadlock
     # among the threads of this process is detected at once, before the timeout.
     with pytest.raises((sw.PeerError, sw.PlanError)):

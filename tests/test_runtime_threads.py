@@ -76,7 +76,7 @@ def test_a_wait_nobody_answers_times_out_while_another_thread_works():
 def test_cpu_p2p_streams_run_without_threads_in_program_order():
     pipe = compile_mlp()
     loss = pipe.step(X, target=Y)
-    executor = pipe.executor
+    executor = pipe._executor
     assert torch.isfinite(loss)
     for program in executor.programs:
         assert executor.state.step.threadless[program.device].streams == (Stream.P2P_IN, Stream.P2P_OUT)
@@ -89,8 +89,8 @@ def test_cpu_p2p_streams_run_without_threads_in_program_order():
 
 def test_a_receive_whose_message_never_comes_is_a_deadlock_error():
     pipe = compile_mlp()
-    program = pipe.executor.programs[2]
+    program = pipe._executor.programs[2]
     stray = Recv(stage=2, microbatch=99, carries=Carried.ACTIVATIONS, peer=1, peer_stage=1, values=("nothing",))
-    pipe.executor.programs = pipe.executor.programs[:2] + (Program(2, program.instructions + (stray,)),)
+    pipe._executor.programs = pipe._executor.programs[:2] + (Program(2, program.instructions + (stray,)),)
     with pytest.raises(sw.PlanError, match=f"deadlock.*dev2 #{len(program.instructions)} "):
         pipe.step(X, target=Y)

@@ -39,10 +39,10 @@ def test_save_load_of_a_swapping_pipeline_holds_the_swapped_state(tmp_path):
     pipe = sw.compile(TinyGPT(), 2, batches[0][0], loss_fn=lm_loss, example_target=batches[0][1], optimizer=ADAMW,
                       microbatches=2, schedule="harmony-pp", swap="on", cost="analytic")
     pipeline_train(pipe, batches)
-    assert any(w.swapped for w in pipe.workers)
+    assert any(w.swapped for w in pipe._workers)
     pipe.save(tmp_path / "ck")
     loaded = sw.load(tmp_path / "ck")
-    assert [w.swapped for w in loaded.workers] == [w.swapped for w in pipe.workers]
+    assert [w.swapped for w in loaded._workers] == [w.swapped for w in pipe._workers]
     assert_state_equal(loaded.state_dict(), pipe.state_dict())
     assert_optimizer_state_equal(optimizer_state(loaded), optimizer_state(pipe), exact=True)
     more = token_batches(2)
@@ -154,7 +154,7 @@ def test_a_pipeline_saved_in_eval_mode_loads_in_eval_mode(tmp_path):
     pipe.eval()
     pipe.save(tmp_path / "ck")
     loaded = sw.load(tmp_path / "ck")
-    assert not loaded.training and all(not w.module.training for w in loaded.workers)
+    assert not loaded.training and all(not w.module.training for w in loaded._workers)
     assert torch.equal(loaded.step(*inputs, target=target), pipe.step(*inputs, target=target))
     loaded.train()
     assert loaded.training

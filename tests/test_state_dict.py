@@ -71,7 +71,7 @@ def test_tied_gpt_state_dict_keys_are_the_models():
     assert any(t.kind == "tied-parameter" for t in pipe.plan.shared)
     fresh = TinyGPT().state_dict()
     pipe.load_state_dict(fresh)
-    for worker in pipe.workers:  # every stage's replica of the tied weight
+    for worker in pipe._workers:  # every stage's replica of the tied weight
         for name, tensor in worker.state_tensors().items():
             if name in fresh:  # not the blocks' non-persistent causal masks
                 torch.testing.assert_close(tensor, fresh[name], rtol=0, atol=0, msg=name)

@@ -133,23 +133,44 @@ def _check_optimizer(factory: object) -> None:
 
 def _check_scalars(options: CompileOptions) -> None:
     """Counts, norms and flags of the right type and range (a negative or NaN clip norm trains wrongly)."""
-    clip = options.clip_grad_norm
+    check_clip_grad_norm(options.clip_grad_norm)
+    check_microbatch_count(options.microbatches)
+    check_flags(optimizer_on_host=options.optimizer_on_host)
+    object.__setattr__(options, "swap", parse_choice(SwapMode, options.swap, "swap="))
+    check_seed(options.seed)
+    check_split_points(options.split_points)
+
+
+def check_clip_grad_norm(clip: object) -> None:
+    """A positive finite norm or None: a negative or NaN one would train wrongly, not fail."""
     if clip is not None and (isinstance(clip, bool) or not isinstance(clip, int | float)
                              or not math.isfinite(clip) or clip <= 0):
         raise OptionError(f"clip_grad_norm={clip!r} must be a positive finite number (the largest gradient norm "
                           "kept), e.g. clip_grad_norm=1.0, or None for no clipping")
-    m = options.microbatches
+
+
+def check_microbatch_count(m: object) -> None:
+    """A positive int, or None for the planner's choice."""
     if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
         raise BatchSizeError(f"microbatches must be a positive int, got {m!r}; e.g. microbatches=4, or None to let "
                              "the planner choose")
-    check_flags(optimizer_on_host=options.optimizer_on_host)
-    object.__setattr__(options, "swap", parse_choice(SwapMode, options.swap, "swap="))
-    seed = options.seed
+
+
+def check_seed(seed: object) -> None:
+    """What random ops' streams are keyed by: a 64-bit unsigned int, or None."""
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64):
         raise OptionError(f"seed={seed!r} must be an int from 0 to 2**64 - 1 (what random ops' streams are keyed "
                           "by), e.g. seed=0, or None for torch.initial_seed() (what torch.manual_seed set)")
-    points = options.split_points
-    if points is not None and not all(isinstance(p, str) and p for p in points):
+
+
+def check_split_points(points: object) -> None:
+    """A list (or tuple) of module names: a string would be read as one name per character."""
+    if points is None:
+        return
+    if not isinstance(points, list | tuple):
+        example = [points] if isinstance(points, str) else ["blocks.2"]
+        raise OptionError(f"split_points={points!r} must be a list of layer names, e.g. split_points={example!r}")
+    if not all(isinstance(p, str) and p for p in points):
         raise OptionError(f"split_points={list(points)!r} must name layers by their module names (strings), "
                           "e.g. split_points=['blocks.2']")
 
@@ -158,13 +179,17 @@ def _check_layout(options: CompileOptions) -> None:
     """Cost model, schedule, replicas and stages: known names, positive counts, no contradictions."""
     object.__setattr__(options, "cost", parse_choice(CostModel, options.cost, "cost="))
     object.__setattr__(options, "schedule", parse_choice(Schedule, options.schedule, "schedule "))
-    replicas, stages = options.replicas, options.stages
+    check_replicas_and_stages(options.replicas, options.stages, options.split_points)
+
+
+def check_replicas_and_stages(replicas: object, stages: object, split_points: object) -> None:
+    """Known replica and stage counts that do not contradict each other or the split points."""
     if not _valid_replicas(replicas):
         raise PlanError(f"replicas must be a positive int, 'auto', '{PER_STAGE}' or a tuple with a positive count "
                         f"per stage such as (2, 1), got {replicas!r}")
     if (replicas == PER_STAGE or isinstance(replicas, tuple)) and stages is not None:
         raise PlanError(f"replicas={replicas!r} places every stage's replicas itself; drop stages=")
-    if replicas == PER_STAGE and options.split_points is not None:
+    if replicas == PER_STAGE and split_points is not None:
         raise PlanError(f"replicas='{PER_STAGE}' lets PipeDream's DP choose the cuts; with split_points give each "
                         "stage's replicas, e.g. replicas=(2, 1)")
     if stages not in (None, "auto") and (isinstance(stages, bool) or not isinstance(stages, int) or stages < 1):

@@ -8,7 +8,19 @@ import torch.fx as fx
 
 from stagewise.compiler.assembly.fx_sources import releasing_fx_sources
 from stagewise.compiler.assembly.loss_reduction import check_loss_reduction, model_reduction
-from stagewise.compiler.assembly.options import DEFAULT_OPTIMIZER, CompileOptions, CompileRequest
+from stagewise.compiler.assembly.option_groups import (
+    MemoryOptions,
+    PlanOptions,
+    TrainingOptions,
+    given_once,
+    with_groups,
+)
+from stagewise.compiler.assembly.options import (
+    DEFAULT_OPTIMIZER,
+    CompileOptions,
+    CompileRequest,
+    check_split_points,
+)
 from stagewise.compiler.compile.analysis import Analysis
 from stagewise.compiler.compile.context import CompileContext, after
 from stagewise.compiler.compile.model_graph import describe_model
@@ -31,6 +43,7 @@ from stagewise.passes.swap import SwapMode
 
 
 @releasing_fx_sources
+@given_once
 def compile(  # noqa: A001 - the public name of the API
     model: torch.nn.Module,
     devices,
@@ -39,6 +52,9 @@ def compile(  # noqa: A001 - the public name of the API
     loss_fn=None, example_target=None,
     loss_reduction=None,
     optimizer=None,
+    plan: PlanOptions | None = None,
+    memory: MemoryOptions | None = None,
+    training: TrainingOptions | None = None,
     microbatches: int | None = None,
     schedule: Schedule | str = Schedule.AUTO,
     cost: CostModel | str = CostModel.PROFILE,
@@ -54,42 +70,61 @@ def compile(  # noqa: A001 - the public name of the API
 ) -> Pipeline:
     """Compile `model` into a pipeline over `devices` that trains exactly like eager training.
 
-    `example_inputs` (and `example_target`) are a batch of the largest shape steps will give: memory is
-    planned for it; smaller batches (uneven microbatches), shorter sequences and smaller images train
-    on the same pipeline. With `schedule="auto"` and `microbatches=None` the planner simulates
-    candidate plans and keeps the fastest that fits every device's memory. `cost`: "profile"
-    measures each layer on this machine (cached on disk), "analytic" derives times from FLOPs and
-    the devices' peak rates. `swap`: "auto" swaps state (weights, gradients, optimizer state) to host
-    memory only where a device's capacity requires it, "on" forces Harmony-style swapping of state,
-    "per-device" the per-GPU baseline, "off" never swaps anything; stashed activations go to host
-    memory between forward and backward where a device cannot hold them (every mode but "off");
-    "all" is "on" plus every stage's stashes (Harmony's sX). `replicas`: data-parallel copies of the
-    pipeline (P x D); "auto" simulates every D that divides the devices and the microbatch count
-    (Varuna §4.4); a tuple replicates each stage its own number of ways (PipeDream §2.4.1), and
-    "per-stage" lets PipeDream's DP choose. `stages`: the depth P of a gpipe / 1f1b / varuna
-    pipeline (default N / D); "auto" simulates every depth from 1. `loss_reduction`: sw.TokenMean /
-    sw.SampleMean (README; default: a Hugging Face model's own token mean). `optimizer_on_host`: the
-    optimizer steps fp32 masters in host memory (Harmony's CPU update, ZeRO-Offload), so no device
-    holds optimizer state. `seed`: random ops draw from streams keyed by (seed, step, op, microbatch);
-    None takes `torch.initial_seed()`. `precision`: "fp32", "bf16" (stage forwards under
-    torch.autocast, fp32 weights, gradients, optimizer state and reductions) or "fp16" (the same
-    with dynamic loss scaling, sw.LossScaling: a step whose gradients overflow on any stage is
-    skipped on every stage, as is one with an inf or NaN under `clip_grad_norm`: SkippedUpdateWarning).
-    `virtual_devices`: plan for that many devices placed on `devices` in proportion to their speed,
-    bitwise the same training on any count (`pipe.resize`, compiler/pipeline/virtual_devices.py). README: the rest.
+    The planner simulates candidate plans and keeps the fastest that fits every device's memory,
+    unless `plan` fixes the schedule, the microbatches or the cuts.
+
+    Args:
+        model: the torch.nn.Module to train (its weights are copied to the stages).
+        devices: a count of CPU devices, or a list of ints, "cpu" / "cuda:1", torch.device, sw.Device.
+        example_inputs: a tuple (or dict by name) of tensors, a batch of the largest shape steps
+            will give: memory is planned for it; smaller batches and shorter sequences train too.
+        loss_fn: (output, target) -> scalar loss, with `example_target` (a batch of targets);
+            None where the model returns its own loss.
+        loss_reduction: sw.TokenMean / sw.SampleMean, how the loss averages over the batch
+            (default: a Hugging Face model's own token mean).
+        optimizer: a factory params -> torch.optim.Optimizer (functools.partial(AdamW, lr=...)) or
+            sw.ParamGroups; default SGD(lr=0.01).
+        plan: sw.PlanOptions: microbatches, schedule, cost, split_points, replicas, stages,
+            virtual_devices (documented there).
+        memory: sw.MemoryOptions: swap, optimizer_on_host.
+        training: sw.TrainingOptions: clip_grad_norm, seed, precision.
+        microbatches ... virtual_devices: each option of the three groups may instead be given as
+            a keyword of its own (`microbatches=4`), the same value as in its group.
+
+    Returns:
+        The sw.Pipeline: `pipe.step(x, target=y)` trains one step and returns its loss.
+
+    Raises:
+        StagewiseError: a subclass naming what is wrong and the fix: OptionError for an option
+            given both as a keyword and in its group, or of the wrong type; TraceError,
+            CapacityError, BatchSizeError, PrecisionError, ...
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+        >>> x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+        >>> pipe = sw.compile(model, 2, (x,), loss_fn=torch.nn.functional.cross_entropy, example_target=y,
+        ...                   plan=sw.PlanOptions(microbatches=2, schedule="1f1b", cost="analytic"),
+        ...                   training=sw.TrainingOptions(clip_grad_norm=1.0, seed=0))
+        >>> pipe.plan.microbatches
+        2
+        >>> loss = pipe.step(x, target=y)
     """
-    _check_arguments(model, split_points, example_inputs, loss_fn, loss_reduction)
+    chosen = with_groups(dict(microbatches=microbatches, schedule=schedule, cost=cost, split_points=split_points,
+                              replicas=replicas, stages=stages, virtual_devices=virtual_devices, swap=swap,
+                              optimizer_on_host=optimizer_on_host, clip_grad_norm=clip_grad_norm, seed=seed,
+                              precision=precision), plan, memory, training)
+    if chosen["cost"] is None:  # PlanOptions' default: compile's own
+        chosen["cost"] = CostModel.PROFILE
+    virtual = chosen.pop("virtual_devices")
+    _check_arguments(model, chosen["split_points"], example_inputs, loss_fn, loss_reduction)
     loss_reduction = loss_reduction or model_reduction(model, input_names(model, example_inputs)[0], loss_fn)
-    devices = virtual_layout(devices, virtual_devices)
-    options = make_options(loss_fn=loss_fn, example_target=example_target, optimizer=optimizer,
-                           microbatches=microbatches, schedule=schedule, cost=cost, split_points=split_points,
-                           clip_grad_norm=clip_grad_norm, swap=swap, replicas=replicas, stages=stages,
-                           optimizer_on_host=optimizer_on_host, seed=seed, precision=precision)
+    devices = virtual_layout(devices, virtual)
+    options = make_options(loss_fn=loss_fn, example_target=example_target, optimizer=optimizer, **chosen)
     ctx = CompileContext(CompileRequest.make(model, devices, example_inputs, options))
     run_checked(ctx)
-    chosen = after(ctx.plan, "plan")
+    chosen_plan = after(ctx.plan, "plan")
     graph = after(ctx.analysis, "capture")
-    model_graph = describe_model(model, graph.at(chosen.microbatches), graph.tracer, options, virtual_devices)
+    model_graph = describe_model(model, graph.at(chosen_plan.microbatches), graph.tracer, options, virtual)
     return pipeline_of(ctx, loss_reduction, model_graph)
 
 
@@ -101,6 +136,7 @@ def pipeline_of(ctx: CompileContext, loss_reduction, model_graph: dict) -> Pipel
 
 
 @releasing_fx_sources
+@given_once
 def plan(
     model: torch.nn.Module,
     devices,
@@ -108,6 +144,9 @@ def plan(
     *,
     loss_fn=None, example_target=None,
     optimizer=None,
+    plan: PlanOptions | None = None,
+    memory: MemoryOptions | None = None,
+    training: TrainingOptions | None = None,
     microbatches: int | None = None,
     schedule: Schedule | str = Schedule.AUTO,
     split_points: list[str] | None = None,
@@ -118,18 +157,50 @@ def plan(
     precision: str = "fp32",
     topology: Topology | None = None,
 ) -> Plan:
-    """The plan `compile` would choose, without a runtime: for devices this machine need not have
-    (`sw.Device("cuda", memory="80GiB", peak_flops="989TFLOPS", ...)`) and a model that may live on
-    the meta device (no weights: `with torch.device("meta"): model = ...`). Every cost is modelled
-    from the devices' figures, none timed here (passes/analytic.py, compiler/compile/modelled_costs.py);
-    `topology` gives the links between the devices (default: PCIe between GPUs). The arguments
-    are `compile`'s; `sw.simulate(plan)` gives its predicted timeline.
+    """The plan `compile` would choose, without a runtime, for devices this machine need not have.
+
+    Every cost is modelled from the devices' figures, none timed here (passes/analytic.py,
+    compiler/compile/modelled_costs.py), and the model may live on the meta device (no weights:
+    `with torch.device("meta"): model = ...`).
+
+    Args:
+        model, devices, example_inputs, loss_fn, example_target, optimizer: as `compile`'s;
+            devices are typically sw.Device("cuda", memory="80GiB", peak_flops="989TFLOPS", ...).
+        plan: sw.PlanOptions, as compile's, with cost None or "analytic" and no virtual_devices.
+        memory: sw.MemoryOptions, as compile's.
+        training: sw.TrainingOptions, as compile's.
+        microbatches ... precision: the groups' options as keywords of their own, as compile's.
+        topology: sw.Topology, the links between the devices (default: PCIe between GPUs).
+
+    Returns:
+        The sw.Plan: `print(plan)` shows its stages; `sw.simulate(plan)` its predicted timeline.
+
+    Raises:
+        StagewiseError: as compile's; OptionError for cost="profile" or virtual_devices.
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+        >>> x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+        >>> gpu = sw.Device("cuda", memory="80GiB", peak_flops="989TFLOPS")
+        >>> chosen = sw.plan(model, [gpu, gpu], (x,), loss_fn=torch.nn.functional.cross_entropy,
+        ...                  example_target=y, plan=sw.PlanOptions(microbatches=4, schedule="gpipe"))
+        >>> chosen.microbatches, len(chosen.devices)
+        (4, 2)
     """
-    _check_arguments(model, split_points, example_inputs, loss_fn, None)
+    chosen = with_groups(dict(microbatches=microbatches, schedule=schedule, split_points=split_points, swap=swap,
+                              replicas=replicas, stages=stages, optimizer_on_host=optimizer_on_host,
+                              precision=precision, cost=CostModel.ANALYTIC, virtual_devices=None, clip_grad_norm=None,
+                              seed=0), plan, memory, training)
+    if chosen.pop("virtual_devices") is not None:
+        raise OptionError("virtual_devices= places a plan on this process's devices: give it to sw.compile; "
+                          "sw.plan plans for the devices given")
+    if chosen["cost"] is None:  # PlanOptions' default: the only one sw.plan has
+        chosen["cost"] = CostModel.ANALYTIC
+    if chosen["seed"] is None:  # TrainingOptions' default: the plan records one
+        chosen["seed"] = 0
+    _check_arguments(model, chosen["split_points"], example_inputs, loss_fn, None)
     options = make_options(loss_fn=loss_fn, example_target=example_target, optimizer=optimizer,
-                           microbatches=microbatches, schedule=schedule, cost=CostModel.ANALYTIC, split_points=split_points,
-                           clip_grad_norm=None, swap=swap, replicas=replicas, stages=stages,
-                           optimizer_on_host=optimizer_on_host, seed=0, precision=precision, topology=topology)
+                           topology=topology, **chosen)
     return planned(CompileRequest.make(model, devices, example_inputs, options, runs_here=False))[0]
 
 
@@ -145,8 +216,29 @@ def planned(request: CompileRequest, analysis: Analysis | None = None) -> tuple[
 
 
 def simulate(plan: Plan, peak_flops: float | None = None, bandwidth: float | None = None) -> SimResult:
-    """The predicted timeline of one iteration of `plan` (`to_chrome_trace`, `to_png`), with the costs
-    its prediction charged, or for devices of `peak_flops` FLOP/s and links of `bandwidth` bytes/s."""
+    """The predicted timeline of one iteration of `plan`, as the planner simulated it.
+
+    Args:
+        plan: a sw.Plan (from sw.plan, `pipe.plan`, or a checkpoint's).
+        peak_flops: predict for devices of this many FLOP/s instead (the analytic model's bound).
+        bandwidth: predict for links of this many bytes/s instead.
+
+    Returns:
+        The SimResult: `iteration_time` in seconds, `to_chrome_trace(path)`, `to_png(path)`.
+
+    Raises:
+        PlanError: the plan records no costs (saved before plans kept them).
+        DeviceError: a `bandwidth` that is not a positive number.
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+        >>> x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+        >>> gpu = sw.Device("cuda", memory="80GiB", peak_flops="989TFLOPS")
+        >>> chosen = sw.plan(model, [gpu, gpu], (x,), loss_fn=torch.nn.functional.cross_entropy,
+        ...                  example_target=y, microbatches=2)
+        >>> sw.simulate(chosen).iteration_time > sw.simulate(chosen, peak_flops=1e20).iteration_time
+        True
+    """
     return simulate_programs(plan.programs, plan_charges(plan, peak_flops, bandwidth))
 
 
@@ -164,9 +256,7 @@ def _check_arguments(model: object, split_points: object, example_inputs, loss_f
     (before the phases run, not after a long compile)."""
     if not isinstance(model, torch.nn.Module):
         raise ExampleInputsError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if split_points is not None and not isinstance(split_points, list | tuple):
-        example = [split_points] if isinstance(split_points, str) else ["blocks.2"]
-        raise OptionError(f"split_points={split_points!r} must be a list of layer names, e.g. split_points={example!r}")
+    check_split_points(split_points)
     if reduction is not None:
         check_loss_reduction(reduction, loss_fn is not None, input_names(model, example_inputs)[0])
 

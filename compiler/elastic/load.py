@@ -81,10 +81,10 @@ def load(directory, trusted_functions: Sequence[Callable] = (), devices=None, re
     runtime, unheld = reopen(saved, rebuilt.stages, plan, trusted, context)
     training = saved.training
     pipe = Pipeline(plan, runtime, unheld=unheld)
-    pipe.resumed = TrainingState.from_settings(training)
+    pipe._resumed = TrainingState.from_settings(training)
     pipe.loss_reduction = reduction_from_data(training.get("loss_reduction"))  # checked against the plan
     put_saved_mode(pipe, training)
-    pipe.model_graph = saved.model_graph  # its next checkpoint can be planned again as well
+    pipe._model_graph = saved.model_graph  # its next checkpoint can be planned again as well
     return pipe
 
 

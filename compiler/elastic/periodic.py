@@ -14,7 +14,7 @@ one is in place, so a crash at any moment leaves at least the previous checkpoin
 damaged since (a shard that fails its SHA-256) is passed over with a warning for the one before.
 
 Under torch.distributed saving and restoring are collectives, so every rank must decide alike:
-the step count (`pipe.executor.state.iteration`, completed steps only) is the same on every rank;
+the step count (`pipe._executor.state.iteration`, completed steps only) is the same on every rank;
 clocks are not, so with `every_seconds` rank 0 decides and tells the others, and the list of
 checkpoints to resume from is rank 0's listing (across machines `directory` must be on a
 filesystem every rank shares, as for `pipe.save`).
@@ -152,8 +152,8 @@ class Checkpoints:
                 continue
             if scheduler is not None:
                 pipe.load_scheduler(scheduler)
-            self._last_step, self._last_time = pipe.executor.state.iteration, time.monotonic()
-            return pipe.executor.state.iteration
+            self._last_step, self._last_time = pipe._executor.state.iteration, time.monotonic()
+            return pipe._executor.state.iteration
         if failures:
             raise CheckpointError(f"no checkpoint under {self.directory} could be restored ({'; '.join(failures)}); "
                                   "move the damaged ones away to start from scratch")
@@ -179,7 +179,7 @@ class Checkpoints:
             (True, False)
         """
         self._prune_after_save(wait=False)
-        step = pipe.executor.state.iteration
+        step = pipe._executor.state.iteration
         if step == 0 or step == self._last_step:
             return False
         due = self.every_steps is not None and step % self.every_steps == 0
@@ -210,7 +210,7 @@ class Checkpoints:
             'now'
         """
         self._prune_after_save(wait=True)
-        step = pipe.executor.state.iteration
+        step = pipe._executor.state.iteration
         target = self.path(step)
         handle = pipe.save(target, scheduler=scheduler, extra=extra, asynchronous=self.asynchronous)
         self._last_step, self._last_time = step, time.monotonic()
@@ -258,7 +258,7 @@ class Checkpoints:
 
 def _from_rank_0(pipe: Pipeline, value: _T) -> _T:
     """Rank 0's `value` on every rank (this process's alone)."""
-    transport = pipe.transport
+    transport = pipe._runtime.transport
     return transport.from_first(value) if isinstance(transport, DistributedTransport) else value
 
 

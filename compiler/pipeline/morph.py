@@ -58,7 +58,7 @@ class Move:
 def restore_into(pipe: Pipeline, directory: str | Path, report: bool, training_state: bool) -> Move:
     """Fill `pipe` from the checkpoint at `directory` (any plan of the same model) and say what moved;
     without `training_state` only the weights (the optimizer, step count and scheduler stay)."""
-    pipe.executor.settle(broken_ok=True)
+    pipe._executor.settle(broken_ok=True)
     return restore_checkpoint(pipe, read_checkpoint(directory, pipe.context), report, training_state)
 
 
@@ -67,10 +67,10 @@ def restore_checkpoint(pipe: Pipeline, saved: Checkpoint, report: bool, training
     """`restore_into` from a checkpoint read already; with `constants` also the tensors the stage
     code reads beside the state_dict (a re-planned pipeline's)."""
     if training_state:
-        check_same_optimizer(saved.training.get("optimizer"), pipe.runtime.optimizer_factory)
-    restore_state(pipe.plan, pipe.runtime, pipe.unheld, saved, constants=constants, training_state=training_state)
+        check_same_optimizer(saved.training.get("optimizer"), pipe._runtime.optimizer_factory)
+    restore_state(pipe.plan, pipe._runtime, pipe._unheld, saved, constants=constants, training_state=training_state)
     if training_state:
-        pipe.resumed = TrainingState.from_settings(saved.training)
+        pipe._resumed = TrainingState.from_settings(saved.training)
     if training_state and pipe._optimizer is not None:
         pipe._optimizer.pull_hyperparameters()  # the saved learning rates, now in the stages' optimizers
     move = _move(saved.plan, pipe.plan, {k: v.size.numel() * v.properties.dtype.itemsize

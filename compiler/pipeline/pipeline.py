@@ -35,16 +35,14 @@ from stagewise.passes.simulate import SimCost, SimResult, simulate
 from stagewise.runtime.distributed import DistributedTransport
 from stagewise.runtime.executor import DEFAULT_TIMEOUT_S, StreamExecutor
 from stagewise.runtime.launch import DistributedContext
-from stagewise.runtime.pool import MemoryPool
 from stagewise.runtime.precision import enclosing_autocast
-from stagewise.runtime.transport import LocalTransport
 from stagewise.runtime.worker import StageWorker
 
 
 @dataclass(frozen=True)
 class Compiled:
     """What compiling found beside the plan (a loaded pipeline has none): the planner's per-stage
-    costs of the chosen plan (`pipe.sim_cost`, for benches and tests that vary them), the seconds
+    costs of the chosen plan (`pipe._sim_cost`, for benches and tests that vary them), the seconds
     each compile phase took (`pipe.compile_times`), and the loss reduction compile was given."""
 
     sim_cost: SimCost
@@ -74,24 +72,24 @@ class Pipeline:
     def __init__(self, plan: Plan, runtime: Runtime, compiled: Compiled | None = None,
                  unheld: dict[str, torch.Tensor] | None = None):
         self.plan = plan
-        self.runtime = runtime
+        self._runtime = runtime
         # state_dict entries no stage holds (layers the loss never reaches), on the CPU: training
         # leaves them as they are, state_dict returns them and save / load carry them (unused.pt).
-        self.unheld = dict(unheld or {})
-        self.sim_cost = compiled.sim_cost if compiled is not None else None
-        self.compile_times: dict[str, float] = dict(compiled.phase_seconds) if compiled is not None else {}
+        self._unheld = dict(unheld or {})
+        self._sim_cost = compiled.sim_cost if compiled is not None else None
+        self._compile_times = dict(compiled.phase_seconds) if compiled is not None else {}
         self.timeout_s = DEFAULT_TIMEOUT_S
         self._optimizer: PipelineOptimizer | None = None  # made when first asked for
-        self.resumed = TrainingState()  # a loaded pipeline's: the saved scheduler state and `extra`
-        self.evaluation = Evaluation(plan, runtime.workers, runtime.pools, runtime.transport)
-        self.token_bounds = embedding_bounds(plan, [w.module for w in runtime.workers])  # ids each input may hold
-        self.step_shapes = StepShapes(plan, runtime.stage_modules, runtime.stage_states,
-                                      [pool.device for pool in runtime.pools])
+        self._resumed = TrainingState()  # a loaded pipeline's: the saved scheduler state and `extra`
+        self._evaluation = Evaluation(plan, runtime.workers, runtime.pools, runtime.transport)
+        self._token_bounds = embedding_bounds(plan, [w.module for w in runtime.workers])  # ids each input may hold
+        self._step_shapes = StepShapes(plan, runtime.stage_modules, runtime.stage_states,
+                                       [pool.device for pool in runtime.pools])
         self._loss_reduction: LossReduction | None = None
         self._saves = SaveSlot()  # the save in flight (compiler/checkpoint/async_save.py)
-        self.notices = StepNotices()  # warnings given once, skipped updates counted (compiler/pipeline/step_notices.py)
+        self._notices = StepNotices()  # warnings given once, skipped updates counted (compiler/pipeline/step_notices.py)
         self.loss_reduction = compiled.loss_reduction if compiled is not None else None  # checked
-        self.model_graph = compiled.model_graph if compiled is not None else None  # sw.load sets a loaded one's
+        self._model_graph = compiled.model_graph if compiled is not None else None  # sw.load sets a loaded one's
 
     # ---- the runtime's parts ---------------------------------------------------------------
     @property
@@ -102,25 +100,27 @@ class Pipeline:
             >>> pipe.context is None
             True
         """
-        return self.runtime.context
+        return self._runtime.context
 
     @property
-    def pools(self) -> list[MemoryPool]:
-        return self.runtime.pools
+    def _workers(self) -> list[StageWorker]:
+        return self._runtime.workers
 
     @property
-    def transport(self) -> LocalTransport | DistributedTransport:
-        return self.runtime.transport
-
-    @property
-    def workers(self) -> list[StageWorker]:
-        return self.runtime.workers
-
-    @property
-    def executor(self) -> StreamExecutor:
-        return self.runtime.executor
+    def _executor(self) -> StreamExecutor:
+        return self._runtime.executor
 
     # ---- the public surface -------------------------------------------------------------
+    @property
+    def compile_times(self) -> dict[str, float]:
+        """Seconds each compile phase took, by phase name (capture ... runtime); {} after `sw.load`.
+
+        Example:
+            >>> list(pipe.compile_times)
+            ['capture', 'analyse', 'cost', 'plan', 'codegen', 'runtime']
+        """
+        return dict(self._compile_times)
+
     @property
     def stages(self) -> list[fx.GraphModule]:
         """The generated stage modules this process runs, one GraphModule each (print one's `.code`).
@@ -129,7 +129,7 @@ class Pipeline:
             >>> [type(stage).__name__ for stage in pipe.stages]
             ['Stage0', 'Stage1']
         """
-        return [w.module for w in self.workers]
+        return [w.module for w in self._workers]
 
     @property
     def programs(self) -> tuple[Program, ...]:
@@ -161,8 +161,8 @@ class Pipeline:
             (True, 1)
         """
         if self._optimizer is None:
-            self._optimizer = PipelineOptimizer(self.plan, self.workers, self.executor.settle,
-                                                self.context is not None, self.runtime.optimizer_factory)
+            self._optimizer = PipelineOptimizer(self.plan, self._workers, self._executor.settle,
+                                                self.context is not None, self._runtime.optimizer_factory)
         return self._optimizer
 
     @property
@@ -174,7 +174,7 @@ class Pipeline:
             >>> sw.load(tmp / "with_extra").extra
             {'epoch': 3}
         """
-        return self.resumed.extra
+        return self._resumed.extra
 
     def load_scheduler(self, scheduler) -> None:
         """After `sw.load`: load the scheduler state `pipe.save(directory, scheduler=...)` stored into
@@ -193,7 +193,7 @@ class Pipeline:
             >>> resumed.state_dict()["last_epoch"] == scheduler.state_dict()["last_epoch"]
             True
         """
-        resume_scheduler(self.optimizer, scheduler, self.resumed, self.executor.state.iteration)
+        resume_scheduler(self.optimizer, scheduler, self._resumed, self._executor.state.iteration)
 
     @property
     def loss_reduction(self) -> LossReduction | None:
@@ -225,7 +225,7 @@ class Pipeline:
             >>> pipe.loss_scale is None  # compiled in fp32
             True
         """
-        return None if self.executor.state.scaler is None else self.executor.state.scaler.scale
+        return None if self._executor.state.scaler is None else self._executor.state.scaler.scale
 
     @property
     def last_step_skipped(self) -> bool:
@@ -237,7 +237,7 @@ class Pipeline:
             >>> pipe.last_step_skipped
             False
         """
-        return self.executor.state.last_step_skipped
+        return self._executor.state.last_step_skipped
 
     @property
     def skipped_steps(self) -> int:
@@ -247,7 +247,7 @@ class Pipeline:
             >>> pipe.skipped_steps
             0
         """
-        return self.notices.skipped_steps
+        return self._notices.skipped_steps
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -259,7 +259,7 @@ class Pipeline:
             >>> pipe.last_grad_norm is None  # compiled without clip_grad_norm
             True
         """
-        return self.executor.state.last_grad_norm
+        return self._executor.state.last_grad_norm
 
     def time_breakdown(self) -> list[dict[str, float]]:
         """Where the last step's time went, per device (before the first step, every device at zero).
@@ -273,10 +273,10 @@ class Pipeline:
             >>> [sorted(row) for row in pipe.time_breakdown()][0]
             ['compute_s', 'device', 'p2p_in_s', 'p2p_out_s', 'step_s', 'swap_in_s', 'swap_out_s']
         """
-        timeline = self.executor.state.step.timeline
+        timeline = self._executor.state.step.timeline
         step = max((end for *_, end in timeline), default=0.0)
         rows = []
-        for program in self.executor.programs:
+        for program in self._executor.programs:
             busy = dict.fromkeys(Stream, 0.0)
             for device, stream, _, start, end in timeline:
                 if device == program.device:
@@ -298,14 +298,14 @@ class Pipeline:
             60.0
             >>> pipe.timeout_s = 300.0
         """
-        transport = self.transport
-        return transport.timeout_s if isinstance(transport, DistributedTransport) else self.executor.state.timeout_s
+        transport = self._runtime.transport
+        return transport.timeout_s if isinstance(transport, DistributedTransport) else self._executor.state.timeout_s
 
     @timeout_s.setter
     def timeout_s(self, seconds: float) -> None:
         # Across processes the transport's wait names the silent rank: let it expire first.
-        transport = self.transport
-        self.executor.state.timeout_s = 2 * seconds if isinstance(transport, DistributedTransport) else seconds
+        transport = self._runtime.transport
+        self._executor.state.timeout_s = 2 * seconds if isinstance(transport, DistributedTransport) else seconds
         if isinstance(transport, DistributedTransport):
             transport.timeout_s = seconds
 
@@ -318,7 +318,7 @@ class Pipeline:
             >>> [(row["device"], row["peak_bytes"] > 0) for row in pipe.stats]
             [(0, True), (1, True)]
         """
-        return [pool.stats() for pool in self.pools]
+        return [pool.stats() for pool in self._runtime.pools]
 
     @property
     def training(self) -> bool:
@@ -328,7 +328,7 @@ class Pipeline:
             >>> pipe.training
             True
         """
-        return self.evaluation.training
+        return self._evaluation.training
 
     def train(self, mode: bool = True) -> Pipeline:
         """Set the mode `step` runs the stages in (dropout, BatchNorm), as nn.Module.train does.
@@ -348,7 +348,7 @@ class Pipeline:
             (False, True)
         """
         check_flags(mode=mode)
-        self.evaluation.set_mode(mode)
+        self._evaluation.set_mode(mode)
         return self
 
     def eval(self) -> Pipeline:
@@ -399,8 +399,8 @@ class Pipeline:
         _refuse_enclosing_autocast("step")
         if self._optimizer is not None:
             self._optimizer.push_hyperparameters()
-        loss = self.executor.run(self.plan.microbatches, feed=self._checked_feed(lambda: self._feeder(args, target, kwargs)))
-        self.notices.step_done(self.executor)
+        loss = self._executor.run(self.plan.microbatches, feed=self._checked_feed(lambda: self._feeder(args, target, kwargs)))
+        self._notices.step_done(self._executor)
         if self._optimizer is not None:
             self._optimizer.note_step()
         return loss
@@ -430,7 +430,7 @@ class Pipeline:
         """
         _refuse_enclosing_autocast("evaluate")
         feed = self._checked_feed(lambda: self._feeder(args, target, kwargs, evaluating=True))
-        return self.evaluation.evaluate(self.plan.microbatches, feed, self.executor)
+        return self._evaluation.evaluate(self.plan.microbatches, feed, self._executor)
 
     def predict(self, *args, **kwargs) -> object:
         """What the model returns (a tensor, tuple, dict, ModelOutput) for `step`'s inputs without target=,
@@ -457,7 +457,7 @@ class Pipeline:
         """
         given = GivenSamples()
         feed = self._checked_feed(lambda: self._prediction_feeder(args, kwargs, given))
-        return predict(self.evaluation, self.plan.microbatches, feed, self.executor, lambda: given.count)
+        return predict(self._evaluation, self.plan.microbatches, feed, self._executor, lambda: given.count)
 
     def _checked_feed(self, feeder: Callable[[], Callable[[], None]]) -> Callable[[], None]:
         """The feed of a step, an evaluation or a prediction, from `feeder`, which checks the inputs.
@@ -470,7 +470,7 @@ class Pipeline:
 
     def _prediction_feeder(self, args, kwargs, given: GivenSamples) -> Callable[[], None]:
         """What feeds the workers a prediction's microbatches (compiler/pipeline/prediction.py `prediction_pieces`)."""
-        pieces = prediction_pieces(self.plan, self.step_shapes.modules, args, kwargs, given, self.token_bounds)
+        pieces = prediction_pieces(self.plan, self._step_shapes.modules, args, kwargs, given, self._token_bounds)
         return lambda: self._feed(pieces)
 
     def _feeder(self, args, target, kwargs, evaluating: bool = False):
@@ -478,8 +478,8 @@ class Pipeline:
         call = "evaluate" if evaluating else "step"
         inputs = training_inputs(self.plan, args, target, kwargs, call)
         inputs = filled(self.plan, inputs) if evaluating else inputs
-        prepared = prepare_batch(self.plan, self.step_shapes, inputs, self.loss_reduction, self.notices, call)
-        check_token_ids(inputs, self.token_bounds, call)
+        prepared = prepare_batch(self.plan, self._step_shapes, inputs, self.loss_reduction, self._notices, call)
+        check_token_ids(inputs, self._token_bounds, call)
         return lambda: self._feed(prepared.pieces, prepared.weights, prepared.transfer_specs)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -495,11 +495,11 @@ class Pipeline:
             >>> list(state)[:3], list(state) == list(model.state_dict())
             (['0.weight', '0.bias', '2.weight'], True)
         """
-        self.executor.settle(broken_ok=True)
+        self._executor.settle(broken_ok=True)
         found = self._local_state()
         if self.context is not None:
             gathered: list[dict[str, torch.Tensor] | None] = [None] * len(self.plan.devices)
-            mine = {k: v.detach().cpu() for k, v in found.items() if k not in self.unheld}  # every rank has those
+            mine = {k: v.detach().cpu() for k, v in found.items() if k not in self._unheld}  # every rank has those
             torch.distributed.all_gather_object(gathered, mine)
             for part in gathered:
                 for name, tensor in (part or {}).items():
@@ -540,8 +540,8 @@ class Pipeline:
         shapes = (dict(zip(self.plan.state_names, self.plan.state_shapes, strict=True)) if self.plan.state_shapes
                   else {n: tuple(t.shape) for n, t in self._local_state().items()})
         result = check_state_dict(self.plan, state_dict, strict, shapes)
-        self.executor.settle(broken_ok=True)
-        holders = [self.unheld] + [worker.state_tensors() for worker in self.workers]  # every replica of a tie
+        self._executor.settle(broken_ok=True)
+        holders = [self._unheld] + [worker.state_tensors() for worker in self._workers]  # every replica of a tie
         with torch.no_grad():
             for held in holders:
                 for name, tensor in held.items():
@@ -608,13 +608,13 @@ class Pipeline:
         check_flags(asynchronous=asynchronous)
         directory = save_path(directory)
         self._saves.settle()  # before the step count and the learning rates are read
-        self.executor.settle()
+        self._executor.settle()
         training = training_state(scheduler, extra)
         if self._optimizer is not None:
             self._optimizer.push_hyperparameters()  # the learning rates the scheduler set since the last step
         settings = {**training.settings(), "loss_reduction": reduction_to_data(self.loss_reduction),
-                    "mode_training": self.training, MODEL_GRAPH: self.model_graph}
-        return self._saves.save(self.plan, self.runtime, directory, self.unheld, settings, asynchronous)
+                    "mode_training": self.training, MODEL_GRAPH: self._model_graph}
+        return self._saves.save(self.plan, self._runtime, directory, self._unheld, settings, asynchronous)
 
     def wait_for_save(self) -> None:
         """Until the save in flight is in place (under torch.distributed: before destroying the group).
@@ -650,12 +650,12 @@ class Pipeline:
         """
         resize(self, devices)
 
-    def rebuild(self, plan: Plan, runtime: Runtime, unheld: dict[str, torch.Tensor]) -> None:
+    def _rebuild(self, plan: Plan, runtime: Runtime, unheld: dict[str, torch.Tensor]) -> None:
         """Go on with another runtime of this pipeline's plan (what `resize` made)."""
-        compiled = Compiled(self.sim_cost, self.compile_times) if self.sim_cost is not None else None
-        model_graph, notices = self.model_graph, self.notices
+        compiled = Compiled(self._sim_cost, self._compile_times) if self._sim_cost is not None else None
+        model_graph, notices = self._model_graph, self._notices
         self.__init__(plan, runtime, compiled, unheld)  # type: ignore[misc]
-        self.model_graph, self.notices = model_graph, notices
+        self._model_graph, self._notices = model_graph, notices
 
     def restore(self, directory, report: bool = True, training_state: bool = True) -> Move:
         """Train on from the checkpoint at `directory`, saved by a pipeline of this model on any devices
@@ -691,9 +691,9 @@ class Pipeline:
         """Give each worker its inputs of every microbatch it runs (a failed step clears them), the
         executors each microbatch's loss weight (None: 1 / microbatches), and the transport the sizes
         of what is sent where they are not the plan's (compiler/assembly/step_shapes.py)."""
-        self.executor.state.loss_weights.weights = weights
-        self.transport.transfer_specs = transfer_specs
-        for worker in self.workers:
+        self._executor.state.loss_weights.weights = weights
+        self._runtime.transport.transfer_specs = transfer_specs
+        for worker in self._workers:
             for mb, piece in enumerate(pieces):
                 if worker.stage.microbatches and mb not in worker.stage.microbatches:
                     continue
@@ -703,8 +703,8 @@ class Pipeline:
 
     def _local_state(self) -> dict[str, torch.Tensor]:
         """This process's state tensors by name: its stages' and the unheld entries."""
-        found = dict(self.unheld)
-        for worker in self.workers:
+        found = dict(self._unheld)
+        for worker in self._workers:
             for name, tensor in worker.state_tensors().items():
                 found.setdefault(name, tensor)
         return found

@@ -107,19 +107,19 @@ def resize(pipe: Pipeline, devices) -> None:
                           "the new processes and restore the latest checkpoint (pipe.restore)")
     pipe.wait_for_save()  # a save in flight reads this runtime's state; its failure is told here
     plan = remapped(pipe.plan, devices, "pipe.resize")
-    trusted = trusted_by_name([n.target for w in pipe.workers for n in w.module.graph.nodes
+    trusted = trusted_by_name([n.target for w in pipe._workers for n in w.module.graph.nodes
                                if n.op == "call_function" and callable(n.target)])  # this process runs them
     with tempfile.TemporaryDirectory() as folder:
         pipe.save(Path(folder) / "ck")
         saved = read_checkpoint(Path(folder) / "ck", None)
         runtime, unheld = reopen(saved, rebuild_checkpoint(saved, trusted).stages, plan, trusted, None)
-    view, resumed, timeout, reduction = pipe._optimizer, pipe.resumed, pipe.timeout_s, pipe.loss_reduction
+    view, resumed, timeout, reduction = pipe._optimizer, pipe._resumed, pipe.timeout_s, pipe.loss_reduction
     training = pipe.training
-    pipe.executor.threads.close()
-    pipe.rebuild(plan, runtime, unheld)
-    pipe.resumed, pipe.timeout_s, pipe.loss_reduction = resumed, timeout, reduction
+    pipe._executor.threads.close()
+    pipe._rebuild(plan, runtime, unheld)
+    pipe._resumed, pipe.timeout_s, pipe.loss_reduction = resumed, timeout, reduction
     if pipe.training != training:
         pipe.train(training)
     if view is not None:
-        view.rebind(plan, pipe.workers, pipe.executor.settle)
+        view.rebind(plan, pipe._workers, pipe._executor.settle)
         pipe._optimizer = view

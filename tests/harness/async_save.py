@@ -78,7 +78,7 @@ def check_saved_on_two_ranks(directory: Path, results: list[dict]) -> None:
         assert not result["done after a step"]
     loaded = sw.load(directory)
     assert_exact(loaded.state_dict(), results[0]["state"])
-    assert loaded.executor.state.iteration == 2
+    assert loaded._executor.state.iteration == 2
     assert sorted(p.name for p in (directory / "weights").iterdir()) == [".metadata", "__0_0.distcp",
                                                                           "__1_0.distcp"]
     _, batches = async_problem()

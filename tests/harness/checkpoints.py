@@ -11,7 +11,7 @@ def optimizer_state(pipe: sw.Pipeline) -> dict[tuple[int, str, str], torch.Tenso
     """Every stage's optimizer state as (stage, parameter name, key) -> tensor; a swapped stage's
     state read from the host memory where it lives between steps."""
     found = {}
-    for worker in pipe.workers:
+    for worker in pipe._workers:
         names = {id(p): n for n, p in worker.params.items()}
         for param, values in (worker.optimizer.state.items() if worker.optimizer else ()):
             for key, value in values.items():

@@ -14,7 +14,7 @@ def measured_cost(pipe: sw.Pipeline) -> SimCost:
     """The plan's programs, charged the sizes the runtime holds: state per stage and stash per microbatch."""
     stages = pipe.plan.stages
     state, grads = [0.0] * len(stages), [0.0] * len(stages)
-    for worker in pipe.workers:
+    for worker in pipe._workers:
         layers = pipe.plan.layers  # a swapped stage's parameters are empty on the device between uses
         grads[worker.stage.index] = float(sum(layers[i].param_bytes for i in worker.stage.layers))
         if not worker.swapped:  # weights, optimizer state and buffers stay; gradients come and go
@@ -23,7 +23,7 @@ def measured_cost(pipe: sw.Pipeline) -> SimCost:
             buffers = sum(b.numel() * b.element_size() for b in worker.module.buffers())
             state[worker.stage.index] = float(weights + optimizer + buffers)
     stash = [0.0] * len(stages)
-    for worker in pipe.workers:
+    for worker in pipe._workers:
         stash[worker.stage.index] = float(max((v for (grad, _), v in worker.stash_size.items() if grad), default=0))
     forward, backward, update = measured_seconds(pipe)
     return SimCost(forward_s=forward, backward_s=backward, update_s=update, state_bytes=tuple(state),
@@ -35,7 +35,7 @@ def measured_seconds(pipe: sw.Pipeline) -> tuple[tuple[float, ...], ...]:
     """Each stage's median forward, backward and update seconds in the step just run: the overlaps
     that decide a peak depend on how long each stage computes."""
     spans: dict[tuple[type, int], list[float]] = {}
-    for device, _, index, start, end in pipe.executor.state.step.timeline:
+    for device, _, index, start, end in pipe._executor.state.step.timeline:
         ins = pipe.plan.programs[device].instructions[index]
         if isinstance(ins, (Forward, Recompute, Backward, Update, HostUpdate)):
             kind = Forward if isinstance(ins, Recompute) else HostUpdate if isinstance(ins, Update) else type(ins)
@@ -48,6 +48,6 @@ def measured_seconds(pipe: sw.Pipeline) -> tuple[tuple[float, ...], ...]:
 def stream_orders(pipe: sw.Pipeline) -> dict[tuple[int, Stream], list[int]]:
     """Per device and stream, the instructions it ran, in the order they started."""
     runs: dict[tuple[int, Stream], list[tuple[float, int]]] = {}
-    for device, stream, index, start, _ in pipe.executor.state.step.timeline:
+    for device, stream, index, start, _ in pipe._executor.state.step.timeline:
         runs.setdefault((device, stream), []).append((start, index))
     return {key: [i for _, i in sorted(v)] for key, v in runs.items()}
