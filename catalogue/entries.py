@@ -155,8 +155,23 @@ def _key(name: str) -> str:
 
 @dataclass(frozen=True)
 class Catalogue:
-    """Accelerators and instance types, looked up by name or alias (case-insensitive). Built
-    checked: names and aliases are unique and every instance type's accelerator exists."""
+    """Accelerators and instance types, looked up by name or alias (case-insensitive): what
+    `sw.recommend`, `sw.parse_device_request` and `sw.probe_accelerator` read hardware figures and
+    prices from. Get one with `sw.load_catalogue()`; built checked.
+
+    Args:
+        accelerators: the accelerator models.
+        instance_types: the rentable machines, each holding accelerators of the catalogue.
+
+    Raises:
+        DeviceError: a name or alias claimed twice, or an instance type whose accelerator the
+            catalogue lacks.
+
+    Example:
+        >>> catalogue = sw.load_catalogue()
+        >>> catalogue.accelerator("h100").name, catalogue.instance_type("p4d.24xlarge").accelerators
+        ('H100-SXM-80GB', 8)
+    """
 
     accelerators: tuple[Accelerator, ...]
     instance_types: tuple[InstanceType, ...] = ()
@@ -170,7 +185,21 @@ class Catalogue:
             self.accelerator_of(instance)
 
     def accelerator(self, name: str) -> Accelerator:
-        """The accelerator called `name` (or one of its aliases)."""
+        """An accelerator by name.
+
+        Args:
+            name: its name or one of its aliases, in any case.
+
+        Returns:
+            The `Accelerator`, with its figures and their sources.
+
+        Raises:
+            DeviceError: no accelerator answers to the name (the message lists those that do).
+
+        Example:
+            >>> sw.load_catalogue().accelerator("H100").aliases
+            ('H100', 'H100-SXM', 'H100-SXM5')
+        """
         found = self._index.get(_key(name))
         if found is None:
             raise DeviceError(_unknown("accelerator", name, self.accelerator_names(),
@@ -178,12 +207,43 @@ class Catalogue:
         return found
 
     def instance_type(self, name: str) -> InstanceType:
+        """An instance type by name.
+
+        Args:
+            name: its name, in any case ('p4d.24xlarge').
+
+        Returns:
+            The `InstanceType`: its accelerators, links and prices.
+
+        Raises:
+            DeviceError: no instance type has the name (the message lists those that do).
+
+        Example:
+            >>> sw.load_catalogue().instance_type("P4D.24xlarge").accelerator
+            'A100-SXM-40GB'
+        """
         found = self._instances.get(_key(name))
         if found is None:
             raise DeviceError(_unknown("instance type", name, self.instance_type_names(), []))
         return found
 
     def accelerator_of(self, instance: InstanceType) -> Accelerator:
+        """The accelerator an instance type holds.
+
+        Args:
+            instance: an instance type, of this catalogue or another.
+
+        Returns:
+            This catalogue's accelerator of that name.
+
+        Raises:
+            DeviceError: the catalogue lacks it.
+
+        Example:
+            >>> catalogue = sw.load_catalogue()
+            >>> catalogue.accelerator_of(catalogue.instance_type("p5.48xlarge")).name
+            'H100-SXM-80GB'
+        """
         if _key(instance.accelerator) not in self._index:
             raise DeviceError(f"instance type {instance.name!r} holds accelerator {instance.accelerator!r}, "
                               f"which the catalogue lacks; known: {', '.join(self.accelerator_names())}. "
@@ -191,15 +251,57 @@ class Catalogue:
         return self._index[_key(instance.accelerator)]
 
     def knows_accelerator(self, name: str) -> bool:
+        """Whether an accelerator answers to a name, without raising.
+
+        Args:
+            name: a name or alias, in any case.
+
+        Returns:
+            True if `accelerator(name)` finds one.
+
+        Example:
+            >>> sw.load_catalogue().knows_accelerator("h100"), sw.load_catalogue().knows_accelerator("Z9")
+            (True, False)
+        """
         return _key(name) in self._index
 
     def knows_instance_type(self, name: str) -> bool:
+        """Whether an instance type has a name, without raising.
+
+        Args:
+            name: a name, in any case.
+
+        Returns:
+            True if `instance_type(name)` finds one.
+
+        Example:
+            >>> sw.load_catalogue().knows_instance_type("p4d.24xlarge")
+            True
+        """
         return _key(name) in self._instances
 
     def accelerator_names(self) -> list[str]:
+        """The accelerators' names (aliases aside).
+
+        Returns:
+            The names, sorted.
+
+        Example:
+            >>> sw.load_catalogue().accelerator_names()[:3]
+            ['A100-SXM-40GB', 'A100-SXM-80GB', 'A10G-24GB']
+        """
         return sorted(a.name for a in self.accelerators)
 
     def instance_type_names(self) -> list[str]:
+        """The instance types' names.
+
+        Returns:
+            The names, sorted.
+
+        Example:
+            >>> sw.load_catalogue().instance_type_names()[:2]
+            ['a2-highgpu-1g', 'a2-highgpu-8g']
+        """
         return sorted(i.name for i in self.instance_types)
 
 

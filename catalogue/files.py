@@ -88,8 +88,33 @@ def shipped_catalogue() -> Catalogue:
 
 
 def load_catalogue(path: str | PathLike[str] | None = None) -> Catalogue:
-    """The shipped catalogue with the entries of a JSON or TOML file merged over it (an entry
-    whose name the shipped catalogue has replaces it whole); None gives the shipped one alone."""
+    r"""The shipped catalogue with the entries of a JSON or TOML file merged over it (an entry
+    whose name the shipped catalogue has replaces it whole): a team's own machines, prices or
+    measured figures, in the schema this module's docstring shows.
+
+    Args:
+        path: a .json or .toml file; None gives the shipped catalogue alone.
+
+    Returns:
+        The merged `Catalogue`.
+
+    Raises:
+        DeviceError: the file cannot be read or parsed, or an entry breaks the schema; the message
+            names the file, the entry and the field.
+
+    Example:
+        >>> (tmp / "my.toml").write_text("\n".join([
+        ...     '[sources.bench]', 'url = "https://example.com/bench"', 'title = "Our benchmark"',
+        ...     'accessed = 2026-11-20', 'kind = "measured"',
+        ...     '[accelerators.MY-GPU]', 'kind = "cuda"', 'memory = { value = "48GB", sources = ["bench"] }',
+        ...     'memory_bandwidth = { value = "864GB/s", sources = ["bench"] }',
+        ...     'host_bandwidth = { value = "32GB/s", sources = ["bench"] }',
+        ...     'peak_flops.bf16 = { value = "181TFLOPS", sources = ["bench"] }'])) > 0
+        True
+        >>> catalogue = sw.load_catalogue(tmp / "my.toml")
+        >>> catalogue.accelerator("my-gpu").memory.value, catalogue.knows_accelerator("H100")
+        (48000000000.0, True)
+    """
     if path is None:
         return shipped_catalogue()
     shipped = _shipped_entries()

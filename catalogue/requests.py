@@ -35,7 +35,23 @@ class Cluster:
     devices in instance k; device names are local to their instance ('cuda:0'..'cuda:7' in each).
     `intra_node_bandwidth` is bytes/s one device can send to the others of its instance,
     `inter_node_bandwidth` bytes/s one instance can send to another, both one direction; None where
-    the catalogue has no figure, and both None for a bare accelerator count (packaging unknown)."""
+    the catalogue has no figure, and both None for a bare accelerator count (packaging unknown).
+    `sw.parse_device_request` builds it; its `devices` are what `sw.plan(devices=)` takes.
+
+    Args:
+        accelerator: the catalogue accelerator of every device.
+        instance_type: the instance type requested, None for a bare accelerator count.
+        precision: the dtype whose peak FLOP/s the devices carry.
+        devices: the devices, instance by instance.
+        nodes: per instance, the indices of its devices.
+        intra_node_bandwidth: bytes/s within an instance, one direction.
+        inter_node_bandwidth: bytes/s between instances, one direction.
+
+    Example:
+        >>> cluster = sw.parse_device_request("2xp4d.24xlarge", precision="bf16")
+        >>> len(cluster.devices), cluster.intra_node_bandwidth, cluster.inter_node_bandwidth
+        (16, 300000000000.0, 50000000000.0)
+    """
 
     accelerator: Accelerator
     instance_type: InstanceType | None
@@ -46,7 +62,21 @@ class Cluster:
     inter_node_bandwidth: float | None
 
     def node_of(self, device: int) -> int:
-        """The instance that holds `devices[device]`."""
+        """The instance that holds a device.
+
+        Args:
+            device: an index into `devices`.
+
+        Returns:
+            The index into `nodes` of its instance.
+
+        Raises:
+            DeviceError: the index is not a device of the cluster.
+
+        Example:
+            >>> sw.parse_device_request("2xp4d.24xlarge").node_of(9)
+            1
+        """
         for node, members in enumerate(self.nodes):
             if device in members:
                 return node
@@ -65,9 +95,28 @@ def check_device_request(request: str, catalogue: Catalogue | None = None) -> No
 
 def parse_device_request(request: str, catalogue: Catalogue | None = None,
                          precision: Dtype | str = Dtype.FP32) -> Cluster:
-    """The cluster `request` names in `catalogue` (the shipped one by default). `precision` picks
-    each device's peak FLOP/s: 'fp32' the plain fp32 rate (not TF32), 'tf32', 'bf16' or 'fp16'
-    that dtype's dense tensor-core rate."""
+    """The cluster a request names, as a command line writes it: devices to plan for without
+    describing each (`sw.plan(model, cluster.devices, ...)`).
+
+    Args:
+        request: 'COUNTxACCELERATOR' ('8xH100': devices, packaging unknown), 'INSTANCE_TYPE' or
+            'COUNTxINSTANCE_TYPE' ('2xp4d.24xlarge': whole instances).
+        catalogue: where the names are looked up; None for the shipped catalogue.
+        precision: which peak FLOP/s the devices get: 'fp32' the plain fp32 rate (not TF32),
+            'tf32', 'bf16' or 'fp16' that dtype's dense tensor-core rate.
+
+    Returns:
+        The `Cluster`: the devices with the accelerator's figures, and which share an instance.
+
+    Raises:
+        DeviceError: a request that does not parse, a name the catalogue lacks (the closest names
+            suggested), an unknown precision, or an accelerator without that precision's figure.
+
+    Example:
+        >>> cluster = sw.parse_device_request("4xH100", precision="bf16")
+        >>> cluster.devices[0].name, cluster.devices[0].memory, cluster.nodes
+        ('cuda:0', 80000000000, ((0, 1, 2, 3),))
+    """
     catalogue = catalogue if catalogue is not None else shipped_catalogue()
     dtype = _dtype(precision)
     count, name = _split(request)

@@ -15,7 +15,16 @@ Choice = TypeVar("Choice", bound=enum.StrEnum)
 
 
 class Schedule(enum.StrEnum):
-    """A pipeline schedule (passes/schedule.py builds each); AUTO lets the planner choose."""
+    """compile's and plan's `schedule=`: a pipeline schedule (passes/schedule.py builds each); AUTO
+    lets the planner choose. A member or its string is taken alike (an unknown string is an
+    OptionError listing these).
+
+    Example:
+        >>> sw.Schedule("1f1b")
+        <Schedule.ONE_F_ONE_B: '1f1b'>
+        >>> sw.Schedule.GPIPE == "gpipe"
+        True
+    """
 
     AUTO = "auto"
     GPIPE = "gpipe"
@@ -27,7 +36,13 @@ class Schedule(enum.StrEnum):
 
 
 class CostModel(enum.StrEnum):
-    """Where the planner's per-layer costs come from: measured on this machine or from FLOPs and peak rates."""
+    """compile's and plan's `cost=`: where the planner's per-layer costs come from, measured on this
+    machine (PROFILE) or from FLOPs and the devices' peak rates (ANALYTIC, for devices not here).
+
+    Example:
+        >>> sw.CostModel("analytic")
+        <CostModel.ANALYTIC: 'analytic'>
+    """
 
     PROFILE = "profile"
     ANALYTIC = "analytic"

@@ -113,6 +113,27 @@ class Device:
     does not have (`sw.plan`): `Device("cuda", memory="80GiB", peak_flops="989TFLOPS",
     memory_bandwidth="3.35TB/s")`; `peak_flops` is the rate in the plan's precision (bf16's for a
     bf16 plan). A device need not exist here until a runtime uses it (`compile`).
+
+    Args:
+        name: 'cpu', 'cuda', 'cuda:1' or a `torch.device`.
+        memory: what the device's pool may hold, in bytes or as '512MiB' / '80GB'; None: no limit
+            (neither the planner nor the pool bounds it).
+        speed: relative speed against the other devices, for virtual devices and analytic costs.
+        peak_flops: dense FLOP/s in the plan's precision, a number or '989TFLOPS'.
+        memory_bandwidth: device memory bandwidth, bytes/s or '3.35TB/s'.
+        host_bandwidth: the host <-> device link, bytes/s or '25GB/s' (what swaps cross).
+
+    Raises:
+        DeviceError: a name that is not a device, a size, rate or speed that does not parse or is
+            not positive.
+
+    Example:
+        >>> sw.Device("cpu", memory="512MiB", peak_flops="1TFLOPS")
+        Device(name='cpu', memory=536870912, speed=1.0, peak_flops=1000000000000.0, memory_bandwidth=None, host_bandwidth=None)
+        >>> sw.Device("cpu", speed=0)
+        Traceback (most recent call last):
+        ...
+        stagewise.ir.errors.DeviceError: speed=0 must be a positive finite number, e.g. speed=1.0
     """
 
     name: str = "cpu"
@@ -137,10 +158,24 @@ class Device:
 
     @property
     def torch_device(self) -> torch.device:
+        """The `torch.device` this device computes on (several 'cpu' devices share one).
+
+        Example:
+            >>> sw.Device("cpu").torch_device
+            device(type='cpu')
+        """
         return torch_device(self.name)
 
     def spec(self) -> DeviceSpec:
-        """The plan's record of this device, its figures in bytes and per second (parsed at construction)."""
+        """The plan's record of this device, its figures in bytes and per second (parsed at construction).
+
+        Returns:
+            The `DeviceSpec` a plan stores, with the device's kind ('cpu', 'cuda').
+
+        Example:
+            >>> sw.Device("cpu", memory="1KiB").spec().memory
+            1024
+        """
         return DeviceSpec(
             name=self.name,
             kind=self.torch_device.type,

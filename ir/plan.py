@@ -149,7 +149,48 @@ class InputSpec:
 
 @dataclass(frozen=True)
 class Plan:
-    """Everything compile decided: layers, cuts, shared tensors, stages, transfers, programs."""
+    """Everything compile decided: layers, cuts, shared tensors, stages, transfers, programs. It is
+    `pipe.plan` and what `sw.plan` returns; `print(plan)` shows the stage table, and it round-trips
+    through JSON (a checkpoint's plan.json). Made by the planner, not by hand.
+
+    Args:
+        model: the model's class name.
+        tracer: what captured it, 'fx' or 'export'.
+        devices: each device's `DeviceSpec`.
+        input_names: the model's inputs, in order.
+        input_kind: whether step takes the inputs as positional or keyword arguments.
+        target_name: the loss target's input name, None without `loss_fn`.
+        graph_inputs: the graph nodes of the inputs (then the target), in that order.
+        microbatches: microbatches per step.
+        microbatch_size: samples per microbatch of the example batch.
+        schedule: the chosen `sw.Schedule`.
+        layers: the graph's layers.
+        cuts: the legal cut points between layers.
+        shared: tensors several stages use (tied weights).
+        stages: which layers and parameters each stage holds, on which device.
+        transfers: the values sent between stages.
+        programs: one instruction program per device.
+        state_names: every key of the model's state_dict.
+        aliases: groups of names of one tensor.
+        state_shapes: per state name, its shape.
+        cost_model: where the predictions come from (None: a plan made by hand).
+        predicted_iteration_s: the simulated time of one step.
+        predicted_stage_s: per stage, forward + backward of one microbatch.
+        predicted_peak_bytes: per device, its simulated peak memory.
+        considered: the candidate plans the planner simulated, one line each.
+        costs: what the predictions charged, so a loaded plan predicts the same.
+        input_specs: per input (then the target), the shapes and dtypes step accepts.
+        seed: the key of the random streams dropout draws from.
+        smallest_microbatch: the fewest samples a microbatch may hold (0: `microbatch_size`).
+        training: the model's mode at compile, the pipeline's starting mode.
+        precision: 'fp32', 'bf16' or 'fp16'.
+        output_spec: the model output's pytree structure, what `pipe.predict` rebuilds.
+        output_nodes: per leaf of `output_spec`, the graph node computing it.
+
+    Example:
+        >>> pipe.plan.model, pipe.plan.microbatches, len(pipe.plan.stages), pipe.plan.state_names[:2]
+        ('Sequential', 2, 2, ('0.weight', '0.bias'))
+    """
 
     model: str
     tracer: str
@@ -185,14 +226,38 @@ class Plan:
     output_nodes: tuple[str | None, ...] = ()  # per leaf of output_spec, the graph node computing it (None: none)
 
     def to_json(self) -> str:
-        """JSON of every field; the programs in their printed form (typed instructions read back)."""
+        """The plan as JSON text, what a checkpoint's plan.json holds.
+
+        Returns:
+            JSON of every field; the programs in their printed form (typed instructions read back).
+
+        Example:
+            >>> print(pipe.plan.to_json()[:26])
+            {
+             "model": "Sequential",
+        """
         data = asdict(replace(self, programs=()))
         data["programs"] = "\n".join(str(p) for p in self.programs)
         return json.dumps(data, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        """The plan `text` holds, every number checked (ir/plan_checks.py): it may come from a crafted file."""
+        """The plan `to_json` wrote, every number checked (ir/plan_checks.py): it may come from a crafted file.
+
+        Args:
+            text: plan.json's text.
+
+        Returns:
+            The plan, equal to the one written.
+
+        Raises:
+            CheckpointError: a count, index, shape or dtype out of range, or an output structure that is
+                not plain pytree JSON.
+
+        Example:
+            >>> sw.Plan.from_json(pipe.plan.to_json()) == pipe.plan
+            True
+        """
         data = json.loads(text)
         programs = programs_from_text(data.pop("programs", ""))
         return check_plan(replace(_build(cls, data), programs=programs))

@@ -27,7 +27,26 @@ class LossScaling:
     """fp16's dynamic loss scaling, as torch.amp.GradScaler's: the backward seeds the loss with
     `init` times its weight; a step whose gradients hold an inf or NaN (on any stage) is skipped
     everywhere and the scale multiplied by `backoff`; after `growth_interval` clean steps in a row
-    it is multiplied by `growth`."""
+    it is multiplied by `growth`. Pass it as compile's `precision=` to train in fp16 with these
+    settings (`precision="fp16"` takes the defaults).
+
+    Args:
+        init: the first scale, finite and above 0.
+        growth: the factor after `growth_interval` clean steps, above 1.
+        backoff: the factor after a step with an inf or NaN gradient, between 0 and 1.
+        growth_interval: clean steps in a row before the scale grows, a positive int.
+
+    Raises:
+        PrecisionError: a value out of those ranges, or of the wrong type.
+
+    Example:
+        >>> sw.LossScaling(init=1024.0)
+        LossScaling(init=1024.0, growth=2.0, backoff=0.5, growth_interval=2000)
+        >>> sw.LossScaling(backoff=2)
+        Traceback (most recent call last):
+        ...
+        stagewise.ir.errors.PrecisionError: LossScaling(backoff=2): give a number between 0 and 1, e.g. 0.5
+    """
 
     init: float = 2.0**16
     growth: float = 2.0

@@ -31,9 +31,24 @@ class Level:
 
 @dataclass(frozen=True)
 class Topology:
-    """`bandwidth[i][j]`: bytes/s from device i to device j; None on the diagonal (a device has no
-    link to itself: it sends to itself for free). `levels`, innermost first, when the matrix is
-    hierarchical."""
+    """How fast each pair of devices talks, for the planner and the simulator: `sw.plan(topology=)`
+    for devices not here (compile measures its own); built with `uniform`, `two_level`,
+    `hierarchical` or `from_matrix`.
+
+    Args:
+        bandwidth: `bandwidth[i][j]`, bytes/s from device i to device j; None on the diagonal (a
+            device has no link to itself: it sends to itself for free).
+        levels: the hierarchy the matrix came from, innermost first; () for a measured matrix.
+
+    Raises:
+        DeviceError: a matrix that is not square, a link that is not positive, a diagonal that is
+            not None, or levels that hold another number of devices than the matrix.
+
+    Example:
+        >>> topology = sw.Topology.two_level(2, 2, intra="100GB/s", inter="10GB/s")
+        >>> topology.n_devices, topology.link(0, 1), topology.link(0, 2)
+        (4, 100000000000.0, 10000000000.0)
+    """
 
     bandwidth: tuple[tuple[float | None, ...], ...]
     levels: tuple[Level, ...] = ()
@@ -55,22 +70,61 @@ class Topology:
     # ---- constructors ---------------------------------------------------------------------------
     @classmethod
     def uniform(cls, n: int, bandwidth: float | str) -> Topology:
-        """n devices on one switch: every link has the same bandwidth ('25GB/s' or bytes/s)."""
+        """n devices on one switch: every link has the same bandwidth.
+
+        Args:
+            n: how many devices.
+            bandwidth: every link's bytes/s, a number or '25GB/s'.
+
+        Returns:
+            A one-level topology.
+
+        Example:
+            >>> sw.Topology.uniform(2, "25GB/s")
+            Topology(bandwidth=((None, 25000000000.0), (25000000000.0, None)), levels=(Level(workers=2, bandwidth=25000000000.0),))
+        """
         return cls.hierarchical([(n, bandwidth)])
 
     @classmethod
     def two_level(cls, servers: int, per_server: int, intra: float | str, inter: float | str) -> Topology:
-        """`servers` servers of `per_server` devices: `intra` within a server, `inter` across.
+        """`servers` servers of `per_server` devices. Devices are numbered server by server: device
+        i is on server i // per_server.
 
-        Devices are numbered server by server: device i is on server i // per_server.
+        Args:
+            servers: how many servers.
+            per_server: devices in each server.
+            intra: bytes/s between two devices of one server (a number or '100GB/s').
+            inter: bytes/s between devices of two servers.
+
+        Returns:
+            A two-level topology of servers * per_server devices.
+
+        Example:
+            >>> topology = sw.Topology.two_level(2, 2, "100GB/s", "10GB/s")
+            >>> topology.link(0, 1), topology.link(1, 2)
+            (100000000000.0, 10000000000.0)
         """
         return cls.hierarchical([(per_server, intra), (servers, inter)])
 
     @classmethod
     def hierarchical(cls, levels) -> Topology:
-        """PipeDream Fig. 2.6: `levels` as (workers, bandwidth) pairs, innermost first.
+        """PipeDream Fig. 2.6's hierarchy: two devices talk over the bandwidth of the lowest level
+        whose group holds both.
 
-        Two devices talk over the bandwidth of the lowest level whose group holds both.
+        Args:
+            levels: (workers, bandwidth) pairs, innermost first: `workers` groups of the level below
+                joined by `bandwidth` (bytes/s or '10GB/s').
+
+        Returns:
+            The topology of the product of the levels' workers devices.
+
+        Raises:
+            DeviceError: no level, a level of no worker, or a bandwidth that is not positive.
+
+        Example:
+            >>> topology = sw.Topology.hierarchical([(2, "100GB/s"), (2, "10GB/s")])
+            >>> topology == sw.Topology.two_level(2, 2, "100GB/s", "10GB/s")
+            True
         """
         parsed = tuple(Level(int(w), _link_bandwidth(b)) for w, b in levels)
         if not parsed or any(level.workers < 1 for level in parsed):
@@ -84,7 +138,19 @@ class Topology:
 
     @classmethod
     def from_matrix(cls, matrix) -> Topology:
-        """A measured or hand-written matrix (the diagonal is ignored)."""
+        """A measured or hand-written matrix, with no hierarchy.
+
+        Args:
+            matrix: n rows of n bandwidths, bytes/s or '25GB/s'; row i is what device i sends over
+                (the diagonal is ignored).
+
+        Returns:
+            The topology of n devices.
+
+        Example:
+            >>> sw.Topology.from_matrix([[None, 1e9], [2e9, None]]).link(1, 0)
+            2000000000.0
+        """
         n = len(matrix)
         return cls(
             tuple(
@@ -96,31 +162,85 @@ class Topology:
     # ---- queries --------------------------------------------------------------------------------
     @property
     def n_devices(self) -> int:
+        """How many devices the topology links.
+
+        Example:
+            >>> sw.Topology.two_level(2, 4, "100GB/s", "10GB/s").n_devices
+            8
+        """
         return len(self.bandwidth)
 
     def link(self, src: int, dst: int) -> float:
-        """Bytes/s from src to dst; math.inf for a device and itself."""
+        """The link between two devices.
+
+        Args:
+            src: the sending device's index.
+            dst: the receiving device's index.
+
+        Returns:
+            Bytes/s from src to dst; math.inf for a device and itself.
+
+        Example:
+            >>> sw.Topology.uniform(2, 1e9).link(0, 1), sw.Topology.uniform(2, 1e9).link(0, 0)
+            (1000000000.0, inf)
+        """
         bandwidth = self.bandwidth[src][dst]
         return math.inf if bandwidth is None else bandwidth
 
     def links(self) -> dict[tuple[int, int], float]:
-        """Every link between two devices, in the form `SimCost.links` takes."""
+        """Every link between two devices, for the simulator.
+
+        Returns:
+            {(src, dst): bytes/s}, in the form `SimCost.links` takes.
+
+        Example:
+            >>> sw.Topology.uniform(2, 1e9).links()
+            {(0, 1): 1000000000.0, (1, 0): 1000000000.0}
+        """
         return {(i, j): b for i, row in enumerate(self.bandwidth) for j, b in enumerate(row) if b is not None}
 
     @property
     def slowest_link(self) -> float:
-        """The least bandwidth between two devices (math.inf for one device: nothing to send)."""
+        """The least bandwidth between two devices (math.inf for one device: nothing to send).
+
+        Example:
+            >>> sw.Topology.two_level(2, 2, "100GB/s", "10GB/s").slowest_link
+            10000000000.0
+        """
         return min(self.links().values(), default=math.inf)
 
     def hierarchy(self) -> tuple[Level, ...]:
-        """The levels PipeDream's DP plans over: the topology's own, else every device on one level
-        joined by the slowest link (exact when all links are equal, conservative otherwise)."""
+        """The levels PipeDream's DP plans over.
+
+        Returns:
+            The topology's own levels, else every device on one level joined by the slowest link
+            (exact when all links are equal, conservative otherwise).
+
+        Example:
+            >>> sw.Topology.from_matrix([[None, 1e9], [2e9, None]]).hierarchy()
+            (Level(workers=2, bandwidth=1000000000.0),)
+        """
         return self.levels or (Level(self.n_devices, self.slowest_link),)
 
     def among(self, devices: Sequence[int]) -> Topology:
-        """The links between `devices` only, renumbered 0.. in the order given. The levels are
-        kept when the devices are the first k and k fills whole groups of the hierarchy's levels
-        (k = 8 or 4 or 2 of 2 servers of 4), else dropped (`hierarchy` then flattens)."""
+        """The links between some devices only, for a pipeline that uses them.
+
+        Args:
+            devices: distinct device indices, renumbered 0.. in the order given.
+
+        Returns:
+            Their topology. The levels are kept when the devices are the first k and k fills whole
+            groups of the hierarchy's levels (k = 8 or 4 or 2 of 2 servers of 4), else dropped
+            (`hierarchy` then flattens).
+
+        Raises:
+            DeviceError: an index out of range or given twice.
+
+        Example:
+            >>> topology = sw.Topology.two_level(2, 2, "100GB/s", "10GB/s")
+            >>> topology.among([0, 2]).link(0, 1)
+            10000000000.0
+        """
         if any(not 0 <= d < self.n_devices for d in devices) or len(set(devices)) != len(devices):
             raise DeviceError(f"devices {list(devices)} are not distinct devices of the topology's "
                               f"{self.n_devices}")
@@ -129,12 +249,36 @@ class Topology:
         return Topology(matrix, _leading_levels(self.levels, len(devices)) if leading else ())
 
     def group(self, device: int, level: int) -> int:
-        """Index of the level-`level` group (0: the device itself, 1: its server, ...) holding device."""
+        """Which group of a level holds a device.
+
+        Args:
+            device: the device's index.
+            level: 0 for the device itself, 1 for its server, ...
+
+        Returns:
+            The index of the level-`level` group holding the device.
+
+        Example:
+            >>> sw.Topology.two_level(2, 2, "100GB/s", "10GB/s").group(3, level=1)
+            1
+        """
         size = math.prod(lv.workers for lv in self.levels[:level])
         return device // size
 
     def level_between(self, src: int, dst: int) -> int:
-        """The level whose link joins two devices (0 for one device, 1 within a server, ...)."""
+        """The level whose link joins two devices.
+
+        Args:
+            src: one device's index.
+            dst: the other's.
+
+        Returns:
+            0 for a device and itself, 1 within a server, 2 across servers, ...
+
+        Example:
+            >>> sw.Topology.two_level(2, 2, "100GB/s", "10GB/s").level_between(0, 3)
+            2
+        """
         if src == dst:
             return 0
         if not self.levels:
@@ -143,20 +287,63 @@ class Topology:
 
     # ---- JSON -----------------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        """JSON-friendly (the diagonal is null), and the form a `Plan`'s JSON holds it in."""
+        """The topology as plain data.
+
+        Returns:
+            A JSON-friendly dict (the diagonal None), the form a `Plan`'s JSON holds it in.
+
+        Example:
+            >>> sw.Topology.from_matrix([[None, 1e9], [1e9, None]]).to_dict()
+            {'bandwidth': ((None, 1000000000.0), (1000000000.0, None)), 'levels': ()}
+        """
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict) -> Topology:
+        """The topology `to_dict` gave.
+
+        Args:
+            data: {'bandwidth': rows, 'levels': [{'workers', 'bandwidth'}, ...]}.
+
+        Returns:
+            The topology, checked as the constructor checks it.
+
+        Example:
+            >>> topology = sw.Topology.uniform(2, 1e9)
+            >>> sw.Topology.from_dict(topology.to_dict()) == topology
+            True
+        """
         matrix = tuple(tuple(None if b is None else float(b) for b in row) for row in data["bandwidth"])
         levels = tuple(Level(int(lv["workers"]), float(lv["bandwidth"])) for lv in data.get("levels", ()))
         return cls(matrix, levels)
 
     def to_json(self) -> str:
+        """The topology as JSON text.
+
+        Returns:
+            `to_dict`'s dict as JSON (the diagonal null).
+
+        Example:
+            >>> sw.Topology.from_matrix([[None, 1e9], [1e9, None]]).to_json()
+            '{"bandwidth": [[null, 1000000000.0], [1000000000.0, null]], "levels": []}'
+        """
         return json.dumps(self.to_dict())
 
     @classmethod
     def from_json(cls, text: str) -> Topology:
+        """The topology `to_json` wrote.
+
+        Args:
+            text: the JSON text.
+
+        Returns:
+            The topology, checked as the constructor checks it.
+
+        Example:
+            >>> topology = sw.Topology.uniform(2, "25GB/s")
+            >>> sw.Topology.from_json(topology.to_json()) == topology
+            True
+        """
         return cls.from_dict(json.loads(text))
 
 

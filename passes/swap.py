@@ -48,7 +48,14 @@ from stagewise.ir.plan import Layer, Stage, Task
 
 
 class SwapMode(enum.StrEnum):
-    """compile's `swap=`: where training state and stashed activations go to host memory."""
+    """compile's `swap=`: where training state and stashed activations go to host memory (AUTO:
+    only where they do not fit; ON: state everywhere, Harmony-style; ALL: ON and every stage's
+    stashes; OFF: never; PER_DEVICE: the per-GPU baseline).
+
+    Example:
+        >>> sw.SwapMode("per-device")
+        <SwapMode.PER_DEVICE: 'per-device'>
+    """
 
     AUTO = "auto"  # state only on devices it does not fit; stashes where they do not fit
     ON = "on"  # Harmony-style state swapping everywhere

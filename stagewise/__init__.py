@@ -3,6 +3,9 @@
     import stagewise as sw
     pipe = sw.compile(model, devices=4, example_inputs=(x,), loss_fn=F.cross_entropy, example_target=y)
     loss = pipe.step(x, target=y)
+
+Each public name documents itself, with an example that runs (`help(sw.Pipeline)`,
+`help(sw.load)`); the guide is docs/guide/ (training, checkpoints, planning, errors).
 """
 
 from stagewise.catalogue.entries import Catalogue

@@ -42,7 +42,33 @@ def probe_accelerator(name: str, device: str = "cuda:0", catalogue: Catalogue | 
 
     Without `model` the FLOP/s is a square matmul's best; with it (and `example_inputs`, plus
     `loss_fn` / `example_target` as `sw.plan` takes them) it is that model's achieved rate,
-    fitted from forward + backward of a copy on `device` at microbatches B/8, B/4, B/2, B."""
+    fitted from forward + backward of a copy on `device` at microbatches B/8, B/4, B/2, B. Pass the
+    result as `sw.recommend(catalogue=)` or `sw.parse_device_request(catalogue=)` to plan with measured
+    figures.
+
+    Args:
+        name: the catalogue accelerator the device is ('L4', 'H100', 'CPU').
+        device: the device to measure, one of this machine's.
+        catalogue: the catalogue to update; None for the shipped one.
+        precision: which peak FLOP/s to measure: 'fp32', 'tf32', 'bf16' or 'fp16'.
+        model: a model to time instead of a matmul (it may sit on the CPU; a copy is timed).
+        example_inputs: the model's minibatch, with `model`.
+        loss_fn: as `sw.plan` takes it, with `model`.
+        example_target: as `sw.plan` takes it, with `model`.
+
+    Returns:
+        A copy of the catalogue with the accelerator's figures measured (their source says so).
+
+    Raises:
+        DeviceError: an unknown accelerator, a device that is absent or of another kind.
+        OptionError: model arguments given without `model`, or `model` without `example_inputs`.
+        ProfileError: a model with no FLOPs torch's counter counts.
+
+    Example:
+        >>> measured = sw.probe_accelerator("CPU", "cpu")
+        >>> measured.accelerator("CPU").peak_flops.fp32.note
+        'best of 4 matmul sizes'
+    """
     catalogue = catalogue if catalogue is not None else shipped_catalogue()
     dtype = Dtype(precision)
     accelerator = catalogue.accelerator(name)

@@ -77,7 +77,39 @@ def recommend(
     "+": "1xp4d.24xlarge+2xg6.xlarge", placed by the planner's CP-SAT binding), else every
     priced instance type of `catalogue` (the shipped one by default) in 1, 2, 4, ... instances up to
     `max_devices` devices. `objective` "cost" ranks by the run's price, "time" by iteration time;
-    `deadline_s` and `budget_usd` bound the run of `steps` steps."""
+    `deadline_s` and `budget_usd` bound the run of `steps` steps. Each candidate is planned as
+    `sw.plan` plans (analytic costs from the catalogue's figures), so nothing runs on the devices.
+
+    Args:
+        model: the model; it may be on the meta device.
+        example_inputs: one minibatch, as compile takes it.
+        catalogue: where device figures and prices come from; None for the shipped one.
+        candidates: device requests to weigh; None for every priced instance type.
+        objective: 'cost' or 'time'.
+        deadline_s: the run's longest time, or None.
+        budget_usd: the run's highest price, or None.
+        steps: the run's training steps (for its time and price).
+        max_devices: the most devices of a default candidate.
+        precision: 'fp32', 'bf16' or 'fp16': the figures and the plan's precision.
+        optimizer: as compile takes it (its state is charged to memory).
+        loss_fn: as compile takes it.
+        example_target: as compile takes it.
+        progress: called with (done, total, request) before each candidate.
+
+    Returns:
+        The `Recommendation`: every candidate ranked, the best first if it meets the constraints.
+
+    Raises:
+        OptionError: an unknown objective, a bad deadline, budget or step count, candidates that
+            are a string or empty, or no candidate at all.
+        DeviceError: a candidate request that is misspelt or names nothing in the catalogue.
+
+    Example:
+        >>> recommendation = sw.recommend(model, (x,), loss_fn=F.cross_entropy, example_target=y,
+        ...                               candidates=["1xg6.xlarge", "1xp4d.24xlarge"], steps=1000)
+        >>> recommendation.best.request, [row.devices for row in recommendation.rows]
+        ('1xg6.xlarge', [1, 8])
+    """
     constraints = _constraints(objective, steps, deadline_s, budget_usd)
     catalogue = catalogue if catalogue is not None else shipped_catalogue()
     requests = _requests(candidates) if candidates is not None else default_requests(catalogue, max_devices)

@@ -32,7 +32,26 @@ class Out(enum.Enum):
 
 @dataclass(frozen=True)
 class Candidate:
-    """One device set: its plan's prediction, its price, and why it is out (empty when it is in)."""
+    """One device set `sw.recommend` weighed: its plan's prediction, its price, and why it is out
+    (empty when it is in); a row of the `Recommendation`.
+
+    Args:
+        request: the device set as `parse_device_request` reads it, '2xp4d.24xlarge'.
+        devices: how many devices it holds.
+        instances: how many instances.
+        usd_per_hour: every instance of the set together; None where the catalogue has no price.
+        plan: the plan made for it; None where none fits or could be made.
+        iteration_s: the plan's predicted seconds per step.
+        peak_memory: the busiest device's predicted peak, formatted.
+        why_not: why it is out, for the table.
+        out: which constraint rules it out; None when it meets them all.
+        figures: 'measured' or 'datasheet', where its figures come from.
+
+    Example:
+        >>> row = recommendation.best  # sw.recommend(model, (x,), ..., candidates=["1xg6.xlarge", "1xp4d.24xlarge"])
+        >>> row.request, row.devices, row.usd_per_hour
+        ('1xg6.xlarge', 1, 0.8048)
+    """
 
     request: str  # as parse_device_request reads it: "2xp4d.24xlarge"
     devices: int
@@ -46,29 +65,112 @@ class Candidate:
     figures: str = ""  # "measured" (sw.probe_accelerator, or the user's own) or "datasheet"
 
     def with_plan(self, plan: Plan, peak_bytes: int, formatted: Callable[[float], str]) -> Candidate:
+        """The row once planned (what `sw.recommend` does with each device set that fits).
+
+        Args:
+            plan: the plan made for the device set.
+            peak_bytes: the busiest device's predicted peak.
+            formatted: how to write bytes for the table.
+
+        Returns:
+            A copy with the plan, its iteration time and peak memory.
+
+        Example:
+            >>> row = recommendation.best
+            >>> row.with_plan(row.plan, 2048, lambda n: f"{n:.0f} B").peak_memory
+            '2048 B'
+        """
         return replace(self, plan=plan, iteration_s=plan.predicted_iteration_s, peak_memory=formatted(peak_bytes))
 
     def without_plan(self, out: Out, why: str) -> Candidate:
+        """The row of a device set no plan fits or could be made for.
+
+        Args:
+            out: why it is out (`Out.MEMORY` or `Out.UNPLANNABLE`).
+            why: the reason, for the table.
+
+        Returns:
+            A copy that is out, with the reason.
+
+        Example:
+            >>> from stagewise.compiler.advice.recommend_report import Out
+            >>> recommendation.best.without_plan(Out.MEMORY, "needs 3 GiB").why_not
+            'memory: needs 3 GiB'
+        """
         return replace(self, out=out, why_not=f"{out.value}: {why}" if out is Out.MEMORY else why)
 
     def run_s(self, steps: int) -> float | None:
+        """The predicted time of a run.
+
+        Args:
+            steps: the run's training steps.
+
+        Returns:
+            Seconds for `steps` steps; None where no plan fits.
+
+        Example:
+            >>> row = recommendation.best
+            >>> row.run_s(1000) == row.iteration_s * 1000
+            True
+        """
         return None if self.iteration_s is None else self.iteration_s * steps
 
     def run_usd(self, steps: int) -> float | None:
+        """The predicted price of a run.
+
+        Args:
+            steps: the run's training steps.
+
+        Returns:
+            Dollars for `steps` steps at `usd_per_hour`; None where no plan fits or no price is known.
+
+        Example:
+            >>> row = recommendation.best
+            >>> import math
+            >>> math.isclose(row.run_usd(3600), row.usd_per_hour * row.iteration_s)  # an hour's steps
+            True
+        """
         if self.iteration_s is None or self.usd_per_hour is None:
             return None
         return self.usd_per_hour * self.iteration_s * steps / SECONDS_PER_HOUR
 
     @property
     def fits(self) -> bool:
+        """Whether a plan fits the device set's memory.
+
+        Example:
+            >>> recommendation.best.fits
+            True
+        """
         return self.plan is not None
 
     @property
     def meets(self) -> bool:
+        """Whether the row meets every constraint (memory, deadline, budget).
+
+        Example:
+            >>> recommendation.best.meets
+            True
+        """
         return self.out is None
 
     def judged(self, steps: int, deadline_s: float | None, budget_usd: float | None) -> Candidate:
-        """The row with the first constraint it breaks named (memory was named when it was planned)."""
+        """The row judged against a run's constraints.
+
+        Args:
+            steps: the run's training steps.
+            deadline_s: the run's longest time, or None.
+            budget_usd: the run's highest price, or None.
+
+        Returns:
+            The row with the first constraint it breaks named (memory was named when it was
+            planned); itself when it meets them all.
+
+        Example:
+            >>> late = recommendation.best.judged(1000, deadline_s=1e-9, budget_usd=None)
+            >>> late.meets, late.why_not.split(":")[0]
+            (False, 'deadline')
+        """
         if not self.fits:
             return self
         run_s, run_usd = self.run_s(steps), self.run_usd(steps)
@@ -83,7 +185,23 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Recommendation:
-    """The candidates, those meeting every constraint first in the objective's order."""
+    """What `sw.recommend` found: the candidates, those meeting every constraint first in the
+    objective's order; `print` it for the table and the verdict.
+
+    Args:
+        rows: the candidates, ranked.
+        objective: 'cost' (by the run's price) or 'time' (by iteration time).
+        steps: the run's training steps.
+        deadline_s: the run's longest time, or None.
+        budget_usd: the run's highest price, or None.
+        unsatisfied: empty when some row meets every constraint; else the binding one, by how much.
+
+    Example:
+        >>> recommendation = sw.recommend(model, (x,), loss_fn=F.cross_entropy, example_target=y,
+        ...                               candidates=["1xg6.xlarge"], deadline_s=1e-6)
+        >>> recommendation.best is None, recommendation.unsatisfied.split(":")[0]
+        (True, 'deadline')
+    """
 
     rows: tuple[Candidate, ...]
     objective: str
@@ -94,6 +212,12 @@ class Recommendation:
 
     @property
     def best(self) -> Candidate | None:
+        """The first row if it meets every constraint; None when none does (`unsatisfied` says why).
+
+        Example:
+            >>> recommendation.best.request
+            '1xg6.xlarge'
+        """
         return self.rows[0] if self.rows and self.rows[0].meets else None
 
     def __str__(self) -> str:

@@ -31,26 +31,74 @@ IGNORE_INDEX = -100  # what cross_entropy and every Hugging Face loss leave out 
 class TokenMean:
     """The loss is a mean over the target entries that are not `ignore_index` (cross_entropy's
     default). `labels` names the model input holding them when the model returns its own loss
-    (Hugging Face `labels=`); `shift` drops each row's first label, as a causal LM's loss does."""
+    (Hugging Face `labels=`); `shift` drops each row's first label, as a causal LM's loss does.
+    Pass it as compile's `loss_reduction=` so a step with padded targets equals eager's on the
+    whole batch: each microbatch's mean is weighted by its share of the counted entries.
+
+    Args:
+        ignore_index: the target value the loss leaves out (-100, as cross_entropy's default).
+        labels: the model input holding the targets, for a model that returns its own loss; None
+            for compile's `example_target`.
+        shift: whether the loss drops each row's first label (a causal LM's next-token loss).
+
+    Example:
+        >>> sw.TokenMean(labels="labels", shift=True)
+        TokenMean(ignore_index=-100, labels='labels', shift=True)
+    """
 
     ignore_index: int = IGNORE_INDEX
     labels: str | None = None
     shift: bool = False
 
     def count(self, labels: torch.Tensor) -> int:
-        """The entries of one microbatch's labels the loss counts."""
+        """How many entries of one microbatch's labels the loss counts.
+
+        Args:
+            labels: the microbatch's targets, samples along dim 0.
+
+        Returns:
+            The entries that are not `ignore_index` (after the shift, if any).
+
+        Example:
+            >>> sw.TokenMean().count(torch.tensor([[5, 1, -100], [2, -100, -100]]))
+            3
+            >>> sw.TokenMean(shift=True).count(torch.tensor([[5, 1, -100], [2, -100, -100]]))
+            1
+        """
         kept = labels[:, 1:] if self.shift else labels
         return int((kept != self.ignore_index).sum())
 
 
 @dataclass(frozen=True)
 class SampleMean:
-    """The loss is a mean over the samples (dim 0) of the target, or of `labels` (a model input)."""
+    """The loss is a mean over the samples (dim 0) of the target, or of `labels` (a model input).
+    Pass it as compile's `loss_reduction=` so that a last microbatch smaller than the others
+    (a batch that does not divide) weighs by its samples, as in eager training.
+
+    Args:
+        labels: the model input whose samples count, for a model that returns its own loss; None
+            for compile's `example_target`.
+
+    Example:
+        >>> sw.SampleMean()
+        SampleMean(labels=None)
+    """
 
     labels: str | None = None
 
     def count(self, labels: torch.Tensor) -> int:
-        """One microbatch's samples."""
+        """How many samples one microbatch's loss averages over.
+
+        Args:
+            labels: the microbatch's targets.
+
+        Returns:
+            Their size along dim 0 (1 for a 0-d target).
+
+        Example:
+            >>> sw.SampleMean().count(torch.zeros(3, 7))
+            3
+        """
         return int(labels.shape[0]) if labels.dim() else 1
 
 

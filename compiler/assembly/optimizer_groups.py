@@ -28,7 +28,27 @@ class ParamGroups:
     """`optimizer=ParamGroups(torch.optim.AdamW, no_decay_groups, lr=1e-3)`: the stages' optimizers
     are `optimizer_class(groups(named_parameters), **defaults)`; `groups` gets (name, parameter)
     pairs under the original model's names and returns torch parameter groups whose 'params' list
-    parameters or names. (A checkpoint records the groups by name, not the function.)"""
+    parameters or names. (A checkpoint records the groups by name, not the function.) Each stage
+    calls `groups` with its own parameters, so every stage's optimizer has the same groups.
+
+    Args:
+        optimizer_class: a `torch.optim.Optimizer` class, e.g. `torch.optim.AdamW`.
+        groups: (name, parameter) pairs -> a list of dicts, each with 'params' (parameters or their
+            names) and any hyper-parameters; every trainable parameter in exactly one group.
+        **defaults: the optimizer's keyword arguments (lr, weight_decay, ...).
+
+    Raises:
+        OptionError: `optimizer_class` is no optimizer class, or `groups` is not callable.
+
+    Example:
+        >>> def no_decay_for_biases(named):
+        ...     return [{"params": [n for n, _ in named if not n.endswith("bias")]},
+        ...             {"params": [n for n, _ in named if n.endswith("bias")], "weight_decay": 0.0}]
+        >>> groups = sw.ParamGroups(torch.optim.AdamW, no_decay_for_biases, lr=1e-3, weight_decay=0.1)
+        >>> optimizer = groups.build(list(model.named_parameters()))  # what each stage does with its own
+        >>> [(len(group["params"]), group["weight_decay"]) for group in optimizer.param_groups]
+        [(6, 0.1), (6, 0.0)]
+    """
 
     optimizer_class: type[torch.optim.Optimizer]
     groups: Callable[[NamedParameters], Sequence[dict]]
@@ -51,12 +71,44 @@ class ParamGroups:
         return self.optimizer_class(params, **self.defaults)
 
     def build(self, named: NamedParameters) -> torch.optim.Optimizer:
-        """The optimizer over `named` parameters, grouped by `groups`; OptionError when a group
-        names a parameter that is not there or a parameter is in no group or in two."""
+        """The optimizer one stage trains with.
+
+        Args:
+            named: the stage's trainable (name, parameter) pairs, under the model's names.
+
+        Returns:
+            `optimizer_class` over the parameters grouped by `groups`, with `defaults`.
+
+        Raises:
+            OptionError: as `resolve`.
+
+        Example:
+            >>> groups = sw.ParamGroups(torch.optim.SGD, lambda named: [{"params": [n for n, _ in named]}], lr=0.1)
+            >>> type(groups.build(list(nn.Linear(2, 2).named_parameters()))).__name__
+            'SGD'
+        """
         return self.optimizer_class(self.resolve(named), **self.defaults)
 
     def resolve(self, named: NamedParameters) -> list[dict]:
-        """`groups(named)` with each group's 'params' as parameters, checked."""
+        """The parameter groups `groups` makes of some parameters, checked.
+
+        Args:
+            named: trainable (name, parameter) pairs, under the model's names.
+
+        Returns:
+            `groups(named)` with each group's 'params' as parameters.
+
+        Raises:
+            OptionError: `groups` returned no list of dicts with 'params', a group names something
+                that is not one of the parameters, or a parameter is in no group or in two.
+
+        Example:
+            >>> groups = sw.ParamGroups(torch.optim.SGD, lambda named: [{"params": ["weight"], "lr": 0.5}], lr=0.1)
+            >>> groups.resolve(list(nn.Linear(2, 2).named_parameters()))
+            Traceback (most recent call last):
+            ...
+            stagewise.ir.errors.OptionError: optimizer=ParamGroups: ['bias'] are in no group, ...
+        """
         made = self.groups(list(named))
         if not isinstance(made, Sequence) or not all(isinstance(g, dict) and "params" in g for g in made):
             raise OptionError(f"optimizer=ParamGroups: {self.groups!r} returned {made!r}; {_FIX}")

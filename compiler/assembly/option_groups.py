@@ -42,6 +42,14 @@ class PlanOptions:
         stages: the pipeline depth P (default: devices / replicas); "auto" simulates every depth.
         virtual_devices: plan for this many devices placed on the physical ones by speed, so
             training is bitwise the same on any count (`pipe.resize`); compile only.
+
+    Raises:
+        BatchSizeError: `microbatches` is not a positive int.
+        OptionError: an unknown schedule or cost, or another field of the wrong type or range.
+
+    Example:
+        >>> sw.PlanOptions(microbatches=4, schedule="1f1b")
+        PlanOptions(microbatches=4, schedule=<Schedule.ONE_F_ONE_B: '1f1b'>, cost=None, split_points=None, replicas=1, stages=None, virtual_devices=None)
     """
 
     microbatches: int | None = None
@@ -80,6 +88,13 @@ class MemoryOptions:
             stashed activations, "off" never swaps.
         optimizer_on_host: the optimizer steps fp32 masters in host memory (Harmony's CPU update,
             ZeRO-Offload), so no device holds optimizer state.
+
+    Raises:
+        OptionError: an unknown swap mode, or `optimizer_on_host` not a bool.
+
+    Example:
+        >>> sw.MemoryOptions(swap="on")
+        MemoryOptions(swap=<SwapMode.ON: 'on'>, optimizer_on_host=False)
     """
 
     swap: SwapMode | str = SwapMode.AUTO
@@ -101,6 +116,14 @@ class TrainingOptions:
         precision: "fp32", "bf16" (stage forwards under torch.autocast, fp32 weights, gradients
             and optimizer state) or "fp16" (the same with dynamic loss scaling; sw.LossScaling(...)
             for your own settings): a step whose gradients overflow is skipped on every stage.
+
+    Raises:
+        OptionError: `clip_grad_norm` not a positive finite number, or `seed` not an int.
+        PrecisionError: an unknown precision.
+
+    Example:
+        >>> sw.TrainingOptions(clip_grad_norm=1.0, precision="bf16")
+        TrainingOptions(clip_grad_norm=1.0, seed=None, precision='bf16')
     """
 
     clip_grad_norm: float | None = None

@@ -43,7 +43,19 @@ _UNREPORTED: set[SaveHandle] = set()  # running, or failed without anyone told: 
 
 class SaveHandle:
     """A checkpoint being written (returned by `pipe.save`; a synchronous save's is done already).
-    `path`: where it goes; `done()`: whether it has finished; `wait()`: until it has, raising its failure."""
+    `path`: where it goes; `done()`: whether it has finished; `wait()`: until it has, raising its failure.
+    A failure no one waited for is printed at exit.
+
+    Args:
+        path: the checkpoint's folder.
+        finish: what writes it, run on a thread; None for a save already done.
+
+    Example:
+        >>> handle = pipe.save(tmp / "handle", asynchronous=True)
+        >>> handle.wait()
+        >>> handle
+        SaveHandle('.../handle', done)
+    """
 
     def __init__(self, path: Path, finish: Callable[[], None] | None = None):
         self.path = path
@@ -60,11 +72,30 @@ class SaveHandle:
         return f"SaveHandle({str(self.path)!r}, {state})"
 
     def done(self) -> bool:
-        """Whether the save has finished (the checkpoint is in place, or it failed)."""
+        """Whether the save has finished, without waiting.
+
+        Returns:
+            True once the checkpoint is in place, or the save failed.
+
+        Example:
+            >>> pipe.save(tmp / "done").done()
+            True
+        """
         return self._thread is None or not self._thread.is_alive()
 
     def wait(self) -> None:
-        """Block until the checkpoint is in place; raise the save's failure (a CheckpointError) if it failed."""
+        """Block until the checkpoint is in place.
+
+        Raises:
+            CheckpointError: the save failed (any earlier checkpoint there is intact); the error
+                it met is its cause.
+
+        Example:
+            >>> handle = pipe.save(tmp / "waited", asynchronous=True)
+            >>> handle.wait()
+            >>> sorted(path.name for path in (tmp / "waited").iterdir())[:2]
+            ['graph.json', 'plan.json']
+        """
         if self._thread is not None:
             self._thread.join()
         if self._failure is not None:
@@ -73,7 +104,18 @@ class SaveHandle:
             raise self._failure
 
     def settle(self) -> None:
-        """`wait`, raising the failure only if no `wait` raised it yet (the pipeline's next save)."""
+        """`wait`, raising the failure only if no `wait` raised it yet (what the pipeline's next save
+        calls, so that one failure is raised once).
+
+        Raises:
+            CheckpointError: the save failed and no `wait` raised it yet.
+
+        Example:
+            >>> handle = pipe.save(tmp / "settled", asynchronous=True)
+            >>> handle.settle()
+            >>> handle.done()
+            True
+        """
         if self._thread is not None:
             self._thread.join()
         if not self._reported:

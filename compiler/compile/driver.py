@@ -226,6 +226,10 @@ def simulate(plan: Plan, peak_flops: float | None = None, bandwidth: float | Non
     Returns:
         The SimResult: `iteration_time` in seconds, `to_chrome_trace(path)`, `to_png(path)`.
 
+    Raises:
+        PlanError: the plan records no costs (saved before plans kept them).
+        DeviceError: a `bandwidth` that is not a positive number.
+
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
         >>> x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))

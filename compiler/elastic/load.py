@@ -43,6 +43,29 @@ def load(directory, trusted_functions: Sequence[Callable] = (), devices=None, re
     In one process it holds every stage. Under torch.distributed (torchrun, one process per device
     of the plan) each rank builds every stage's code and reads only its own stages' state; the
     ranks agree that every one of them could read its part before any starts.
+
+    Args:
+        directory: a checkpoint `pipe.save` (or `sw.Checkpoints`) wrote.
+        trusted_functions: your functions and classes the checkpoint may name.
+        devices: where to run it; None for the devices it was saved on.
+        replan: True to plan again for `devices`, False to place the saved plan on them; None
+            decides as above.
+        report: whether to print what moved when it plans again.
+
+    Returns:
+        The `Pipeline`, with its weights, optimizer state, step count, mode and `extra`.
+
+    Raises:
+        CheckpointError: the folder is missing, damaged or altered (every file is checked).
+        UntrustedCodeError: it names code neither the allowlist nor `trusted_functions` holds.
+        OptionError: `replan=True` without devices, or a flag that is not a bool.
+        CapacityError: the devices given cannot hold it.
+
+    Example:
+        >>> _ = pipe.save(tmp / "to_load")
+        >>> loaded = sw.load(tmp / "to_load")
+        >>> loaded.plan == pipe.plan, torch.equal(loaded.predict(x), pipe.predict(x))
+        (True, True)
     """
     check_flags(report=report)
     if replan is not None:  # None: plan again only for other devices

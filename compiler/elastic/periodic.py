@@ -45,12 +45,32 @@ _T = TypeVar("_T")
 
 class Checkpoints:
     """Checkpoints of one training run under `directory`: every `every_steps` steps and/or every
-    `every_seconds` seconds (whichever comes first), the newest `keep` kept."""
+    `every_seconds` seconds (whichever comes first), the newest `keep` kept (old ones removed only
+    once the new one is in place), and `resume` from the newest that loads.
+
+    Args:
+        directory: the folder holding the run's `step_<n>` checkpoints.
+        every_steps: save after every this many steps, or None.
+        every_seconds: save once this many seconds have passed since the last, or None.
+        keep: how many checkpoints to keep.
+        asynchronous: each save returns once the state is copied to CPU memory and writes while
+            training goes on (`pipe.save(asynchronous=True)`); older checkpoints go once it is in place.
+
+    Raises:
+        OptionError: neither `every_steps` nor `every_seconds`, a value that is not positive, or
+            `asynchronous` not a bool.
+
+    Example:
+        >>> checkpoints = sw.Checkpoints(tmp / "run", every_steps=1, keep=1)
+        >>> _ = pipe.step(x, target=y)
+        >>> checkpoints.after_step(pipe)
+        True
+        >>> checkpoints.resume(pipe) == checkpoints.saved_steps()[-1]
+        True
+    """
 
     def __init__(self, directory, every_steps: int | None = None, every_seconds: float | None = None,
                  keep: int = 2, asynchronous: bool = False):
-        """`asynchronous`: each save returns once the state is copied to CPU memory and writes while
-        training goes on (`pipe.save(asynchronous=True)`); older checkpoints go once it is in place."""
         _check_options(every_steps, every_seconds, keep)
         check_flags(asynchronous=asynchronous)
         self.directory = checkpoints_folder(directory)
@@ -65,11 +85,30 @@ class Checkpoints:
         self._in_flight: tuple[int, SaveHandle] | None = None  # an asynchronous save not yet pruned after
 
     def path(self, step: int) -> Path:
-        """Where the checkpoint after `step` completed steps goes."""
+        """Where a step's checkpoint goes.
+
+        Args:
+            step: completed training steps.
+
+        Returns:
+            `directory / f"step_{step}"`.
+
+        Example:
+            >>> sw.Checkpoints(tmp / "paths", every_steps=10).path(20).name
+            'step_20'
+        """
         return self.directory / f"step_{step}"
 
     def saved_steps(self) -> list[int]:
-        """The steps of the checkpoint folders under `directory`, oldest first."""
+        """The steps of the checkpoint folders under `directory`.
+
+        Returns:
+            The steps, oldest first; [] where the folder does not exist yet.
+
+        Example:
+            >>> sw.Checkpoints(tmp / "empty", every_steps=10).saved_steps()
+            []
+        """
         if not self.directory.is_dir():
             return []
         steps = []
@@ -83,7 +122,23 @@ class Checkpoints:
         """Restore the latest checkpoint that loads into `pipe` (compiled for any devices: it is
         re-sharded by name) and, if given, `scheduler` (made over `pipe.optimizer` beforehand);
         returns the step to go on from: the saved step count, 0 where there is none.
-        A collective under torch.distributed."""
+        A collective under torch.distributed. A checkpoint that fails to restore is warned about
+        and the one before it tried.
+
+        Args:
+            pipe: the pipeline to restore into, of any plan of the same model.
+            scheduler: a scheduler made over `pipe.optimizer`, to restore too.
+
+        Returns:
+            The step to go on from.
+
+        Raises:
+            CheckpointError: checkpoints exist but none could be restored.
+
+        Example:
+            >>> sw.Checkpoints(tmp / "fresh", every_steps=10).resume(pipe)
+            0
+        """
         _warn_shared_store()
         failures = []
         for step in reversed(_from_rank_0(pipe, self.saved_steps())):
@@ -106,8 +161,23 @@ class Checkpoints:
         return 0
 
     def after_step(self, pipe: Pipeline, scheduler=None, extra: dict | None = None) -> bool:
-        """Call after every step (and `scheduler.step()`): saves a checkpoint when one is due and
-        says whether it did. Every rank calls it under torch.distributed."""
+        """Call after every step (and `scheduler.step()`): saves a checkpoint when one is due.
+        Every rank calls it under torch.distributed.
+
+        Args:
+            pipe: the pipeline that stepped.
+            scheduler: its learning-rate scheduler, whose state to keep.
+            extra: metadata to keep (`pipe.extra` after loading).
+
+        Returns:
+            Whether it saved.
+
+        Example:
+            >>> checkpoints = sw.Checkpoints(tmp / "every_step", every_steps=1)
+            >>> _ = pipe.step(x, target=y)
+            >>> checkpoints.after_step(pipe), checkpoints.after_step(pipe)  # once per step
+            (True, False)
+        """
         self._prune_after_save(wait=False)
         step = pipe._executor.state.iteration
         if step == 0 or step == self._last_step:
@@ -121,7 +191,24 @@ class Checkpoints:
 
     def save(self, pipe: Pipeline, scheduler=None, extra: dict | None = None) -> Path:
         """Save now (as `step_<steps so far>`), then remove all but the newest `keep` (asynchronous:
-        once it is in place, seen by a later call or `wait`); returns the path."""
+        once it is in place, seen by a later call or `wait`).
+
+        Args:
+            pipe: the pipeline to save.
+            scheduler: its learning-rate scheduler, whose state to keep.
+            extra: metadata to keep.
+
+        Returns:
+            The checkpoint's path.
+
+        Raises:
+            CheckpointError: as `pipe.save`, or the asynchronous save before this one failed.
+
+        Example:
+            >>> checkpoints = sw.Checkpoints(tmp / "now", every_seconds=3600)
+            >>> checkpoints.save(pipe).parent.name
+            'now'
+        """
         self._prune_after_save(wait=True)
         step = pipe._executor.state.iteration
         target = self.path(step)
@@ -134,7 +221,18 @@ class Checkpoints:
         return target
 
     def wait(self) -> None:
-        """Wait for an asynchronous save in flight (raising its failure) and prune after it."""
+        """Wait for an asynchronous save in flight and prune after it (before the run ends).
+
+        Raises:
+            CheckpointError: the save failed.
+
+        Example:
+            >>> checkpoints = sw.Checkpoints(tmp / "async", every_steps=1, asynchronous=True)
+            >>> path = checkpoints.save(pipe)
+            >>> checkpoints.wait()
+            >>> path.is_dir()
+            True
+        """
         self._prune_after_save(wait=True)
 
     def _prune_after_save(self, wait: bool) -> None:

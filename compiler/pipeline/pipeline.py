@@ -52,7 +52,22 @@ class Compiled:
 
 
 class Pipeline:
-    """Stage modules, their device programs, and the runtime that executes them."""
+    """Stage modules, their device programs, and the runtime that executes them: what `sw.compile`
+    returns and `sw.load` restores, driven like a model and its optimizer in one (`step`). In the
+    examples of its methods, `pipe` is `sw.compile(model, ["cpu", "cpu"], (x,),
+    loss_fn=F.cross_entropy, example_target=y, microbatches=2)` for a small MLP `model`.
+
+    Args:
+        plan: the plan the programs come from.
+        runtime: its pools, transport, stage workers and executor in this process.
+        compiled: what compiling found beside the plan; None for a loaded pipeline.
+        unheld: state_dict entries no stage holds (layers the loss never reaches).
+
+    Example:
+        >>> loss = pipe.step(x, target=y)
+        >>> loss.shape, len(pipe.stages), pipe.predict(x).shape
+        (torch.Size([]), 2, torch.Size([8, 5]))
+    """
 
     def __init__(self, plan: Plan, runtime: Runtime, compiled: Compiled | None = None,
                  unheld: dict[str, torch.Tensor] | None = None):
@@ -79,6 +94,12 @@ class Pipeline:
     # ---- the runtime's parts ---------------------------------------------------------------
     @property
     def context(self) -> DistributedContext | None:
+        """This process's rank and world under torch.distributed; None in one process.
+
+        Example:
+            >>> pipe.context is None
+            True
+        """
         return self._runtime.context
 
     @property
@@ -92,25 +113,53 @@ class Pipeline:
     # ---- the public surface -------------------------------------------------------------
     @property
     def compile_times(self) -> dict[str, float]:
-        """Seconds each compile phase took, by phase name (capture ... runtime); {} after `sw.load`."""
+        """Seconds each compile phase took, by phase name (capture ... runtime); {} after `sw.load`.
+
+        Example:
+            >>> list(pipe.compile_times)
+            ['capture', 'analyse', 'cost', 'plan', 'codegen', 'runtime']
+        """
         return dict(self._compile_times)
 
     @property
     def stages(self) -> list[fx.GraphModule]:
+        """The generated stage modules this process runs, one GraphModule each (print one's `.code`).
+
+        Example:
+            >>> [type(stage).__name__ for stage in pipe.stages]
+            ['Stage0', 'Stage1']
+        """
         return [w.module for w in self._workers]
 
     @property
     def programs(self) -> tuple[Program, ...]:
+        """The plan's instruction programs, one per device (print one to read it).
+
+        Example:
+            >>> [program.device for program in pipe.programs]
+            [0, 1]
+        """
         return self.plan.programs
 
     @property
     def shared(self) -> tuple[SharedTensor, ...]:
+        """The tensors several stages hold (tied weights), and how their gradients are summed.
+
+        Example:
+            >>> pipe.shared  # the MLP ties no weights
+            ()
+        """
         return self.plan.shared
 
     @property
     def optimizer(self) -> PipelineOptimizer:
         """The stages' optimizers as one torch.optim.Optimizer over the model (compiler/pipeline/optimizer_view.py):
-        a torch.optim.lr_scheduler on it reaches every stage; state_dict() is keyed by the model's names."""
+        a torch.optim.lr_scheduler on it reaches every stage; state_dict() is keyed by the model's names.
+
+        Example:
+            >>> isinstance(pipe.optimizer, torch.optim.Optimizer), len(pipe.optimizer.param_groups)
+            (True, 1)
+        """
         if self._optimizer is None:
             self._optimizer = PipelineOptimizer(self.plan, self._workers, self._executor.settle,
                                                 self.context is not None, self._runtime.optimizer_factory)
@@ -118,13 +167,32 @@ class Pipeline:
 
     @property
     def extra(self) -> dict:
-        """The metadata `pipe.save(directory, extra=...)` stored, after `sw.load` ({} otherwise)."""
+        """The metadata `pipe.save(directory, extra=...)` stored, after `sw.load` ({} otherwise).
+
+        Example:
+            >>> _ = pipe.save(tmp / "with_extra", extra={"epoch": 3})
+            >>> sw.load(tmp / "with_extra").extra
+            {'epoch': 3}
+        """
         return self._resumed.extra
 
     def load_scheduler(self, scheduler) -> None:
         """After `sw.load`: load the scheduler state `pipe.save(directory, scheduler=...)` stored into
         `scheduler` (just made over pipe.optimizer) and put back the learning rates it had, so
-        training resumes bitwise (compiler/pipeline/training_state.py)."""
+        training resumes bitwise (compiler/pipeline/training_state.py).
+
+        Args:
+            scheduler: a torch.optim.lr_scheduler made over this pipeline's `optimizer`.
+
+        Example:
+            >>> scheduler = torch.optim.lr_scheduler.StepLR(pipe.optimizer, step_size=1, gamma=0.5)
+            >>> _ = pipe.save(tmp / "scheduled", scheduler=scheduler)
+            >>> loaded = sw.load(tmp / "scheduled")
+            >>> resumed = torch.optim.lr_scheduler.StepLR(loaded.optimizer, step_size=1, gamma=0.5)
+            >>> loaded.load_scheduler(resumed)
+            >>> resumed.state_dict()["last_epoch"] == scheduler.state_dict()["last_epoch"]
+            True
+        """
         resume_scheduler(self.optimizer, scheduler, self._resumed, self._executor.state.iteration)
 
     @property
@@ -132,7 +200,16 @@ class Pipeline:
         """How the loss reduces over the batch (compiler/assembly/loss_reduction.py): each microbatch's loss weighs
         its share of the batch's counted items; None weighs each its share of the samples (steps warn
         where targets hold -100). Set by compile's loss_reduction= (a Hugging Face model's own token
-        mean by default); checkpoints keep it."""
+        mean by default); checkpoints keep it. Setting it checks it against the plan (LossError).
+
+        Example:
+            >>> pipe.loss_reduction is None
+            True
+            >>> pipe.loss_reduction = sw.SampleMean()
+            >>> pipe.loss_reduction
+            SampleMean(labels=None)
+            >>> pipe.loss_reduction = None
+        """
         return self._loss_reduction
 
     @loss_reduction.setter
@@ -142,28 +219,60 @@ class Pipeline:
 
     @property
     def loss_scale(self) -> float | None:
-        """fp16's current loss scale (runtime/precision.py); None in fp32 and bf16."""
+        """fp16's current loss scale (runtime/precision.py); None in fp32 and bf16.
+
+        Example:
+            >>> pipe.loss_scale is None  # compiled in fp32
+            True
+        """
         return None if self._executor.state.scaler is None else self._executor.state.scaler.scale
 
     @property
     def last_step_skipped(self) -> bool:
         """Whether the last step's gradients held an inf or NaN (seen in the global norm, which fp16 and
-        clip_grad_norm compute), so no stage updated (fp16: the scale backed off)."""
+        clip_grad_norm compute), so no stage updated (fp16: the scale backed off).
+
+        Example:
+            >>> _ = pipe.step(x, target=y)
+            >>> pipe.last_step_skipped
+            False
+        """
         return self._executor.state.last_step_skipped
 
     @property
     def skipped_steps(self) -> int:
-        """How many of this pipeline's steps skipped their update so (the first one warns)."""
+        """How many of this pipeline's steps skipped their update so far (the first one warns).
+
+        Example:
+            >>> pipe.skipped_steps
+            0
+        """
         return self._notices.skipped_steps
 
     @property
     def last_grad_norm(self) -> float | None:
         """The global gradient norm of the last step, before clipping (as clip_grad_norm_ returns
-        it); None without clip_grad_norm."""
+        it); None without clip_grad_norm.
+
+        Example:
+            >>> _ = pipe.step(x, target=y)
+            >>> pipe.last_grad_norm is None  # compiled without clip_grad_norm
+            True
+        """
         return self._executor.state.last_grad_norm
 
     def time_breakdown(self) -> list[dict[str, float]]:
-        """Where the last step's time went, per device: seconds each stream was busy, and the step."""
+        """Where the last step's time went, per device (before the first step, every device at zero).
+
+        Returns:
+            One dict per device: its index, the step's seconds, and the seconds each stream (compute,
+            p2p in and out, swap in and out) was busy.
+
+        Example:
+            >>> _ = pipe.step(x, target=y)
+            >>> [sorted(row) for row in pipe.time_breakdown()][0]
+            ['compute_s', 'device', 'p2p_in_s', 'p2p_out_s', 'step_s', 'swap_in_s', 'swap_out_s']
+        """
         timeline = self._executor.state.step.timeline
         step = max((end for *_, end in timeline), default=0.0)
         rows = []
@@ -179,7 +288,16 @@ class Pipeline:
     def timeout_s(self) -> float:
         """The step's deadline in seconds (default 300): in one process `step` returns within it (and
         a small margin) whatever a stage does, raising StepTimeoutError naming what stalled. Under
-        torch.distributed a device waits this long for a peer before a PeerError naming the rank."""
+        torch.distributed a device waits this long for a peer before a PeerError naming the rank.
+
+        Example:
+            >>> pipe.timeout_s
+            300.0
+            >>> pipe.timeout_s = 60.0
+            >>> pipe.timeout_s
+            60.0
+            >>> pipe.timeout_s = 300.0
+        """
         transport = self._runtime.transport
         return transport.timeout_s if isinstance(transport, DistributedTransport) else self._executor.state.timeout_s
 
@@ -193,26 +311,88 @@ class Pipeline:
 
     @property
     def stats(self) -> list[dict[str, int | None]]:
-        """Per device, from its memory pool: peak and current bytes (by kind), swap and p2p bytes."""
+        """Per device, from its memory pool: peak and current bytes (by kind), swap and p2p bytes.
+        (`pipe.stats[0]["peak_bytes"]`: device 0's peak.)
+
+        Example:
+            >>> [(row["device"], row["peak_bytes"] > 0) for row in pipe.stats]
+            [(0, True), (1, True)]
+        """
         return [pool.stats() for pool in self._runtime.pools]
 
     @property
     def training(self) -> bool:
-        """The mode `step` trains in, as nn.Module's (at first the model's mode at compile)."""
+        """The mode `step` trains in, as nn.Module's (at first the model's mode at compile).
+
+        Example:
+            >>> pipe.training
+            True
+        """
         return self._evaluation.training
 
     def train(self, mode: bool = True) -> Pipeline:
-        """Set the mode `step` runs the stages in (dropout, BatchNorm), as nn.Module.train does."""
+        """Set the mode `step` runs the stages in (dropout, BatchNorm), as nn.Module.train does.
+
+        Args:
+            mode: True to train, False for eval mode.
+
+        Returns:
+            The pipeline itself.
+
+        Raises:
+            OptionError: `mode` is not a bool.
+            ModeError: the traced graph fixed the mode at compile, so the other mode cannot run.
+
+        Example:
+            >>> pipe.train(False).training, pipe.train().training
+            (False, True)
+        """
         check_flags(mode=mode)
         self._evaluation.set_mode(mode)
         return self
 
     def eval(self) -> Pipeline:
-        """`train(False)`: step then trains with dropout off and BatchNorm's running statistics."""
+        """`train(False)`: step then trains with dropout off and BatchNorm's running statistics.
+
+        Returns:
+            The pipeline itself.
+
+        Raises:
+            ModeError: as `train`.
+
+        Example:
+            >>> pipe.eval().training
+            False
+            >>> pipe.train().training
+            True
+        """
         return self.train(False)
 
     def step(self, *args, target=None, **kwargs) -> torch.Tensor:
-        """One synchronous training iteration on a minibatch; returns its mean loss."""
+        """One synchronous training iteration on a minibatch: forward, backward and the optimizer
+        update on every stage, as eager training on the whole batch.
+
+        Args:
+            *args: the model's inputs, as `example_inputs` gave them (positional).
+            target: the loss target, with compile's `loss_fn`.
+            **kwargs: the model's inputs, as `example_inputs` gave them (a dict).
+
+        Returns:
+            The minibatch's mean loss, a 0-d tensor.
+
+        Raises:
+            ModeError: under torch.no_grad() or inference_mode.
+            PrecisionError: under torch.autocast (give compile `precision=`).
+            ExampleInputsError: inputs not of the compiled form.
+            BatchSizeError: a batch larger than compile planned for.
+            StepTimeoutError: an instruction outlasted `timeout_s`.
+            PipelineBrokenError: a failed step could not be undone.
+
+        Example:
+            >>> loss = pipe.step(x, target=y)
+            >>> loss.shape, bool(loss > 0)
+            (torch.Size([]), True)
+        """
         if not torch.is_grad_enabled():
             raise ModeError("step trains (gradients and an update) but was called under torch.no_grad() or "
                             "inference_mode: call pipe.evaluate(...) for the loss without training")
@@ -228,7 +408,26 @@ class Pipeline:
     def evaluate(self, *args, target=None, **kwargs) -> torch.Tensor:
         """The mean loss over the microbatches (as `step` returns it) of a forward-only pass in eval mode:
         no gradient, nothing updated, no step counted; the mode `step` trains in is kept. A batch
-        smaller than the microbatches is repeated whole to fill them (compiler/pipeline/small_batches.py)."""
+        smaller than the microbatches is repeated whole to fill them (compiler/pipeline/small_batches.py).
+
+        Args:
+            *args: the model's inputs, as `step` takes them.
+            target: the loss target, with compile's `loss_fn`.
+            **kwargs: the model's inputs, as `step` takes them.
+
+        Returns:
+            The mean loss, a 0-d tensor.
+
+        Raises:
+            ModeError: a stage swaps its weights, or the graph fixed training mode.
+            ExampleInputsError: inputs not of the compiled form.
+            BatchSizeError: a batch larger than compile planned for.
+
+        Example:
+            >>> before = pipe.state_dict()["0.weight"].clone()
+            >>> pipe.evaluate(x, target=y).shape, torch.equal(pipe.state_dict()["0.weight"], before)
+            (torch.Size([]), True)
+        """
         _refuse_enclosing_autocast("evaluate")
         feed = self._checked_feed(lambda: self._feeder(args, target, kwargs, evaluating=True))
         return self._evaluation.evaluate(self.plan.microbatches, feed, self._executor)
@@ -238,7 +437,24 @@ class Pipeline:
         in eval mode: each tensor the microbatches' concatenated, on the CPU; what the training graph
         does not compute (its own loss, a cache) None (compiler/pipeline/prediction_output.py). Inputs only the
         loss reads (labels) may be left out; a batch smaller than the microbatches (one sample) is
-        repeated to fill them. Nothing is updated or counted. PredictError for a model returning only its loss."""
+        repeated to fill them. Nothing is updated or counted.
+
+        Args:
+            *args: the model's inputs, as `step` takes them (without the target).
+            **kwargs: the model's inputs, as `step` takes them.
+
+        Returns:
+            The model's output for the batch, of the type the model returns.
+
+        Raises:
+            PredictError: the output cannot be rebuilt (a model returning only its loss).
+            ModeError: a stage swaps its weights, or the graph fixed training mode.
+            ExampleInputsError: inputs not of the compiled form.
+
+        Example:
+            >>> pipe.predict(x).shape, pipe.predict(x[:1]).shape
+            (torch.Size([8, 5]), torch.Size([1, 5]))
+        """
         given = GivenSamples()
         feed = self._checked_feed(lambda: self._prediction_feeder(args, kwargs, given))
         return predict(self._evaluation, self.plan.microbatches, feed, self._executor, lambda: given.count)
@@ -269,7 +485,16 @@ class Pipeline:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The trained state under every key of the original model's state_dict, in its order (tied
         names share one tensor; layers no stage holds as they were at compile). Under
-        torch.distributed every rank gathers every stage's state. (A broken pipeline's state may be read.)"""
+        torch.distributed every rank gathers every stage's state. (A broken pipeline's state may be read.)
+
+        Returns:
+            {name: tensor}, as the model's `state_dict()` names them.
+
+        Example:
+            >>> state = pipe.state_dict()
+            >>> list(state)[:3], list(state) == list(model.state_dict())
+            (['0.weight', '0.bias', '2.weight'], True)
+        """
         self._executor.settle(broken_ok=True)
         found = self._local_state()
         if self.context is not None:
@@ -290,7 +515,27 @@ class Pipeline:
         """Copy `state_dict`'s values into the pipeline's state, as torch's `Module.load_state_dict`:
         returns (missing_keys, unexpected_keys); with `strict` either is a StateDictError, and a
         wrongly shaped tensor always is (compiler/assembly/state_dict.py). When it raises nothing is loaded.
-        Under torch.distributed every rank calls it with the same state_dict."""
+        Under torch.distributed every rank calls it with the same state_dict.
+
+        Args:
+            state_dict: tensors under the model's names (tied names: any one of them).
+            strict: whether a missing or unknown key is an error.
+
+        Returns:
+            `IncompatibleKeys(missing_keys, unexpected_keys)`.
+
+        Raises:
+            StateDictError: a wrongly shaped tensor, or (strict) a missing or unknown key.
+            OptionError: `strict` is not a bool.
+
+        Example:
+            >>> pipe.load_state_dict(model.state_dict())
+            IncompatibleKeys(missing_keys=[], unexpected_keys=[])
+            >>> pipe.load_state_dict({"0.weight": torch.zeros(1)})
+            Traceback (most recent call last):
+            ...
+            stagewise.ir.errors.StateDictError: ...
+        """
         check_flags(strict=strict)
         shapes = (dict(zip(self.plan.state_names, self.plan.state_shapes, strict=True)) if self.plan.state_shapes
                   else {n: tuple(t.shape) for n, t in self._local_state().items()})
@@ -309,7 +554,20 @@ class Pipeline:
         """The predicted timeline of one iteration of these programs, with the costs the plan's
         prediction charged (profiled or analytic; the plan keeps them, so a loaded pipeline predicts
         the same), or for other hardware: devices of `peak_flops` FLOP/s (the analytic model's compute
-        bound), links of `bandwidth` bytes/s (passes/costs.py `plan_charges`)."""
+        bound), links of `bandwidth` bytes/s (passes/costs.py `plan_charges`).
+
+        Args:
+            peak_flops: every device's FLOP/s, or None for the plan's own costs.
+            bandwidth: every link's bytes/s, or None for the plan's own links.
+
+        Returns:
+            The `SimResult`: iteration time, per-device busy and idle time, peak memory, timeline.
+
+        Example:
+            >>> result = pipe.simulate()
+            >>> result.iteration_time > 0, len(result.peak_bytes)
+            (True, 2)
+        """
         return simulate(self.plan.programs, plan_charges(self.plan, peak_flops, bandwidth))  # as sw.simulate
 
     def save(self, directory, scheduler=None, extra: dict | None = None, asynchronous: bool = False) -> SaveHandle:
@@ -324,7 +582,29 @@ class Pipeline:
         raises the same failure, leaving an earlier one intact). Across machines `directory` must be
         on a filesystem every rank shares. A pipeline whose failed step could not be undone raises
         PipelineBrokenError instead. `asynchronous=True` returns once this process's state is copied to
-        CPU memory and writes on a thread while `step` goes on (rules: compiler/checkpoint/async_save.py)."""
+        CPU memory and writes on a thread while `step` goes on (rules: compiler/checkpoint/async_save.py).
+
+        Args:
+            directory: the checkpoint's folder (a str or Path); an earlier checkpoint there is replaced.
+            scheduler: a learning-rate scheduler over `optimizer` whose state to keep.
+            extra: metadata to keep (plain Python values), `pipe.extra` after `sw.load`.
+            asynchronous: whether to return before the files are written.
+
+        Returns:
+            A `SaveHandle`; a synchronous save's is done already.
+
+        Raises:
+            CheckpointError: the folder holds something that is not a stagewise checkpoint, or the
+                write failed (an earlier checkpoint there stays intact).
+            OptionError: a path that cannot be a checkpoint folder, or `asynchronous` not a bool.
+            PipelineBrokenError: a failed step could not be undone.
+
+        Example:
+            >>> pipe.save(tmp / "checkpoint", extra={"epoch": 3}).done()
+            True
+            >>> sw.load(tmp / "checkpoint").extra
+            {'epoch': 3}
+        """
         check_flags(asynchronous=asynchronous)
         directory = save_path(directory)
         self._saves.settle()  # before the step count and the learning rates are read
@@ -337,12 +617,37 @@ class Pipeline:
         return self._saves.save(self.plan, self._runtime, directory, self._unheld, settings, asynchronous)
 
     def wait_for_save(self) -> None:
-        """Until the save in flight is in place (under torch.distributed: before destroying the group)."""
+        """Until the save in flight is in place (under torch.distributed: before destroying the group).
+
+        Raises:
+            CheckpointError: the asynchronous save failed (unless its handle's `wait` raised it).
+
+        Example:
+            >>> handle = pipe.save(tmp / "background", asynchronous=True)
+            >>> pipe.wait_for_save()
+            >>> handle.done()
+            True
+        """
         self._saves.settle()
 
     def resize(self, devices) -> None:
         """Run the same plan (its virtual devices, `compile(virtual_devices=V)`) on the physical
-        `devices` from the next step on, bitwise as before; one process (compiler/pipeline/virtual_devices.py)."""
+        `devices` from the next step on, bitwise as before; one process (compiler/pipeline/virtual_devices.py).
+
+        Args:
+            devices: the physical devices, in any form compile takes.
+
+        Raises:
+            DeviceError: devices that do not resolve.
+            CapacityError: a device cannot hold the virtual devices placed on it.
+            OptionError: under torch.distributed (restart the job and `restore` instead).
+
+        Example:
+            >>> pipe.resize(["cpu"])  # both planned devices on one CPU device
+            >>> pipe.step(x, target=y).shape
+            torch.Size([])
+            >>> pipe.resize(["cpu", "cpu"])
+        """
         resize(self, devices)
 
     def _rebuild(self, plan: Plan, runtime: Runtime, unheld: dict[str, torch.Tensor]) -> None:
@@ -356,7 +661,26 @@ class Pipeline:
         """Train on from the checkpoint at `directory`, saved by a pipeline of this model on any devices
         and split (Varuna's job morphing): weights and, unless not `training_state` (fine-tuning from
         it), optimizer state, step count, scheduler state and `extra` (`pipe.load_scheduler`). Returns
-        what moved, printed (rank 0) where the plan differs, unless not `report`. A collective."""
+        what moved, printed (rank 0) where the plan differs, unless not `report`. A collective.
+
+        Args:
+            directory: a checkpoint `pipe.save` wrote.
+            report: whether to print what moved where the plan differs.
+            training_state: whether to restore the optimizer state, step count and scheduler too.
+
+        Returns:
+            The `Move`: the plans before and after, and the bytes each device read.
+
+        Raises:
+            CheckpointError: the checkpoint is missing, damaged, or of another model.
+            OptionError: `report` or `training_state` is not a bool.
+
+        Example:
+            >>> _ = pipe.save(tmp / "to_restore")
+            >>> move = pipe.restore(tmp / "to_restore", report=False)
+            >>> type(move).__name__
+            'Move'
+        """
         check_flags(report=report, training_state=training_state)
         self._saves.settle()  # a save in flight uses the same collectives (and may write `directory`)
         return restore_into(self, checkpoint_path(directory, "pipe.restore"), report, training_state)
