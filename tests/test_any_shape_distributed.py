@@ -87,7 +87,7 @@ def _assert_like_one_process(trained, case, model, batches, options) -> None:
     pipe = sw.compile(model, 2, inputs, example_target=target, schedule=case[1], optimizer=ADAMW, cost="analytic",
                       **options)
     pieces = [{pipe.plan.graph_inputs[0]: inputs[0][:4], pipe.plan.graph_inputs[1]: target[:4]}]
-    assert {dtype for _, dtype in pipe._step_shapes.of_step(pieces).values()} == {torch.bfloat16}
+    assert {dtype for _, dtype in pipe._feeding.step_shapes.of_step(pieces).values()} == {torch.bfloat16}
     want = train_steps(pipe, batches)
     for result in trained:
         torch.testing.assert_close(torch.stack(result[case]["losses"]), torch.stack(want), rtol=0, atol=0)

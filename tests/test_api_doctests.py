@@ -33,17 +33,22 @@ OPTIONS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 def _public_objects() -> Iterator[tuple[str, object]]:
     """(dotted name, object) for every name of `stagewise.__all__` and every public method or property
-    a class of it defines itself (inherited members are documented where they are defined)."""
+    a class of it defines or inherits from stagewise's own classes (`Pipeline`'s from its bases)."""
     for name in sorted(sw.__all__):
         obj = getattr(sw, name)
         yield name, obj
         if not isinstance(obj, type) or issubclass(obj, (BaseException, enum.Enum)):
             continue
-        for member, value in vars(obj).items():
-            if member.startswith("_"):
+        seen: set[str] = set()
+        for owner in obj.__mro__:
+            if not owner.__module__.startswith("stagewise."):
                 continue
-            if isinstance(value, (property, classmethod, staticmethod)) or inspect.isfunction(value):
-                yield f"{name}.{member}", value
+            for member, value in vars(owner).items():
+                if member.startswith("_") or member in seen:
+                    continue
+                seen.add(member)
+                if isinstance(value, (property, classmethod, staticmethod)) or inspect.isfunction(value):
+                    yield f"{name}.{member}", value
 
 
 def _function(obj: object) -> Callable | None:

@@ -192,7 +192,7 @@ def test_stage_code_makes_its_tensors_on_the_device_it_runs_on(name):
         pipe = sw.compile((gpt2 if name == "hf-gpt2" else llama)(2), 2, {"input_ids": ids, "labels": ids},
                           microbatches=2, cost="analytic")
     assert not any("device(type=" in stage.code for stage in pipe.stages)
-    cpu = pipe._step_shapes
+    cpu = pipe._feeding.step_shapes
     gpu = StepShapes(pipe.plan, cpu.modules, cpu.states, [torch.device("cuda", 0)] * len(pipe.plan.devices))
     shorter = {name: torch.zeros(2, 9, dtype=torch.int64) for name in pipe.plan.graph_inputs}
     assert gpu.of_step([shorter]) is not None  # no device mismatch on the way

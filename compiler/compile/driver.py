@@ -26,7 +26,8 @@ from stagewise.compiler.compile.context import CompileContext, after
 from stagewise.compiler.compile.model_graph import describe_model
 from stagewise.compiler.compile.phases import PHASES, analyse, run_phases
 from stagewise.compiler.compile.phases import plan as plan_phase
-from stagewise.compiler.pipeline.pipeline import Compiled, Pipeline
+from stagewise.compiler.pipeline.pipeline import Pipeline
+from stagewise.compiler.pipeline.readings import Compiled
 from stagewise.compiler.pipeline.virtual_devices import virtual_layout
 from stagewise.ir.choices import CostModel, Schedule
 from stagewise.ir.devices import format_bytes
