@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from stagewise.ir.choices import CostModel, Schedule, parse_choice
 from stagewise.ir.costs import RuntimeCosts
 from stagewise.ir.devices import DeviceSpec
+from stagewise.ir.errors import CheckpointError
 from stagewise.ir.instructions import Phase
 from stagewise.ir.plan_checks import check_plan
 from stagewise.ir.program import Program, programs_from_text
@@ -251,16 +252,21 @@ class Plan:
             The plan, equal to the one written.
 
         Raises:
-            CheckpointError: a count, index, shape or dtype out of range, or an output structure that is
-                not plain pytree JSON.
+            CheckpointError: not a plan's JSON (fields missing, unknown or of the wrong type), a count,
+                index, shape or dtype out of range, or an output structure that is not plain pytree JSON.
 
         Example:
             >>> sw.Plan.from_json(pipe.plan.to_json()) == pipe.plan
             True
         """
-        data = json.loads(text)
-        programs = programs_from_text(data.pop("programs", ""))
-        return check_plan(replace(_build(cls, data), programs=programs))
+        try:
+            data = json.loads(text)
+            programs = programs_from_text(data.pop("programs", ""))
+            built = _build(cls, data)
+        except (ValueError, TypeError, KeyError, AttributeError) as error:  # a StagewiseError passes as it is
+            raise CheckpointError(f"this is not a plan stagewise wrote ({type(error).__name__}: {error}); read "
+                                  "plan.json of a checkpoint saved by this version of stagewise") from error
+        return check_plan(replace(built, programs=programs))
 
     def __str__(self) -> str:
         return render_plan(self)

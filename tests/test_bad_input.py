@@ -259,6 +259,32 @@ def test_load_names_a_directory_that_is_not_a_path(directory):
         sw.load(directory)
 
 
+def test_load_of_no_directory_or_a_nameless_one(pipe, tmp_path, monkeypatch):
+    with pytest.raises(sw.CheckpointError, match=r"sw.load\(''\) names no directory"):
+        sw.load("")  # was a ValueError from pathlib
+    pipe.save(tmp_path / "ck")
+    monkeypatch.chdir(tmp_path / "ck")
+    loaded = sw.load(".")  # the current directory is the checkpoint: '.' has no name of its own
+    assert all(torch.equal(v, pipe.state_dict()[k]) for k, v in loaded.state_dict().items())
+    monkeypatch.chdir(tmp_path / "ck" / "weights")
+    assert sw.load("..").plan == pipe.plan
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(sw.CheckpointError, match="holds no stagewise checkpoint"):
+        sw.load(".")
+
+
+@pytest.mark.parametrize("given", ["plan.json", None])
+def test_simulate_takes_a_plan(given):
+    with pytest.raises(sw.OptionError, match=f"sw.simulate takes a Plan .*got {type(given).__name__}"):
+        sw.simulate(given)  # was an AttributeError
+
+
+@pytest.mark.parametrize("text", ['{"model": 1}', "not json", "[]", '{"programs": 3}'])
+def test_plan_from_json_of_something_else(text):
+    with pytest.raises(sw.CheckpointError, match="this is not a plan stagewise wrote"):
+        sw.Plan.from_json(text)  # were TypeError, JSONDecodeError, AttributeError
+
+
 TRUSTED_CASES = {
     "one-function": (F.cross_entropy, r"alone: write trusted_functions=\[fn\]"),
     "a-string": ("my_loss", "takes a list of functions .*got str"),

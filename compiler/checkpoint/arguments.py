@@ -20,15 +20,17 @@ def checkpoint_path(directory: object, call: str) -> Path:
     if not isinstance(directory, str | os.PathLike):
         raise CheckpointError(f"{call} takes the checkpoint's directory as a str or pathlib.Path, got "
                               f"{type(directory).__name__} {directory!r}; give a path such as 'checkpoints/run1'")
-    return Path(directory)
+    if str(directory) == "":
+        raise CheckpointError(f"{call}('') names no directory: give the checkpoint's folder, such as 'checkpoints/run1'")
+    path = Path(directory)
+    # '.' and '..' name a folder but have no name of their own, which the folder beside a checkpoint
+    # (an interrupted save's, compiler/checkpoint/swap.py) is named after: spell them out
+    return Path(os.path.abspath(path)) if path.name in ("", "..") else path
 
 
 def save_path(directory: object, call: str = "pipe.save") -> Path:
     """`directory` as a folder save may fill or replace: named, and not holding the current directory."""
     path = checkpoint_path(directory, call)
-    if str(directory) == "":
-        raise CheckpointError(f"{call}('') names no directory: give the checkpoint a folder of its own, such as "
-                              "'checkpoints/run1'")
     resolved, here = path.resolve(), Path.cwd().resolve()
     if here == resolved or resolved in here.parents:
         raise CheckpointError(f"{call}({str(directory)!r}) names {resolved}, which holds the current directory: a "

@@ -228,6 +228,7 @@ def simulate(plan: Plan, peak_flops: float | None = None, bandwidth: float | Non
         The SimResult: `iteration_time` in seconds, `to_chrome_trace(path)`, `to_png(path)`.
 
     Raises:
+        OptionError: `plan` is not a Plan.
         PlanError: the plan records no costs (saved before plans kept them).
         DeviceError: a `bandwidth` that is not a positive number.
 
@@ -240,6 +241,8 @@ def simulate(plan: Plan, peak_flops: float | None = None, bandwidth: float | Non
         >>> sw.simulate(chosen).iteration_time > sw.simulate(chosen, peak_flops=1e20).iteration_time
         True
     """
+    if not isinstance(plan, Plan):
+        raise OptionError(f"sw.simulate takes a Plan (what sw.plan returns, or pipe.plan), got {type(plan).__name__}")
     return simulate_programs(plan.programs, plan_charges(plan, peak_flops, bandwidth))
 
 
