@@ -22,10 +22,7 @@ def checkpoint_path(directory: object, call: str) -> Path:
                               f"{type(directory).__name__} {directory!r}; give a path such as 'checkpoints/run1'")
     if str(directory) == "":
         raise CheckpointError(f"{call}('') names no directory: give the checkpoint's folder, such as 'checkpoints/run1'")
-    path = Path(directory)
-    # '.' and '..' name a folder but have no name of their own, which the folder beside a checkpoint
-    # (an interrupted save's, compiler/checkpoint/swap.py) is named after: spell them out
-    return Path(os.path.abspath(path)) if path.name in ("", "..") else path
+    return Path(directory)
 
 
 def save_path(directory: object, call: str = "pipe.save") -> Path:
