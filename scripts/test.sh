@@ -14,16 +14,6 @@ if [ "${1:-}" = "--quick" ]; then
   shift
 fi
 ruff check .
-# The layer contracts and the type check run beside pytest: its workers leave a core partly idle
-# (ranks waiting on each other, fresh interpreters starting); their output follows pytest's.
-lints="$(mktemp -d)"
-trap 'rm -rf "$lints"' EXIT
-lint-imports > "$lints/imports" 2>&1 & imports=$!
-mypy > "$lints/types" 2>&1 & types=$!
-status=0
-python -m pytest -q -n 2 --dist loadfile "${select[@]}" "$@" || status=$?
-wait "$imports" || { cat "$lints/imports"; status=1; }
-tail -n 1 "$lints/imports"
-wait "$types" || { cat "$lints/types"; status=1; }
-tail -n 1 "$lints/types"
-exit "$status"
+lint-imports
+mypy
+python -m pytest -q -n 2 --dist loadfile "${select[@]}" "$@"
