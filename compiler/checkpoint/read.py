@@ -14,7 +14,6 @@ agree, so a rank that cannot read the checkpoint is an error on every rank, not 
 from __future__ import annotations
 
 import io
-import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -68,10 +67,7 @@ def trusted_by_name(functions: Sequence[Callable]) -> dict[str, Callable]:
 
 def read_checkpoint(directory, context: DistributedContext | None) -> Checkpoint:
     """The checkpoint at `directory` (or the previous one an interrupted save left beside it)."""
-    named = Path(directory)
-    # '.' and '..' have no name of their own, which the folder an interrupted save leaves beside a
-    # checkpoint is named after (compiler/checkpoint/swap.py): spell them out
-    root = _recovered(Path(os.path.abspath(named)) if named.name in ("", "..") else named)
+    root = _recovered(Path(directory))
     if context is None:
         return _read(root, 0, 1)
     try:

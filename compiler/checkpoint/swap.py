@@ -34,8 +34,10 @@ _IN_USE: set[Path] = set()  # this process's staging folders of saves still runn
 
 
 def previous_path(target: Path) -> Path:
-    """Where the old checkpoint is while the new one is renamed into place."""
-    return target.with_name(f".{target.name}.old")
+    """Where the old checkpoint is while the new one is renamed into place: beside `target`, named
+    after it ('.' and '..', which have no name of their own, spelt out first)."""
+    named = Path(os.path.abspath(target)) if target.name in ("", "..") else target
+    return named.with_name(f".{named.name}.old")
 
 
 def publish(target: Path, fill: Callable[[Path], dict[str, FileRecord]]) -> None:
