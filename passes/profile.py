@@ -101,7 +101,6 @@ def profile_layers(
     times, stash and workspace bytes are those of training at that precision; state stays fp32.
     """
     device = resolve_devices(device)[0]
-    # a Device parsed its memory already (the field's type also admits the string it was given)
     capacity_bytes = parse_bytes(capacity if capacity is not None else device.memory)
     traced = traced_microbatch or traced_microbatch_size(gm)
     signatures = [layer_signature(gm, layer) for layer in layers]
