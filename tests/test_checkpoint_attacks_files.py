@@ -251,6 +251,20 @@ def test_a_key_twice_in_a_stage_structure_is_refused(pipe, target, capsys):
     assert str(target / "stage_0.json") in message and "'training' twice" in message
 
 
+@pytest.mark.parametrize("entry", ["load", "restore", "inspect"])
+def test_a_stage_structure_that_is_not_an_object_is_refused(pipe, target, capsys, entry):
+    (target / "stage_0.json").write_text('["op", "call_function"]')  # was a TypeError deep in the build
+    reseal(target)
+    message = refused(entry, pipe, target, capsys)
+    assert "stage_0.json" in message and "a JSON list, not the object a stage structure is" in message
+
+
+def test_a_marker_that_is_not_an_object_is_refused(pipe, target, capsys):
+    (target / "stagewise.json").write_text("[1, 2]")
+    message = refused("load", pipe, target, capsys)
+    assert "stagewise.json is corrupted" in message and "a JSON list, not an object" in message
+
+
 def test_a_file_twice_in_the_marker_is_refused(pipe, target, capsys):
     marker = target / "stagewise.json"
     text = marker.read_text()
