@@ -56,6 +56,24 @@ def test_plan_from_groups_is_the_plan_from_keywords():
     assert grouped.to_json() == flat.to_json()
 
 
+def test_groups_train_as_the_keywords_with_bf16_and_swapping():
+    """The combination, not one option alone: bf16 stages with state swapped, clipping, a seed."""
+    def trained(**options):
+        torch.manual_seed(0)
+        pipe = sw.compile(mlp(depth=3), 2, (X,), loss_fn=F.cross_entropy, example_target=Y, **options)
+        losses = [pipe.step(X, target=Y) for _ in range(2)]
+        return losses, pipe.state_dict()
+
+    flat = trained(microbatches=2, schedule="1f1b", cost="analytic", swap="on", precision="bf16", clip_grad_norm=1.0,
+                   seed=3)
+    grouped = trained(plan=sw.PlanOptions(microbatches=2, schedule="1f1b", cost="analytic"),
+                      memory=sw.MemoryOptions(swap="on"),
+                      training=sw.TrainingOptions(precision="bf16", clip_grad_norm=1.0, seed=3))
+    assert all(torch.equal(a, b) for a, b in zip(flat[0], grouped[0], strict=True))
+    assert flat[1].keys() == grouped[1].keys()
+    assert all(torch.equal(flat[1][k], grouped[1][k]) for k in flat[1])
+
+
 @pytest.mark.parametrize(("group", "option"), [
     ("plan", {"microbatches": 2}), ("plan", {"schedule": "auto"}), ("memory", {"swap": "auto"}),
     ("training", {"precision": "fp32"}),
