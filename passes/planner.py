@@ -37,6 +37,7 @@ from stagewise.ir.plan import (
     Stage,
     Transfer,
 )
+from stagewise.ir.time_split import TimeSplit
 from stagewise.ir.topology import Topology
 from stagewise.passes.costs import stage_charges
 from stagewise.passes.cpsat import partition_and_bind
@@ -50,6 +51,7 @@ from stagewise.passes.pipedream_partition import straight_partition
 from stagewise.passes.replicate import replicate, replicate_stages
 from stagewise.passes.schedule import REPLICATED_STAGE_SCHEDULES, SCHEDULES, instance_tasks
 from stagewise.passes.shared import find_shared
+from stagewise.passes.sim_split import time_split
 from stagewise.passes.simulate import SimCost, SimResult, simulate
 from stagewise.passes.stages import build_stages
 from stagewise.passes.swap import SwapPlan, plan_swaps
@@ -84,6 +86,7 @@ class Prediction:
     stage_s: tuple[float, ...]  # forward + backward seconds of one microbatch, per stage instance
     peak_bytes: tuple[int, ...]  # per device
     fits: bool
+    split: TimeSplit | None = None  # where the iteration's time goes (passes/sim_split.py)
 
 
 def assemble(
@@ -140,7 +143,7 @@ def predict(plan: Assembled, costs: Sequence[LayerCost], devices: Sequence[Devic
     peaks = tuple(int(result.peak_bytes.get(d, 0)) for d in range(len(devices)))
     fits = all(d.memory is None or peak <= d.memory for d, peak in zip(devices, peaks, strict=True))
     stage_s = tuple(f + b for f, b in zip(cost.forward_s, cost.backward_s, strict=True))
-    return Prediction(result.iteration_time, stage_s, peaks, fits), result
+    return Prediction(result.iteration_time, stage_s, peaks, fits, time_split(result)), result
 
 
 def partition(
