@@ -55,7 +55,7 @@ def plan_parts(plan) -> list[Table | str]:
                      f"peak memory {peaks}")
     if plan.predicted_split is not None:
         split = plan.predicted_split
-        parts.append(f"where the time goes on dev{split.device} (the busiest device): {split}")
+        parts.append(f"where the time goes (dev{split.device}, the busiest): {split}")
     if plan.precision != "fp32":
         parts.append(f"precision: {plan.precision} (forwards under torch.autocast; fp32 weights, gradients, optimizer)")
     if plan.considered:

@@ -29,7 +29,7 @@ class TimeSplit:
     `allreduce_s`: running all-reduces (from the moment every member has joined); `swap_s`: host
     copies (swaps, stashes, the host optimizer) while neither runs; `p2p_s`: messages in flight
     while none of those runs; `bubble_s`: the rest, the device waiting with nothing of its own in
-    flight. `device` is the device split: the busiest, the one with the least bubble.
+    flight. `device` is the device split; a plan keeps its busiest device's, the one with the least bubble.
     """
 
     device: int

@@ -22,10 +22,7 @@ _P2P_STREAMS = (Stream.P2P_IN, Stream.P2P_OUT)
 
 def time_split(result: SimResult) -> TimeSplit:
     """The split of the device with the least bubble (the lowest such device on a tie)."""
-    splits = device_splits(result)
-    if not splits:
-        return TimeSplit(0, 0.0, 0.0, 0.0, 0.0, 0.0, Bound.COMPUTE)
-    return min(splits.values(), key=lambda split: (split.bubble_s, split.device))
+    return min(device_splits(result).values(), key=lambda split: (split.bubble_s, split.device))
 
 
 def device_splits(result: SimResult) -> dict[int, TimeSplit]:

@@ -73,7 +73,7 @@ def test_console_script_plans_a_hugging_face_config_and_writes_the_timeline(gpt2
     assert "devices: 4xH100 (4, datasheet figures); links: sw.plan's default per device kind" in run.stdout
     assert "stagewise plan: GPT2LMHeadModel" in run.stdout and "plans considered:" in run.stdout
     assert "precision: bf16" in run.stdout
-    assert re.search(r"where the time goes on dev\d \(the busiest device\): compute [<\d]+%.* — bound: \w+", run.stdout)
+    assert re.search(r"where the time goes \(dev\d, the busiest\): compute [<\d]+%.* — bound: \w+", run.stdout)
     events = json.loads(trace.read_text())["traceEvents"]
     assert {"F", "B"} <= {event["name"][0] for event in events if event["ph"] == "X"}
     assert png.read_bytes().startswith(b"\x89PNG")

@@ -114,7 +114,7 @@ def test_a_plan_that_swaps_shows_swap_dominating_and_pcie_bound(swapping_plan: s
     assert split.swap_s > split.iteration_s / 2 and split.swap_s == max(s for _, s in split.parts())
     assert split.iteration_s == pytest.approx(swapping_plan.predicted_iteration_s, rel=1e-12)
     assert split == time_split(sw.simulate(swapping_plan))  # from the timeline the prediction came from
-    assert f"where the time goes on dev{split.device} (the busiest device): {split}" in str(swapping_plan)
+    assert f"where the time goes (dev{split.device}, the busiest): {split}" in str(swapping_plan)
     assert "— bound: PCIe" in str(swapping_plan)
 
 
