@@ -5,9 +5,11 @@ order (Harmony §4.4) on a thread of its own. An instruction first waits for the
 names (`Instruction.waits`: earlier instructions of other streams of its device), then runs;
 receives and all-reduces also wait for their partners. PyTorch releases the GIL inside ops,
 so one device's copies and sends overlap its compute and devices compute concurrently.
-On a CPU device whose messages stay in this process the two p2p streams have no thread: the
-thread that makes their next instruction ready runs it (runtime/threadless.py), which saves
-the thread hand-offs a message otherwise costs. The executor adds no barrier the programs do
+On a CPU device the swap streams have no thread, nor, where its messages stay in this process,
+the two p2p streams: the thread that makes their next instruction ready runs it
+(runtime/threadless.py), which saves the thread hand-offs a swap or message otherwise costs.
+Each instruction runs through the call `Interpreter.bind` made for it when the programs were
+loaded (runtime/tables.py): a step resolves no handler, worker or message key. The executor adds no barrier the programs do
 not state; `Sync` turns a deadlock, a failed thread or a silent peer into an error instead of
 a hang. A step is atomic and has a deadline (`timeout_s`): the caller waits for the threads until
 then, and a step that fails is rolled back on every stage (runtime/recovery.py, rollback.py).
@@ -41,7 +43,7 @@ from stagewise.runtime.recovery import GRACE_S, StepRecovery
 from stagewise.runtime.rollback import StepGuard
 from stagewise.runtime.streams import DeviceStreams
 from stagewise.runtime.sync import Aborted, Sync
-from stagewise.runtime.threadless import THREADLESS, ThreadlessStreams
+from stagewise.runtime.threadless import SWAPS, THREADLESS, ThreadlessStreams
 from stagewise.runtime.threads import StreamThreads
 from stagewise.runtime.transport import StepOutcome, Transport
 from stagewise.runtime.worker import StageWorker
@@ -79,8 +81,8 @@ class StreamExecutor:
             guard=StepGuard(by_stage, transport.pools), replay=ForwardReplay(seed), precision=precision,
             scaler=None if loss_scaling is None else LossScaler(loss_scaling), clip_grad_norm=clip_grad_norm,
             timeout_s=timeout_s, opportunistic=opportunistic)
-        self.state.load(programs)
         self.interpreter = InstructionHandlers(self.state)  # what each instruction kind does
+        self.state.load(programs, self.interpreter.bind)  # each instruction a prebound call, once
         self.recovery = StepRecovery(self.state)  # a failed step's rollback; `broken`, `stuck`
         self.varuna = OpportunisticCompute(self.state)  # Varuna's compute stream
         self.threads = StreamThreads()  # one long-lived thread per (device, stream), reused by every step
@@ -92,8 +94,8 @@ class StreamExecutor:
 
     @programs.setter
     def programs(self, programs: tuple[Program, ...]) -> None:
-        """Programs may be replaced between steps; their lookups are computed then, once."""
-        self.state.load(programs)
+        """Programs may be replaced between steps; their lookups and calls are computed then, once."""
+        self.state.load(programs, self.interpreter.bind)
 
     def settle(self, broken_ok: bool = False) -> None:
         """Before a step, a save or reading the state: a stuck step rolled back, or an error (runtime/recovery.py)."""
@@ -186,12 +188,14 @@ class StreamExecutor:
         return self.state.loss_weights.total(losses, self.state.step.microbatches)
 
     def _threadless(self, program: Program, plan: DeviationPoints | None) -> tuple[Stream, ...]:
-        """The p2p streams of `program` that run without a thread this step (runtime/threadless.py): on a
-        CPU device whose messages stay in this process, unless Varuna's policy takes receives over."""
+        """The streams of `program` that run without a thread this step (runtime/threadless.py), on a CPU
+        device unless Varuna's policy takes receives over: its swap streams (a swap is a host copy), and
+        its p2p streams where its messages stay in this process."""
         state = self.state
-        if plan is not None or state.streams[program.device].cuda or not state.transport.in_memory:
+        if plan is not None or state.streams[program.device].cuda:
             return ()
-        return tuple(stream for stream in THREADLESS if state.tables[program.device].order[stream])
+        candidates = THREADLESS if state.transport.in_memory else SWAPS
+        return tuple(stream for stream in candidates if state.tables[program.device].order[stream])
 
     def _stream(self, program: Program, stream: Stream, plan: DeviationPoints | None) -> None:
         """Run this stream's instructions in order; on CUDA each waits for its events on the GPU too.
@@ -234,25 +238,25 @@ class StreamExecutor:
         self._help(program.device, ins)
 
     def _execute(self, program: Program, index: int, stream: Stream) -> None:
-        """Execute instruction `index` (its events are done), record it, publish that it is done."""
-        device, step = program.device, self.state.step
-        ins = program.instructions[index]
+        """Execute instruction `index` (its events are done) through its prebound call, record it,
+        publish that it is done."""
+        device, step, tables = program.device, self.state.step, self.state.tables[program.device]
         start = time.perf_counter()
         step.started[device][index] = True
         try:
-            self.interpreter.dispatch(device, index, ins)
+            tables.calls[index]()
         except Aborted:
             raise
         except BaseException as error:
-            self.recovery.blame(error, device, index, ins)
+            self.recovery.blame(error, device, index, program.instructions[index])
             raise
         end = time.perf_counter()
         self.state.streams[device].record(stream, index)
-        step.timeline.append((device, ins.stream, index, start - step.started_at, end - step.started_at))
+        step.timeline.append((device, tables.stream[index], index, start - step.started_at, end - step.started_at))
         with step.sync.locked():
             step.done[device][index] = True
-            step.threadless[device].finished(ins.stream)
-            step.sync.changed(self.state.tables[device].done_key[index])
+            step.threadless[device].finished(tables.stream[index])
+            step.sync.changed(tables.done_key[index])
 
     # ---- threadless streams (runtime/threadless.py) --------------------------------------------
     def _help(self, device: int, finished: Instruction | None = None) -> None:
