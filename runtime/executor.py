@@ -31,7 +31,7 @@ import torch
 
 from stagewise.ir.deviations import DeviationPoints
 from stagewise.ir.errors import PlanError
-from stagewise.ir.instructions import Instruction, Send, Stream
+from stagewise.ir.instructions import Stream
 from stagewise.ir.precision import LossScaling
 from stagewise.ir.program import Program
 from stagewise.runtime.executor_state import ExecutorState, StepRun
@@ -227,15 +227,14 @@ class StreamExecutor:
         without waits would otherwise start, and hold the step, after the failure)."""
         step = self.state.step
         done, tables = step.done[program.device], self.state.tables[program.device]
-        ins = program.instructions[index]
-        waits = ins.waits
+        waits = program.instructions[index].waits
         if waits:
             step.sync.wait_until(lambda: all([done[j] for j in waits]), tables.labels[index], tables.waits_on[index])
             self.state.streams[program.device].wait(stream, waits)
         if step.sync.error is not None:
             raise Aborted
         self._execute(program, index, stream)
-        self._help(program.device, ins)
+        self._help(program.device, tables.sends_to[index])
 
     def _execute(self, program: Program, index: int, stream: Stream) -> None:
         """Execute instruction `index` (its events are done) through its prebound call, record it,
@@ -259,11 +258,12 @@ class StreamExecutor:
             step.sync.changed(tables.done_key[index])
 
     # ---- threadless streams (runtime/threadless.py) --------------------------------------------
-    def _help(self, device: int, finished: Instruction | None = None) -> None:
+    def _help(self, device: int, delivered_to: int | None = None) -> None:
         """Run every threadless instruction that is ready now on `device` and, through the messages
-        the sends among them (and `finished`, if a send) deliver, on the receivers' devices."""
+        the sends among them deliver, on the receivers' devices (and on `delivered_to`, the receiver
+        of the send that just finished, if one did)."""
         step, transport = self.state.step, self.state.transport
-        devices = [device, finished.peer] if isinstance(finished, Send) else [device]
+        devices = [device] if delivered_to is None else [device, delivered_to]
         while devices:
             device = devices[-1]
             threadless = step.threadless.get(device)
@@ -275,11 +275,11 @@ class StreamExecutor:
             if index is None:
                 devices.pop()
                 continue
-            program = self.state.program_of[device]
-            ins = program.instructions[index]
-            self._execute(program, index, ins.stream)
-            if isinstance(ins, Send):
-                devices.append(ins.peer)
+            tables = self.state.tables[device]
+            self._execute(self.state.program_of[device], index, tables.stream[index])
+            receiver = tables.sends_to[index]
+            if receiver is not None:
+                devices.append(receiver)
 
     def _check_threadless_ran(self) -> None:
         """Every thread finished: a threadless instruction still unrun waited for something that never came."""

@@ -18,7 +18,7 @@ from stagewise.ir.program import Program
 
 class ProgramTables:
     """One device program's lookups: `order[stream]` its instructions on that stream; per index `i`,
-    `stream[i]` its stream,
+    `stream[i]` its stream, `sends_to[i]` a send's receiving device (None for other kinds),
     `labels[i]` (errors), `waits_on[i]` and `done_key[i]` (the `Sync` keys of its events and its own
     completion), for sends and receives `messages[i]`: (value, transport key) per message, and for
     receives `incoming[i]`: the transport keys alone (a send's is empty); once lowered, `calls[i]`
@@ -28,6 +28,7 @@ class ProgramTables:
         device, code = program.device, program.instructions
         self.labels = [f"dev{device} #{i} {ins}" for i, ins in enumerate(code)]
         self.stream = [ins.stream for ins in code]  # each instruction's (a property of its kind)
+        self.sends_to = [ins.peer if isinstance(ins, Send) else None for ins in code]  # a send's receiving device
         self.order = {stream: [i for i, ins in enumerate(code) if ins.stream is stream] for stream in Stream}
         self.streams = [stream for stream in Stream if self.order[stream]]
         self.done_key: list[Hashable] = [("done", device, i) for i in range(len(code))]
