@@ -9,16 +9,18 @@ On a CPU device the swap streams have no thread, nor, where its messages stay in
 the two p2p streams: the thread that makes their next instruction ready runs it
 (runtime/threadless.py), which saves the thread hand-offs a swap or message otherwise costs.
 Each instruction runs through the call `Interpreter.bind` made for it when the programs were
-loaded (runtime/tables.py): a step resolves no handler, worker or message key. The executor adds no barrier the programs do
-not state; `Sync` turns a deadlock, a failed thread or a silent peer into an error instead of
-a hang. A step is atomic and has a deadline (`timeout_s`): the caller waits for the threads until
-then, and a step that fails is rolled back on every stage (runtime/recovery.py, rollback.py).
+loaded (runtime/tables.py): a step resolves no handler, worker or message key. The executor adds
+no barrier the programs do not state; `Sync` turns a deadlock, a failed thread or a silent peer
+into an error instead of a hang. A step is atomic and has a deadline (`timeout_s`): the caller
+waits for the threads until then, and a step that fails is rolled back on every stage
+(runtime/recovery.py, rollback.py).
 
 Varuna's opportunistic policy (runtime/opportunistic.py) lets the compute stream of a program
-that recomputes run a later forward early, taking over its receives and sends. The handlers,
-one per instruction kind, are in runtime/handlers.py. The executor and these parts share one
-`ExecutorState` (runtime/executor_state.py), each holding a reference to it: `pipe._executor.state`
-is where the step count, the loss scaler, the last step's timeline and the like are read.
+that recomputes run a later forward early, taking over its receives and sends. The handlers, one
+per instruction kind, are in runtime/handlers.py. The executor and these parts share one
+`ExecutorState` (runtime/executor_state.py), each holding a reference to it:
+`pipe._executor.state` is where the step count, the loss scaler, the last step's timeline and
+the like are read.
 """
 
 from __future__ import annotations

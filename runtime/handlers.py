@@ -104,7 +104,8 @@ class InstructionHandlers(Interpreter):
 
     def _bind_send(self, device: int, index: int, ins: Send) -> Callable[[], None]:
         state, worker, tables = self.state, self.state.workers[ins.stage], self.state.tables[device]
-        label, messages, streams, microbatch, peer = tables.labels[index], tables.messages[index], state.streams[device], ins.microbatch, ins.peer
+        label, messages, streams = tables.labels[index], tables.messages[index], state.streams[device]
+        microbatch, peer = ins.microbatch, ins.peer
         take = worker.output if ins.carries is Carried.ACTIVATIONS else worker.take_input_grad
 
         def send() -> None:
