@@ -11,10 +11,11 @@ into the next.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from stagewise.ir.deviations import DeviationPoints
-from stagewise.ir.instructions import Stream
+from stagewise.ir.instructions import Instruction, Stream
 from stagewise.ir.program import Program
 from stagewise.runtime.forward_replay import ForwardReplay
 from stagewise.runtime.loss_weights import LossWeights
@@ -92,9 +93,12 @@ class ExecutorState:
     def __post_init__(self) -> None:
         self.step = StepRun(0, Sync(0, self.timeout_s))  # before the first step: an empty record
 
-    def load(self, programs: tuple[Program, ...]) -> None:
-        """Programs may be replaced between steps; their lookups are computed here, once."""
+    def load(self, programs: tuple[Program, ...], bind: Callable[[int, int, Instruction], Callable[[], object]]) -> None:
+        """Programs may be replaced between steps; their lookups and prebound calls (`bind`: the
+        interpreter's) are computed here, once."""
         self.programs = tuple(programs)
         self.program_of = {p.device: p for p in self.programs}
         self.tables = {p.device: ProgramTables(p) for p in self.programs}
+        for program in self.programs:
+            self.tables[program.device].lower(program, bind)
         self.deviation_points.clear()
