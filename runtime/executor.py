@@ -39,6 +39,7 @@ from stagewise.runtime.opportunistic import OpportunisticCompute
 from stagewise.runtime.precision import LossScaler
 from stagewise.runtime.recovery import GRACE_S, StepRecovery
 from stagewise.runtime.rollback import StepGuard
+from stagewise.runtime.step_timing import THREAD
 from stagewise.runtime.streams import DeviceStreams
 from stagewise.runtime.sync import Aborted, Sync
 from stagewise.runtime.threadless import THREADLESS, ThreadlessStreams
@@ -199,7 +200,8 @@ class StreamExecutor:
         Under Varuna's opportunistic policy the compute stream may run a later forward first,
         taking over its receives and sends: the p2p threads skip what it took."""
         device_streams = self.state.streams[program.device]
-        sync = self.state.step.sync
+        sync, times = self.state.step.sync, self.state.step.times
+        clock = times.thread_began(program.device, stream)  # runtime/step_timing.py
         try:
             with device_streams.running(stream):
                 self._help(program.device)  # a threadless instruction that waits for nothing
@@ -215,6 +217,7 @@ class StreamExecutor:
         except BaseException as error:  # noqa: BLE001 - handed to the caller of run()
             sync.fail(error)
         finally:
+            times.thread_ended(clock)
             sync.thread_done()
 
     def _run(self, program: Program, index: int, stream: Stream) -> None:
@@ -237,6 +240,9 @@ class StreamExecutor:
         """Execute instruction `index` (its events are done), record it, publish that it is done."""
         device, step = program.device, self.state.step
         ins = program.instructions[index]
+        clock = THREAD.clock  # this thread's, for the step (runtime/step_timing.py)
+        assert clock is not None, "instructions run on the step's stream threads"
+        waited = clock.waited_s
         start = time.perf_counter()
         step.started[device][index] = True
         try:
@@ -247,6 +253,7 @@ class StreamExecutor:
             self.recovery.blame(error, device, index, ins)
             raise
         end = time.perf_counter()
+        clock.ran(step.times, device, index, ins.stream, end - start - (clock.waited_s - waited))
         self.state.streams[device].record(stream, index)
         step.timeline.append((device, ins.stream, index, start - step.started_at, end - step.started_at))
         with step.sync.locked():
