@@ -35,7 +35,8 @@ class DeviceTime(Mapping[str, float]):
         step_s: the step's wall time in this process, from its launch to its last stream thread's return.
         compute_s: the stage code: the compute stream's instructions, net of the waits inside them.
         waiting_s: the compute thread blocked on a dependency (an event, a message, an all-reduce partner).
-        dispatch_s: the runtime's own work on the compute thread: the rest of its time until it returned.
+        dispatch_s: the runtime's own work on the compute thread: the rest of its time from the step's
+            launch (handing the thread its job included) until it returned.
         p2p_on_compute_s: p2p instructions the compute thread ran itself (threadless p2p streams,
             runtime/threadless.py; receives Varuna's policy took over), also counted in p2p_in_s / p2p_out_s.
         idle_s: after the compute thread returned, until the step's last thread did.
