@@ -105,16 +105,17 @@ def show_where_the_time_went(console: Console, pipe: sw.Pipeline, pipe_s: float,
                           f"{simulated.busy.get(row.device, 0.0) * 1e3:.1f}", f"{simulated.iteration_time * 1e3:.1f}")
     console.print(breakdown)
     console.print(verdict(rows), soft_wrap=True)
-    sent = sum(s["p2p_bytes"] or 0 for s in pipe.stats)
-    peaks = ", ".join(f"{(s['peak_bytes'] or 0) / 2**20:.1f} MiB" for s in pipe.stats)
+    sent = sum(s["p2p_bytes"] for s in pipe.stats)
+    peaks = ", ".join(f"{s['peak_bytes'] / 2**20:.1f} MiB" for s in pipe.stats)
     console.print(f"bytes sent between devices over {STEPS} steps: {sent / 2**20:.2f} MiB; peak memory per device: {peaks}")
 
 
 def verdict(rows: list[sw.DeviceTime]) -> str:
     """One line: whether the model's compute or the runtime's dispatch took more of the devices' time."""
     total = sum(row.step_s for row in rows)
-    compute, dispatch, waiting = (sum(getattr(row, name) for row in rows) / total
-                                  for name in ("compute_s", "dispatch_s", "waiting_s"))
+    compute = sum(row.compute_s for row in rows) / total
+    dispatch = sum(row.dispatch_s for row in rows) / total
+    waiting = sum(row.waiting_s for row in rows) / total
     who = "the model dominates" if compute >= dispatch else "the runtime dominates"
     return (f"{who}: compute {100 * compute:.0f}% of the devices' time, the runtime's dispatch "
             f"{100 * dispatch:.0f}%, waiting on other devices (the pipeline's bubble) {100 * waiting:.0f}%")

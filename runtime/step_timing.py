@@ -10,8 +10,9 @@ in a thread-local (`THREAD.clock`), and so does the monitor when it blocks. The 
 instruction's net seconds (`StepTimes.net`, by device and index), written once by whichever thread
 ran it. Everything else (the split per device, runtime/device_time.py) is derived after the step.
 
-The cost on the path of every instruction is two reads of a float, one subtraction and two stores;
-a blocked wait adds two `perf_counter` calls, nothing when a wait is ready at once.
+The cost on the path of every instruction is a thread-local read, a subtraction and one call that
+stores the net seconds and adds them to the clock (well under a microsecond; no allocation but the
+floats); a blocked wait adds two `perf_counter` calls, a wait that is ready at once nothing.
 """
 
 from __future__ import annotations
