@@ -75,9 +75,9 @@ def test_a_wait_inside_an_instruction_is_waiting_not_compute(heavy_first):
     """Device 1's grad-norm all-reduce (a compute instruction) waits inside for device 0's last,
     heavy backward: those seconds are the light device's waiting, not its compute."""
     pipe, _ = heavy_first
-    light = pipe.time_breakdown()[1]
-    inside = compute_busy(pipe, 1) - light.compute_s
-    assert inside > light.compute_s, (inside, light)
+    heavy, light = pipe.time_breakdown()
+    inside = compute_busy(pipe, 1) - light.compute_s  # the timeline's seconds include the waits inside
+    assert inside > 0.05 * heavy.compute_s, (inside, heavy, light)  # the last backward: about 1/6 of it
     assert light.waiting_s >= inside
 
 
