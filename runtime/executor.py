@@ -43,6 +43,7 @@ from stagewise.runtime.opportunistic import OpportunisticCompute
 from stagewise.runtime.precision import LossScaler
 from stagewise.runtime.recovery import GRACE_S, StepRecovery
 from stagewise.runtime.rollback import StepGuard
+from stagewise.runtime.step_timing import THREAD
 from stagewise.runtime.streams import DeviceStreams
 from stagewise.runtime.sync import Aborted, Sync
 from stagewise.runtime.threadless import SWAPS, THREADLESS, ThreadlessStreams
@@ -205,7 +206,8 @@ class StreamExecutor:
         Under Varuna's opportunistic policy the compute stream may run a later forward first,
         taking over its receives and sends: the p2p threads skip what it took."""
         device_streams = self.state.streams[program.device]
-        sync = self.state.step.sync
+        sync, times = self.state.step.sync, self.state.step.times
+        clock = times.thread_began(program.device, stream)  # runtime/step_timing.py
         try:
             with device_streams.running(stream):
                 self._help(program.device)  # a threadless instruction that waits for nothing
@@ -221,6 +223,7 @@ class StreamExecutor:
         except BaseException as error:  # noqa: BLE001 - handed to the caller of run()
             sync.fail(error)
         finally:
+            times.thread_ended(clock)
             sync.thread_done()
 
     def _run(self, program: Program, index: int, stream: Stream) -> None:
@@ -242,6 +245,9 @@ class StreamExecutor:
         """Execute instruction `index` (its events are done) through its prebound call, record it,
         publish that it is done."""
         device, step, tables = program.device, self.state.step, self.state.tables[program.device]
+        clock = THREAD.clock  # this thread's, for the step (runtime/step_timing.py)
+        assert clock is not None, "instructions run on the step's stream threads"
+        waited = clock.waited_s
         start = time.perf_counter()
         step.started[device][index] = True
         try:
@@ -252,6 +258,7 @@ class StreamExecutor:
             self.recovery.blame(error, device, index, program.instructions[index])
             raise
         end = time.perf_counter()
+        clock.ran(step.times, device, index, tables.stream[index], end - start - (clock.waited_s - waited))
         self.state.streams[device].record(stream, index)
         step.timeline.append((device, tables.stream[index], index, start - step.started_at, end - step.started_at))
         with step.sync.locked():

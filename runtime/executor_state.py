@@ -21,6 +21,7 @@ from stagewise.runtime.forward_replay import ForwardReplay
 from stagewise.runtime.loss_weights import LossWeights
 from stagewise.runtime.precision import LossScaler
 from stagewise.runtime.rollback import StepGuard
+from stagewise.runtime.step_timing import StepTimes
 from stagewise.runtime.streams import DeviceStreams
 from stagewise.runtime.sync import Sync
 from stagewise.runtime.tables import ProgramTables
@@ -48,12 +49,14 @@ class StepRun:
     # measured (device, stream, index, start, end) of every instruction, in seconds from `started_at`
     timeline: list[tuple[int, Stream, int, float, float]] = field(default_factory=list)
     started_at: float = field(default_factory=time.perf_counter)  # the step's launch (perf_counter)
+    times: StepTimes = field(default_factory=StepTimes)  # where each stream thread's time went (runtime/step_timing.py)
 
     @classmethod
     def launched(cls, programs: tuple[Program, ...], microbatches: int, sync: Sync,
                  threadless: dict[int, ThreadlessStreams]) -> StepRun:
         """A step about to start its threads: nothing done, nothing started, no claims."""
-        return cls(microbatches, sync, threadless,
+        times = StepTimes(programs)
+        return cls(microbatches, sync, threadless, started_at=times.started_at, times=times,
                    done={p.device: [False] * len(p.instructions) for p in programs},
                    started={p.device: [False] * len(p.instructions) for p in programs},
                    owner={p.device: {} for p in programs})
