@@ -59,6 +59,11 @@ def test_bucketed_steps_train_as_eager_on_the_unpadded_batches(build, make_batch
     torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=RTOL, atol=ATOL)
     assert_state_equal(pipe.state_dict(), reference.state_dict())
     assert {size[1] for signature in pipe._feeding.step_shapes.cache for _, size, _ in signature} == {4, 8}
+    inputs = batches[1][0]  # evaluate pads too: the loss of the unpadded batch
+    reference.eval()
+    with torch.no_grad():
+        want_loss = reference(**inputs).loss
+    torch.testing.assert_close(pipe.evaluate(**inputs), want_loss, rtol=RTOL, atol=ATOL)
 
 
 def test_an_unmasked_bidirectional_model_is_refused_naming_the_input():
