@@ -9,13 +9,14 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import stagewise as sw
 from stagewise.compiler.assembly.step_shapes import StepShapes
 from tests.harness.any_shape import eager_split_train, train_steps
 from tests.hf import gpt2, llama
 from tests.models.gpt import TinyGPT, lm_loss
-from tests.reference import ADAMW, ATOL, RTOL, assert_state_equal
+from tests.reference import ATOL, RTOL, SGD, assert_state_equal
 
 
 def _lm_batch(batch: int, length: int, generator: torch.Generator) -> tuple[dict, None]:
@@ -24,7 +25,7 @@ def _lm_batch(batch: int, length: int, generator: torch.Generator) -> tuple[dict
 
 
 def test_new_lengths_are_sized_without_running_the_stages_again(monkeypatch):
-    """Six new lengths: one propagation (the size class's), and the training is eager's."""
+    """Three new lengths: one propagation (the size class's), and the training is eager's."""
     propagations = []
     propagate = StepShapes._propagate
     monkeypatch.setattr(StepShapes, "_propagate", lambda self, *args: propagations.append(1) or propagate(self, *args))
@@ -32,11 +33,11 @@ def test_new_lengths_are_sized_without_running_the_stages_again(monkeypatch):
     model = llama(2)
     reference = copy.deepcopy(model)
     generator = torch.Generator().manual_seed(0)
-    batches = [_lm_batch(8, length, generator) for length in (12, 7, 10, 3, 11, 5, 9)]
-    pipe = sw.compile(model, 2, batches[0][0], microbatches=2, optimizer=ADAMW, cost="analytic")
+    batches = [_lm_batch(8, length, generator) for length in (12, 7, 10, 5)]
+    pipe = sw.compile(model, 2, batches[0][0], microbatches=2, optimizer=SGD, cost="analytic")
     got = train_steps(pipe, batches)
     assert len(propagations) == 1
-    want = eager_split_train(reference, batches, microbatches=1, optimizer=ADAMW)
+    want = eager_split_train(reference, batches, microbatches=1, optimizer=SGD)
     torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=RTOL, atol=ATOL)
     assert_state_equal(pipe.state_dict(), reference.state_dict())
 
@@ -98,3 +99,20 @@ def test_inputs_whose_lengths_disagree_break_the_class(gpt2_shapes):
     assert gpt2_shapes.size_class(gpt2_shapes.example).at(signature) is None
     with pytest.raises(sw.ExampleInputsError, match="cannot take"):
         gpt2_shapes._values(signature)
+
+
+def test_strided_convolutions_are_sized_by_their_floor_divisions():
+    """Image sizes through two strided convolutions: the class's sizes are floor divisions of the
+    input's, equal to a concrete propagation at every size inside the class."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, stride=2, padding=1), torch.nn.ReLU(),
+                                torch.nn.Conv2d(4, 4, 3, stride=2), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+                                torch.nn.Linear(4, 10))
+    x, y = torch.randn(8, 3, 17, 23), torch.randint(0, 10, (8,))
+    pipe = sw.compile(model, 2, (x,), loss_fn=F.cross_entropy, example_target=y, microbatches=2, cost="analytic",
+                      split_points=["2"])
+    shapes = pipe._feeding.step_shapes
+    (image, _, image_dtype), (target, _, target_dtype) = shapes.example
+    for batch, height, width in ((4, 12, 9), (3, 9, 14), (2, 31, 5)):
+        signature = ((image, (batch, 3, height, width), image_dtype), (target, (batch,), target_dtype))
+        assert shapes.size_class(signature).at(signature) == _concrete(shapes, signature)

@@ -74,8 +74,13 @@ class SizeClass:
         if self.guards is not None and not eval(self.guards, SYMPY_INTERP, arguments):  # noqa: S307 - torch's own guard code
             return None
         bound = self.shape_env.bind_symbols(self.placeholders, stand_ins)
-        return {name: (tuple(int(size.xreplace(bound)) for size in sizes), dtype)
-                for name, (sizes, dtype) in self.values.items()}
+        values = {}
+        for name, (sizes, dtype) in self.values.items():
+            evaluated = [sympy.sympify(sympy.sympify(size).xreplace(bound)) for size in sizes]
+            if not all(isinstance(size, sympy.Integer) for size in evaluated):  # a function left unevaluated
+                return None
+            values[name] = (tuple(int(size) for size in evaluated), dtype)
+        return values
 
 
 def _symbolic(mode: FakeTensorMode, name: str, size: tuple[int, ...], dtype: torch.dtype) -> FakeTensor:
