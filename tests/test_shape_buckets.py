@@ -101,3 +101,14 @@ def test_a_bucket_longer_than_the_example_is_refused():
     torch.manual_seed(0)
     with pytest.raises(sw.OptionError, match=r"shape_buckets lists \[16\], longer than the example's sequence \(12\)"):
         sw.compile(llama(1), 1, _causal_batches()[0][0], microbatches=1, cost="analytic", shape_buckets=[8, 16])
+
+
+def test_a_resized_pipeline_still_pads():
+    """pipe.resize rebuilds the runtime from a checkpoint: the padding is the compiled pipeline's and stays."""
+    torch.manual_seed(0)
+    batches = _causal_batches()
+    pipe = sw.compile(llama(1), ["cpu"], batches[0][0], microbatches=2, cost="analytic", virtual_devices=2,
+                      shape_buckets=4)
+    pipe.resize(["cpu", "cpu"])
+    pipe.step(**batches[1][0])  # 7 tokens: padded to 8
+    assert {size[1] for signature in pipe._feeding.step_shapes.cache for _, size, _ in signature} == {8}
