@@ -64,6 +64,7 @@ class Padding:
     buckets: ShapeBuckets
     longest: int  # the example's sequence length
     fills: dict[str, int | float]  # padded input -> the value its padding holds
+    labels: frozenset[str] = frozenset()  # the padded inputs holding targets (filled with the ignore index)
 
     def padded(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`inputs` with every padded input padded at the end of its sequence to the bucket. Inputs
@@ -94,13 +95,13 @@ def padding_of(buckets: ShapeBuckets, example: dict[str, torch.Tensor], target_n
         raise OptionError(f"shape_buckets lists {beyond}, longer than the example's sequence ({longest}), the longest "
                           "a step may give: drop them, or compile with a longer example")
     ignored = reduction.ignore_index if isinstance(reduction, TokenMean) else IGNORE_INDEX
-    labels = {target_name, reduction.labels if reduction is not None else None} - {None}
+    labels = {name for name in (target_name, reduction.labels if reduction is not None else None) if name is not None}
     fills = {name: _fill(name, value, labels, ignored) for name, value in example.items()
              if value.dim() > SEQUENCE_DIM and value.shape[SEQUENCE_DIM] == longest}
-    return Padding(buckets, longest, fills)
+    return Padding(buckets, longest, fills, frozenset(labels & set(fills)))
 
 
-def _fill(name: str, value: torch.Tensor, labels: set[str | None], ignored: int) -> int | float:
+def _fill(name: str, value: torch.Tensor, labels: set[str], ignored: int) -> int | float:
     """Targets hold the loss's ignore index, everything else 0 (an attention mask's 'masked')."""
     if name in labels:
         return ignored

@@ -53,7 +53,7 @@ def _compare(capture: Capture, padding: Padding, short: dict[str, torch.Tensor],
     with _without_dropout(capture.objective), torch.no_grad():
         unpadded_loss = _loss(capture, short)
         padded_loss = _loss(capture, padded)
-        for name in _readable(padding, capture.target_name):
+        for name in _readable(padding):
             other = _loss(capture, {**padded, name: _other_padding(padded[name], length, short[name])})
             if not torch.equal(other, padded_loss):
                 raise OptionError(f"shape_buckets pads input {name!r}, and the model reads its padding (the loss "
@@ -61,7 +61,7 @@ def _compare(capture: Capture, padding: Padding, short: dict[str, torch.Tensor],
                                   "content): give the model an attention mask input (attention_mask=, padded with 0) "
                                   "or drop shape_buckets")
     if not _same(padded_loss, unpadded_loss):
-        counted = sorted(name for name, fill in padding.fills.items() if fill != 0)
+        counted = sorted(padding.labels)
         reason = (f"the loss counts the padding of {counted} (filled with the ignore index "
                   f"{[padding.fills[name] for name in counted]}: give a loss that ignores it, e.g. cross_entropy's "
                   "ignore_index) or the model depends on the length itself" if counted
@@ -71,11 +71,10 @@ def _compare(capture: Capture, padding: Padding, short: dict[str, torch.Tensor],
                           "drop shape_buckets")
 
 
-def _readable(padding: Padding, target_name: str | None) -> list[str]:
-    """The padded inputs whose content the model should not read: all but the targets and masks
-    (a fill other than 0 marks a target; an attention mask's 0 is its meaning)."""
-    return [name for name, fill in padding.fills.items()
-            if name != target_name and fill == 0 and "mask" not in name]
+def _readable(padding: Padding) -> list[str]:
+    """The padded inputs whose content the model should not read: all but the targets and attention
+    masks (whose 0 is their meaning)."""
+    return [name for name in padding.fills if name not in padding.labels and "mask" not in name]
 
 
 def _other_padding(value: torch.Tensor, length: int, real: torch.Tensor) -> torch.Tensor:
