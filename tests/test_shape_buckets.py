@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import stagewise as sw
+from stagewise.compiler.compile import driver
 from tests.harness.any_shape import eager_split_train, train_steps
 from tests.hf import bert, llama
 from tests.models.gpt import TinyGPT
@@ -97,10 +98,12 @@ def test_bad_shape_buckets_are_refused_where_written(value):
         sw.TrainingOptions(shape_buckets=value)
 
 
-def test_a_bucket_longer_than_the_example_is_refused():
-    torch.manual_seed(0)
+def test_a_bucket_longer_than_the_example_or_an_input_without_a_sequence_is_refused_before_compiling(monkeypatch):
+    monkeypatch.setattr(driver, "run_checked", None)  # nothing is compiled
     with pytest.raises(sw.OptionError, match=r"shape_buckets lists \[16\], longer than the example's sequence \(12\)"):
         sw.compile(llama(1), 1, _causal_batches()[0][0], microbatches=1, cost="analytic", shape_buckets=[8, 16])
+    with pytest.raises(sw.OptionError, match=r"pads dimension 1 \(the sequence\), but input 'x' is \[8\]"):
+        sw.compile(torch.nn.Linear(1, 1), 1, {"x": torch.randn(8)}, microbatches=1, cost="analytic", shape_buckets=4)
 
 
 def test_a_resized_pipeline_still_pads():

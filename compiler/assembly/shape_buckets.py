@@ -85,20 +85,27 @@ def padding_of(buckets: ShapeBuckets, example: dict[str, torch.Tensor], target_n
     """The padding of compile's example (input name, then the target's, -> tensor): the inputs whose
     dimension 1 is the first input's length, each with its fill. Raises OptionError for buckets
     longer than the example's sequence or an example without one."""
-    first_name, first = next(iter(example.items()))
-    if first.dim() <= SEQUENCE_DIM:
-        raise OptionError(f"shape_buckets pads dimension {SEQUENCE_DIM} (the sequence), but input {first_name!r} is "
-                          f"of shape {list(first.shape)}: drop shape_buckets")
-    longest = first.shape[SEQUENCE_DIM]
-    beyond = [size for size in buckets.sizes if size > longest]
-    if beyond:
-        raise OptionError(f"shape_buckets lists {beyond}, longer than the example's sequence ({longest}), the longest "
-                          "a step may give: drop them, or compile with a longer example")
+    longest = sequence_length(buckets, *next(iter(example.items())))
     ignored = reduction.ignore_index if isinstance(reduction, TokenMean) else IGNORE_INDEX
     labels = {name for name in (target_name, reduction.labels if reduction is not None else None) if name is not None}
     fills = {name: _fill(name, value, labels, ignored) for name, value in example.items()
              if value.dim() > SEQUENCE_DIM and value.shape[SEQUENCE_DIM] == longest}
     return Padding(buckets, longest, fills, frozenset(labels & set(fills)))
+
+
+def sequence_length(buckets: ShapeBuckets, name: str, first: object) -> int:
+    """The example's sequence length: dimension 1 of its first input (`name`), which must have one,
+    as long as every listed bucket. Raises OptionError (compile calls it before the phases run)."""
+    if not isinstance(first, torch.Tensor) or first.dim() <= SEQUENCE_DIM:
+        shape = list(first.shape) if isinstance(first, torch.Tensor) else type(first).__name__
+        raise OptionError(f"shape_buckets pads dimension {SEQUENCE_DIM} (the sequence), but input {name!r} is "
+                          f"{shape}: drop shape_buckets")
+    longest = first.shape[SEQUENCE_DIM]
+    beyond = [size for size in buckets.sizes if size > longest]
+    if beyond:
+        raise OptionError(f"shape_buckets lists {beyond}, longer than the example's sequence ({longest}), the longest "
+                          "a step may give: drop them, or compile with a longer example")
+    return longest
 
 
 def _fill(name: str, value: torch.Tensor, labels: set[str], ignored: int) -> int | float:

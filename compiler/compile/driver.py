@@ -21,7 +21,12 @@ from stagewise.compiler.assembly.options import (
     CompileRequest,
     check_split_points,
 )
-from stagewise.compiler.assembly.shape_buckets import Padding, parse_shape_buckets
+from stagewise.compiler.assembly.shape_buckets import (
+    Padding,
+    ShapeBuckets,
+    parse_shape_buckets,
+    sequence_length,
+)
 from stagewise.compiler.compile.analysis import Analysis
 from stagewise.compiler.compile.context import CompileContext, after
 from stagewise.compiler.compile.model_graph import describe_model
@@ -121,7 +126,7 @@ def compile(  # noqa: A001 - the public name of the API
         chosen["cost"] = CostModel.PROFILE
     virtual = chosen.pop("virtual_devices")
     buckets = parse_shape_buckets(chosen.pop("shape_buckets"))
-    _check_arguments(model, chosen["split_points"], example_inputs, loss_fn, loss_reduction)
+    _check_arguments(model, chosen["split_points"], example_inputs, loss_fn, loss_reduction, buckets)
     loss_reduction = loss_reduction or model_reduction(model, input_names(model, example_inputs)[0], loss_fn)
     devices = virtual_layout(devices, virtual)
     options = make_options(loss_fn=loss_fn, example_target=example_target, optimizer=optimizer, **chosen)
@@ -262,15 +267,19 @@ def make_options(*, optimizer, split_points, precision, **given) -> CompileOptio
                           loss_scaling=precision if isinstance(precision, LossScaling) else None, **given)
 
 
-def _check_arguments(model: object, split_points: object, example_inputs, loss_fn: object, reduction: object) -> None:
+def _check_arguments(model: object, split_points: object, example_inputs, loss_fn: object, reduction: object,
+                     buckets: ShapeBuckets | None = None) -> None:
     """What CompileOptions cannot check: a module to compile, split points as a list of names (a
-    string would be read as one name per character), a loss reduction whose labels can be read
-    (before the phases run, not after a long compile)."""
+    string would be read as one name per character), a loss reduction whose labels can be read,
+    buckets that fit the example's sequence (before the phases run, not after a long compile)."""
     if not isinstance(model, torch.nn.Module):
         raise ExampleInputsError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     check_split_points(split_points)
     if reduction is not None:
         check_loss_reduction(reduction, loss_fn is not None, input_names(model, example_inputs)[0])
+    if buckets is not None:
+        first = input_names(model, example_inputs)[0][0]
+        sequence_length(buckets, first, example_inputs[first] if isinstance(example_inputs, dict) else example_inputs[0])
 
 
 def run_checked(ctx: CompileContext, phases=PHASES) -> None:
