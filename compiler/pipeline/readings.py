@@ -11,6 +11,7 @@ import torch.fx as fx
 
 from stagewise.compiler.assembly.loss_reduction import LossReduction
 from stagewise.compiler.assembly.runtime_setup import Runtime
+from stagewise.compiler.assembly.shape_buckets import Padding
 from stagewise.compiler.pipeline.step_notices import StepNotices
 from stagewise.ir.plan import Plan, SharedTensor
 from stagewise.ir.program import Program
@@ -33,6 +34,7 @@ class Compiled:
     phase_seconds: dict[str, float] = field(default_factory=dict)
     loss_reduction: LossReduction | None = None
     model_graph: dict | None = None  # what checkpoints keep to plan again (compiler/compile/model_graph.py)
+    padding: Padding | None = None  # how steps' sequences are padded (compile's shape_buckets)
 
 
 class PipelineReadings:
