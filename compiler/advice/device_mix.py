@@ -4,13 +4,13 @@ joined by "+" ("1xp4d.24xlarge+1xg6.xlarge"): its devices, price, links and whos
 A mix is heterogeneous: devices of different speed and memory, which the planner's CP-SAT binding
 places (stages on the devices that suit them). Links: within an instance its intra-node
 bandwidth; between instances the slower of the two instances' network bandwidth, shared by the
-devices of an instance. Where the catalogue lacks a link figure the whole set gets sw.plan's
+devices of an instance. Each instance is a host: its devices' swaps cross their PCIe links to it. Where the catalogue lacks a link figure the whole set gets sw.plan's
 default link (topology None).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from stagewise.catalogue.entries import Catalogue
 from stagewise.catalogue.requests import Cluster, check_device_request, parse_device_request
@@ -63,9 +63,10 @@ class Mix:
                 return None
             links.extend([(intra, inter)] * len(members))
         node_of = [n for n, (_, members) in enumerate(nodes) for _ in members]
-        return Topology.from_matrix([[None if i == j else links[i][0] if node_of[i] == node_of[j]
-                                      else min(links[i][1], links[j][1]) for j in range(len(links))]
-                                     for i in range(len(links))])
+        matrix = Topology.from_matrix([[None if i == j else links[i][0] if node_of[i] == node_of[j]
+                                        else min(links[i][1], links[j][1]) for j in range(len(links))]
+                                       for i in range(len(links))])
+        return replace(matrix, hosts=tuple(node_of))  # each instance its own host (its swaps' PCIe)
 
 
 def _levels(cluster: Cluster) -> Topology | None:
