@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from stagewise.ir.devices import parse_bandwidth
 from stagewise.ir.errors import DeviceError
@@ -254,9 +254,10 @@ class Topology:
                               f"{self.n_devices}")
         matrix = tuple(tuple(self.bandwidth[i][j] for j in devices) for i in devices)
         leading = list(devices) == list(range(len(devices)))
-        levels = leading_levels(self.levels, len(devices)) if leading else ()
         host_links = tuple(self.host_links[d] for d in devices) if self.host_links else ()
-        return Topology(matrix, levels, host_links, tuple(self.host_of(d) for d in devices))
+        kept = Topology(matrix, leading_levels(self.levels, len(devices)) if leading else (), host_links)
+        hosts = tuple(self.host_of(d) for d in devices)  # stated where the kept levels would not say them
+        return kept if all(kept.host_of(i) == h for i, h in enumerate(hosts)) else replace(kept, hosts=hosts)
 
     def host_link(self, device: int) -> float:
         """The link between a device and its host's memory: what its swaps cross.
