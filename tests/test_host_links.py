@@ -127,14 +127,18 @@ def _swap_spans(result: SimResult) -> list[Span]:
     return [s for s in result.timeline if s.instruction.facts.crosses is Link.HOST]
 
 
-@pytest.mark.parametrize("instances", [1, 2], ids=["one-gpu", "two-one-gpu-instances"])
-def test_a_swap_crosses_the_catalogue_pcie_link_not_the_network(tmp_path, instances: int):
+@pytest.mark.parametrize(("request_", "instances"), [("g.1", 1), ("2xg.1", 2), ("g.1+g.1", 2)],
+                         ids=["one-gpu", "two-one-gpu-instances", "a-mix-of-two"])
+def test_a_swap_crosses_the_catalogue_pcie_link_not_the_network(tmp_path, request_: str, instances: int):
     """One g.1 used to swap for free (no link between devices), two at their 1 GB/s network: each
     swap now takes its bytes over the accelerator's 16 GB/s host link (alone on it: one device per
     host, one swap stream per direction)."""
-    mix = mix_of(f"{instances}xg.1", _catalogue(tmp_path), "fp32")
+    mix = mix_of(request_, _catalogue(tmp_path), "fp32")
     plan = _plan(mix.devices, mix.topology())
     assert plan.costs is not None and plan.costs.topology.host_links == (16e9,) * instances
+    assert [plan.costs.topology.host_of(d) for d in range(instances)] == list(range(instances))  # an instance each
+    loaded = sw.Plan.from_json(plan.to_json())  # a loaded plan predicts the same (plan.json keeps the links)
+    assert loaded.costs is not None and loaded.costs.topology == plan.costs.topology
     result = sw.simulate(plan)
     spans = _swap_spans(result)
     assert spans and sum(result.swap_in_bytes.values()) > 0
