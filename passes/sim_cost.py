@@ -98,7 +98,7 @@ class SimCost:
         return self.links.get((dst, src), self.bandwidth)
 
     def __post_init__(self) -> None:
-        if self.bandwidth <= 0 or any(b <= 0 for b in self.links.values()):
+        if self.bandwidth <= 0 or any(b <= 0 for b in (*self.links.values(), *self.host_links.values())):
             raise PlanError("link bandwidths must be positive bytes/s (math.inf for free transfers)")
 
     def bytes_of(self, ins: Instruction) -> float:
