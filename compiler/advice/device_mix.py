@@ -4,8 +4,8 @@ joined by "+" ("1xp4d.24xlarge+1xg6.xlarge"): its devices, price, links and whos
 A mix is heterogeneous: devices of different speed and memory, which the planner's CP-SAT binding
 places (stages on the devices that suit them). Links: within an instance its intra-node
 bandwidth; between instances the slower of the two instances' network bandwidth, shared by the
-devices of an instance. Each instance is a host: its devices' swaps cross their PCIe links to it. Where the catalogue lacks a link figure the whole set gets sw.plan's
-default link (topology None).
+devices of an instance. Each instance is a host: its devices' swaps cross their PCIe links to it.
+Where the catalogue lacks a link figure the whole set gets sw.plan's default link (topology None).
 """
 
 from __future__ import annotations
