@@ -106,7 +106,8 @@ def _plan(devices, topology=None, swap: str = "on") -> sw.Plan:
 
 
 def _catalogue(tmp_path) -> sw.Catalogue:
-    """One-GPU instances whose PCIe link (16 GB/s) is 16 times their network (1 GB/s)."""
+    """One-GPU instances whose PCIe link (16 GB/s) is 16 times their network (1 GB/s); h.1 has no
+    network figure (sw.plan's default link between its instances)."""
     figure = {"sources": ["test"]}
     source = {"url": "https://example.com/test", "title": "made up for the test", "accessed": "2026-11-27",
               "kind": "vendor"}
@@ -117,7 +118,8 @@ def _catalogue(tmp_path) -> sw.Catalogue:
                                    "peak_flops": {"fp32": {"value": "20TFLOPS", **figure}}}},
             "instance_types": {"g.1": {"provider": "test", "accelerator": "G", "accelerators": 1,
                                        "inter_node_bandwidth": {"value": "1GB/s", **figure},
-                                       "on_demand": {"usd_per_hour": 1.0, "region": "test", **figure}}}}
+                                       "on_demand": {"usd_per_hour": 1.0, "region": "test", **figure}},
+                               "h.1": {"provider": "test", "accelerator": "G", "accelerators": 1}}}
     path = tmp_path / "catalogue.json"
     path.write_text(json.dumps(data))
     return sw.load_catalogue(path)
@@ -127,8 +129,8 @@ def _swap_spans(result: SimResult) -> list[Span]:
     return [s for s in result.timeline if s.instruction.facts.crosses is Link.HOST]
 
 
-@pytest.mark.parametrize(("request_", "instances"), [("g.1", 1), ("2xg.1", 2), ("g.1+g.1", 2)],
-                         ids=["one-gpu", "two-one-gpu-instances", "a-mix-of-two"])
+@pytest.mark.parametrize(("request_", "instances"), [("g.1", 1), ("2xg.1", 2), ("g.1+g.1", 2), ("2xh.1", 2)],
+                         ids=["one-gpu", "two-one-gpu-instances", "a-mix-of-two", "no-network-figure"])
 def test_a_swap_crosses_the_catalogue_pcie_link_not_the_network(tmp_path, request_: str, instances: int):
     """One g.1 used to swap for free (no link between devices), two at their 1 GB/s network: each
     swap now takes its bytes over the accelerator's 16 GB/s host link (alone on it: one device per
