@@ -8,7 +8,8 @@ command line's 8 x 1024 random tokens, AdamW) on each candidate, on the meta dev
 stash crosses its device's host link (PCIe), shared by the devices of one instance, so an
 iteration can be no shorter than the bytes a host moves in one direction over that link. Printed
 per candidate: the prediction, each host's bytes in and out, its link, and that bound; the
-prediction is above it wherever the plan swaps. Nothing here is asserted.
+prediction is above it wherever the plan swaps. Nothing here is asserted, and nothing is timed:
+the figures are the analytic model's, the same on a busy machine.
 """
 
 from __future__ import annotations
