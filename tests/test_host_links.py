@@ -51,16 +51,31 @@ def _programs(kind: type[Instruction], nbytes: int) -> tuple[Program, ...]:
     return Program(0, (_make(kind, stage=0),)), Program(1, (_make(kind, stage=1),))
 
 
-def _span_s(kind: type[Instruction], nbytes: float, bandwidth: float) -> float:
-    """The simulated span of the one `kind` instruction, its bytes `nbytes` (the plan's or the cost
-    model's, as the kind reads them) over links of `bandwidth`."""
-    cost = SimCost((0.0, 0.0), (0.0, 0.0), stash_bytes=(nbytes, nbytes), value_bytes={"v": nbytes},
-                   tensor_bytes={"w": nbytes}, bandwidth=bandwidth, host_links={0: bandwidth, 1: bandwidth},
+def _cost(nbytes: float, host: float, between: float) -> SimCost:
+    """Every source of bytes at `nbytes` (the plan's or the cost model's, as each kind reads them),
+    each device's host link at `host` bytes/s and the links between devices at `between`."""
+    return SimCost((0.0, 0.0), (0.0, 0.0), stash_bytes=(nbytes, nbytes), value_bytes={"v": nbytes},
+                   tensor_bytes={"w": nbytes}, bandwidth=between, host_links={0: host, 1: host}, hosts={0: 0, 1: 1},
                    latency_s=LATENCY_S, instruction_s=INSTRUCTION_S)
-    result = simulate(_programs(kind, int(nbytes)), cost)
-    spans = {s.end - s.start for s in result.timeline if type(s.instruction) is kind}  # a ring's: one per member
-    (seconds,) = spans
-    return seconds
+
+
+def _transfer_s(kind: type[Instruction], nbytes: float, bandwidth: float) -> float:
+    """The transfer part of the one `kind` instruction's simulated span (a ring's: the same on each
+    member): its span less the latency and runtime cost it has over a free link. Only the link
+    `kind` says it crosses has `bandwidth`; the other is 10x faster, so a kind charged on the wrong
+    link shows."""
+    spans = []
+    for link in (bandwidth, math.inf):
+        host, between = (link, 10 * bandwidth) if kind.facts.crosses is Link.HOST else (10 * bandwidth, link)
+        result = simulate(_programs(kind, int(nbytes)), _cost(nbytes, host, between))
+        (seconds,) = {s.end - s.start for s in result.timeline if type(s.instruction) is kind}
+        spans.append(seconds)
+    return spans[0] - spans[1]
+
+
+def _bytes(kind: type[Instruction], nbytes: float) -> float:
+    """What the simulator reads as the bytes `kind` moves when every source holds `nbytes`."""
+    return _cost(nbytes, 1.0, 1.0).bytes_of(_make(kind, nbytes=int(nbytes)))
 
 
 MOVERS = [kind for kind in KINDS if kind.facts.crosses is not None]
@@ -73,16 +88,14 @@ def test_the_byte_moving_kinds_are_found_from_their_facts():
 
 @pytest.mark.parametrize("kind", MOVERS, ids=lambda k: k.__name__)
 def test_doubling_bytes_or_halving_the_link_doubles_the_transfer(kind: type[Instruction]):
+    """The transfer is its bytes over the link it crosses (a ring of two: 2 (n - 1) / n = 1 times
+    them), and twice that over half the link or with twice the bytes."""
     bandwidth = 1e9
-    fixed = _span_s(kind, MB, math.inf)  # the latency and runtime costs alone
-    transfer = _span_s(kind, MB, bandwidth) - fixed
-    assert transfer > 0
-    assert _span_s(kind, MB, bandwidth / 2) - fixed == pytest.approx(2 * transfer, rel=1e-9)
-    ins = _programs(kind, int(MB))[0].instructions[0]
-    doubled = SimCost((0.0,), (0.0,), stash_bytes=(2 * MB,), value_bytes={"v": 2 * MB}, tensor_bytes={"w": 2 * MB})
-    if doubled.bytes_of(_make(kind, nbytes=int(2 * MB))) == 2 * doubled.bytes_of(ins):  # the norm: always 8 bytes
-        assert _span_s(kind, 2 * MB, bandwidth) - _span_s(kind, 2 * MB, math.inf) == pytest.approx(2 * transfer,
-                                                                                                   rel=1e-9)
+    transfer = _transfer_s(kind, MB, bandwidth)
+    assert transfer == pytest.approx(_bytes(kind, MB) / bandwidth, rel=1e-9) and transfer > 0
+    assert _transfer_s(kind, MB, bandwidth / 2) == pytest.approx(2 * transfer, rel=1e-9)
+    if _bytes(kind, 2 * MB) == 2 * _bytes(kind, MB):  # all but the norm's all-reduce: always 8 bytes
+        assert _transfer_s(kind, 2 * MB, bandwidth) == pytest.approx(2 * transfer, rel=1e-9)
 
 
 @pytest.mark.parametrize(("hosts", "inbound_both", "expected"),
