@@ -19,12 +19,13 @@ class RequestedDevices:
     devices: tuple[sw.Device, ...]
     topology: sw.Topology | None
     figures: str  # "measured" (sw.probe_accelerator, or the user's) or "datasheet"
+    catalogue_links: bool = False  # the topology's links are the catalogue's, not sw.plan's default
 
     def describe(self) -> str:
         """One line on the devices, whose figures, and the links the plan assumes, so a default is not
         taken for a figure."""
         devices = f"devices: {self.request} ({len(self.devices)}, {self.figures} figures)"
-        if self.topology is not None:
+        if self.topology is not None and self.catalogue_links:
             speeds = ", ".join(f"{b / 1e9:g} GB/s" for b in sorted(set(self.topology.links().values()), reverse=True))
             return f"{devices}; links: {speeds} (the catalogue's)"
         if len(self.devices) == 1:
@@ -37,4 +38,5 @@ def requested_devices(requests: Sequence[str], catalogue: sw.Catalogue, precisio
     """Every request parsed as one mix (each device at the precision's peak FLOP/s)."""
     request = "+".join(requests)
     mix = mix_of(request, catalogue, precision)
-    return RequestedDevices(request, tuple(mix.devices), mix.topology(), mix.figures)
+    return RequestedDevices(request, tuple(mix.devices), mix.topology(), mix.figures,
+                            catalogue_links=mix.catalogue_topology() is not None)

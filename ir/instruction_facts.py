@@ -33,6 +33,14 @@ class Activity(enum.Enum):
     SWAP_OUT = "swap out"
 
 
+class Link(enum.Enum):
+    """The link an instruction's bytes cross, which the simulator charges them at."""
+
+    HOST = "host link"  # the device's link to its host's memory (PCIe), shared by the devices of that host
+    PEER = "peer link"  # the link between the device and its peer
+    RING = "ring"  # the links of a ring over the group's devices (the slowest bounds it)
+
+
 class StashUse(enum.Enum):
     """An instruction's part in a microbatch's stash, the activations kept from forward to backward."""
 
@@ -55,6 +63,7 @@ class Facts:
     `fence`: it waits for everything before it on the other streams (stash swaps, and other
     stages' swap-ins where it needs only its own stage's state, excepted).
     `pins_forwards`: Varuna's opportunistic policy never runs a forward early past it.
+    `crosses`: the link its bytes cross; None for a kind that moves no bytes between memories.
     """
 
     activity: Activity
@@ -68,3 +77,4 @@ class Facts:
     makes: Carried | None = None
     fence: bool = False
     pins_forwards: bool = False
+    crosses: Link | None = None

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from stagewise.ir.errors import PlanError
-from stagewise.ir.instruction_facts import Activity, Facts, StashUse
+from stagewise.ir.instruction_facts import Activity, Facts, Link, StashUse
 
 
 class Stream(enum.Enum):
@@ -150,7 +150,8 @@ class AllReduceShared(Instruction):
 
     stream = Stream.COMPUTE
     opcode = "allreduce-shared"
-    facts = Facts(Activity.ALL_REDUCE, needs_state=True, all_stages=True, fence=True, pins_forwards=True)
+    facts = Facts(Activity.ALL_REDUCE, needs_state=True, all_stages=True, fence=True, pins_forwards=True,
+                  crosses=Link.RING)
     group: tuple[int, ...]
     tensors: tuple[str, ...]
 
@@ -161,7 +162,8 @@ class AllReduceGradNorm(Instruction):
 
     stream = Stream.COMPUTE
     opcode = "allreduce-norm"
-    facts = Facts(Activity.ALL_REDUCE, needs_state=True, all_stages=True, fence=True, pins_forwards=True)
+    facts = Facts(Activity.ALL_REDUCE, needs_state=True, all_stages=True, fence=True, pins_forwards=True,
+                  crosses=Link.RING)
     group: tuple[int, ...]
 
 
@@ -187,7 +189,7 @@ class Send(_PointToPoint):
 
     stream = Stream.P2P_OUT
     opcode = "send"
-    facts = Facts(Activity.SEND)
+    facts = Facts(Activity.SEND, crosses=Link.PEER)
 
 
 @dataclass(frozen=True)
@@ -196,7 +198,7 @@ class Recv(_PointToPoint):
 
     stream = Stream.P2P_IN
     opcode = "recv"
-    facts = Facts(Activity.RECEIVE)
+    facts = Facts(Activity.RECEIVE, crosses=Link.PEER)
 
 
 # ---- swaps (Harmony §4.4) ---------------------------------------------------------------------
@@ -206,7 +208,7 @@ class SwapIn(Instruction):
 
     stream = Stream.SWAP_IN
     opcode = "swap-in"
-    facts = Facts(Activity.SWAP_IN, brings_state=True, pins_forwards=True)
+    facts = Facts(Activity.SWAP_IN, brings_state=True, pins_forwards=True, crosses=Link.HOST)
     state: State
     nbytes: int = 0
 
@@ -217,7 +219,7 @@ class SwapOut(Instruction):
 
     stream = Stream.SWAP_OUT
     opcode = "swap-out"
-    facts = Facts(Activity.SWAP_OUT, evicts_state=True, changes_state=True, pins_forwards=True)
+    facts = Facts(Activity.SWAP_OUT, evicts_state=True, changes_state=True, pins_forwards=True, crosses=Link.HOST)
     state: State
     nbytes: int = 0
 
@@ -238,7 +240,7 @@ class StashOut(Instruction):
 
     stream = Stream.SWAP_OUT
     opcode = "stash-out"
-    facts = Facts(Activity.SWAP_OUT, stash=StashUse.MOVES_OUT, pins_forwards=True)
+    facts = Facts(Activity.SWAP_OUT, stash=StashUse.MOVES_OUT, pins_forwards=True, crosses=Link.HOST)
     microbatch: int
     nbytes: int = 0
 
@@ -249,7 +251,7 @@ class StashIn(Instruction):
 
     stream = Stream.SWAP_IN
     opcode = "stash-in"
-    facts = Facts(Activity.SWAP_IN, stash=StashUse.MOVES_IN, pins_forwards=True)
+    facts = Facts(Activity.SWAP_IN, stash=StashUse.MOVES_IN, pins_forwards=True, crosses=Link.HOST)
     microbatch: int
     nbytes: int = 0
 

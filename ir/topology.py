@@ -8,6 +8,9 @@ link between every pair (i, j). `Topology` keeps both: `bandwidth[i][j]` in byte
 the matrix between the devices it is given (compiler/compile/calibrate.py); the planner reads the links
 of the devices a pipeline uses (`among`), PipeDream's DP their levels (`hierarchy`), CP-SAT every
 pair, and the simulator every link (`links`).
+
+Swaps cross each device's link to its host's memory (`host_links`: PCIe, or a CPU's memory copy),
+shared by the devices behind one host (`host_of`), never the links between devices.
 """
 
 from __future__ import annotations
@@ -15,18 +18,13 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from stagewise.ir.devices import parse_bandwidth
 from stagewise.ir.errors import DeviceError
+from stagewise.ir.topology_levels import Level, common_level, leading_levels
 
-
-@dataclass(frozen=True)
-class Level:
-    """Level k of the hierarchy: `workers` components of level k-1 joined by `bandwidth` bytes/s."""
-
-    workers: int
-    bandwidth: float
+__all__ = ["Level", "Topology"]
 
 
 @dataclass(frozen=True)
@@ -39,10 +37,15 @@ class Topology:
         bandwidth: `bandwidth[i][j]`, bytes/s from device i to device j; None on the diagonal (a
             device has no link to itself: it sends to itself for free).
         levels: the hierarchy the matrix came from, innermost first; () for a measured matrix.
+        host_links: bytes/s between each device and its host's memory (what swaps cross); () until
+            the cost phase fills them in from the devices' figures or measurements.
+        hosts: which host each device sits behind (devices of one host share its memory for
+            swaps); () for the groups of the innermost level, or one host without levels.
 
     Raises:
         DeviceError: a matrix that is not square, a link that is not positive, a diagonal that is
-            not None, or levels that hold another number of devices than the matrix.
+            not None, levels that hold another number of devices than the matrix, or host links or
+            hosts not one per device.
 
     Example:
         >>> topology = sw.Topology.two_level(2, 2, intra="100GB/s", inter="10GB/s")
@@ -52,6 +55,8 @@ class Topology:
 
     bandwidth: tuple[tuple[float | None, ...], ...]
     levels: tuple[Level, ...] = ()
+    host_links: tuple[float, ...] = ()
+    hosts: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.bandwidth)
@@ -66,6 +71,9 @@ class Topology:
                 f"the topology's levels hold {math.prod(lv.workers for lv in self.levels)} devices, "
                 f"its matrix {n}"
             )
+        if {len(self.host_links), len(self.hosts)} - {0, n} or any(not b > 0 for b in self.host_links):
+            raise DeviceError(f"a topology of {n} devices takes one host per device and one host link each, "
+                              "positive bytes/s (math.inf: free swaps)")
 
     # ---- constructors ---------------------------------------------------------------------------
     @classmethod
@@ -81,7 +89,7 @@ class Topology:
 
         Example:
             >>> sw.Topology.uniform(2, "25GB/s")
-            Topology(bandwidth=((None, 25000000000.0), (25000000000.0, None)), levels=(Level(workers=2, bandwidth=25000000000.0),))
+            Topology(bandwidth=((None, 25000000000.0), (25000000000.0, None)), levels=(Level(workers=2, bandwidth=25000000000.0),), host_links=(), hosts=())
         """
         return cls.hierarchical([(n, bandwidth)])
 
@@ -131,7 +139,7 @@ class Topology:
             raise DeviceError("a topology needs at least one level of at least one worker")
         n = math.prod(level.workers for level in parsed)
         matrix = tuple(
-            tuple(None if i == j else parsed[_common_level(parsed, i, j)].bandwidth for j in range(n))
+            tuple(None if i == j else parsed[common_level(parsed, i, j)].bandwidth for j in range(n))
             for i in range(n)
         )
         return cls(matrix, parsed)
@@ -246,7 +254,42 @@ class Topology:
                               f"{self.n_devices}")
         matrix = tuple(tuple(self.bandwidth[i][j] for j in devices) for i in devices)
         leading = list(devices) == list(range(len(devices)))
-        return Topology(matrix, _leading_levels(self.levels, len(devices)) if leading else ())
+        host_links = tuple(self.host_links[d] for d in devices) if self.host_links else ()
+        kept = Topology(matrix, leading_levels(self.levels, len(devices)) if leading else (), host_links)
+        hosts = tuple(self.host_of(d) for d in devices)  # stated where the kept levels would not say them
+        return kept if all(kept.host_of(i) == h for i, h in enumerate(hosts)) else replace(kept, hosts=hosts)
+
+    def host_link(self, device: int) -> float:
+        """The link between a device and its host's memory: what its swaps cross.
+
+        Args:
+            device: the device's index.
+
+        Returns:
+            Bytes/s one way; without host links (a plan saved before they were recorded) the
+            slowest link between devices, which is what such plans were predicted with.
+
+        Example:
+            >>> sw.Topology(((None, 1e9), (1e9, None)), host_links=(25e9, 32e9)).host_link(1)
+            32000000000.0
+        """
+        return self.host_links[device] if self.host_links else self.slowest_link
+
+    def host_of(self, device: int) -> int:
+        """The host a device sits behind: the devices of one host share its memory for swaps.
+
+        Args:
+            device: the device's index.
+
+        Returns:
+            `hosts[device]` when given, else its group of the innermost level (its server), else 0
+            (one host, as the in-process devices of compile are).
+
+        Example:
+            >>> sw.Topology.two_level(2, 2, "100GB/s", "10GB/s").host_of(3)
+            1
+        """
+        return self.hosts[device] if self.hosts else self.group(device, 1) if self.levels else 0
 
     def group(self, device: int, level: int) -> int:
         """Which group of a level holds a device.
@@ -283,7 +326,7 @@ class Topology:
             return 0
         if not self.levels:
             return 1
-        return _common_level(self.levels, src, dst) + 1
+        return common_level(self.levels, src, dst) + 1
 
     # ---- JSON -----------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -294,7 +337,7 @@ class Topology:
 
         Example:
             >>> sw.Topology.from_matrix([[None, 1e9], [1e9, None]]).to_dict()
-            {'bandwidth': ((None, 1000000000.0), (1000000000.0, None)), 'levels': ()}
+            {'bandwidth': ((None, 1000000000.0), (1000000000.0, None)), 'levels': (), 'host_links': (), 'hosts': ()}
         """
         return asdict(self)
 
@@ -303,7 +346,8 @@ class Topology:
         """The topology `to_dict` gave.
 
         Args:
-            data: {'bandwidth': rows, 'levels': [{'workers', 'bandwidth'}, ...]}.
+            data: {'bandwidth': rows, 'levels': [{'workers', 'bandwidth'}, ...]}, and optionally
+                'host_links' and 'hosts' (one per device).
 
         Returns:
             The topology, checked as the constructor checks it.
@@ -315,7 +359,8 @@ class Topology:
         """
         matrix = tuple(tuple(None if b is None else float(b) for b in row) for row in data["bandwidth"])
         levels = tuple(Level(int(lv["workers"]), float(lv["bandwidth"])) for lv in data.get("levels", ()))
-        return cls(matrix, levels)
+        host_links = tuple(float(b) for b in data.get("host_links", ()))
+        return cls(matrix, levels, host_links, tuple(int(h) for h in data.get("hosts", ())))
 
     def to_json(self) -> str:
         """The topology as JSON text.
@@ -325,7 +370,7 @@ class Topology:
 
         Example:
             >>> sw.Topology.from_matrix([[None, 1e9], [1e9, None]]).to_json()
-            '{"bandwidth": [[null, 1000000000.0], [1000000000.0, null]], "levels": []}'
+            '{"bandwidth": [[null, 1000000000.0], [1000000000.0, null]], "levels": [], "host_links": [], "hosts": []}'
         """
         return json.dumps(self.to_dict())
 
@@ -353,32 +398,3 @@ def _link_bandwidth(value: float | str | None) -> float:
     if bandwidth is None:
         raise DeviceError("every link between two devices needs a bandwidth, e.g. 25e9 or '25GB/s'")
     return bandwidth
-
-
-def _leading_levels(levels: Sequence[Level], k: int) -> tuple[Level, ...]:
-    """The levels of the first k devices: whole groups of each level, then a part of the next
-    level's group if k ends inside one; () when k is no such count."""
-    kept: list[Level] = []
-    size = 1
-    for level in levels:
-        if size == k:
-            break
-        if k % (size * level.workers) == 0:
-            kept.append(level)
-            size *= level.workers
-        elif k % size == 0 and k // size < level.workers:
-            kept.append(Level(k // size, level.bandwidth))
-            size = k
-        else:
-            break
-    return tuple(kept) if size == k else ()
-
-
-def _common_level(levels, i: int, j: int) -> int:
-    """Index into `levels` of the innermost level whose groups put i and j together."""
-    size = 1
-    for k, level in enumerate(levels):
-        size *= level.workers
-        if i // size == j // size:
-            return k
-    raise DeviceError(f"devices {i} and {j} lie outside the topology")

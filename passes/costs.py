@@ -9,12 +9,13 @@ runtime's costs), so that a loaded pipeline predicts exactly what compile predic
 For hardware one does not have, `plan_charges` takes a peak FLOP rate: each layer then costs the
 analytic model's compute bound at that rate (passes/analytic.py `compute_bound`; the plan records
 each layer's FLOPs but not the bytes it moves), and this machine's runtime costs are dropped; or
-a bandwidth: every link between the devices has it.
+a bandwidth: every link between the devices has it (swaps still cross each device's host link).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from dataclasses import replace
 
 from stagewise.ir.costs import NO_RUNTIME_COSTS, RuntimeCosts
 from stagewise.ir.errors import PlanError
@@ -46,8 +47,9 @@ def stage_charges(stages: Sequence[Stage], transfers: Sequence[Transfer], swappe
         state_bytes=tuple(state), value_bytes=transfer_bytes(transfers, microbatch_size),
         tensor_bytes={t.fqn: float(t.nbytes) for t in shared if t.summed},
         bandwidth=topology.slowest_link, links=topology.links(),
-        # a swap is charged the slowest send (a copy between devices; on a CPU, within its memory)
-        host_bandwidth=topology.slowest_link,
+        # a swap crosses its device's host link, shared with the devices of that host
+        host_links={d: topology.host_link(d) for d in range(topology.n_devices)},
+        hosts={d: topology.host_of(d) for d in range(topology.n_devices)},
         instruction_s=runtime.instruction_s, concurrency=runtime.concurrency,
         wake_s=runtime.wake_s, update_concurrency=runtime.update_concurrency,
         shared_devices=frozenset(d for d, spec in enumerate(devices) if spec.kind == "cpu"),
@@ -57,7 +59,8 @@ def stage_charges(stages: Sequence[Stage], transfers: Sequence[Transfer], swappe
 def plan_charges(plan: Plan, peak_flops: float | None = None, bandwidth: float | None = None) -> SimCost:
     """What the simulator charges `plan`: the costs its predictions charged, or, with `peak_flops`,
     each layer's FLOPs at that rate (times each device's relative speed) without this machine's
-    runtime costs; with `bandwidth`, that many bytes/s on every link and for swaps."""
+    runtime costs; with `bandwidth`, that many bytes/s on every link between devices (swaps keep
+    the plan's host links)."""
     recorded = plan.costs
     if recorded is None:
         raise PlanError("this plan records no costs to simulate it with (a plan saved before plans kept "
@@ -68,6 +71,7 @@ def plan_charges(plan: Plan, peak_flops: float | None = None, bandwidth: float |
                        for cost, layer in zip(layers, plan.layers, strict=True))
         runtime = NO_RUNTIME_COSTS
     if bandwidth is not None:
-        topology = Topology.uniform(len(plan.devices), bandwidth)
+        topology = replace(Topology.uniform(len(plan.devices), bandwidth), host_links=topology.host_links,
+                           hosts=tuple(topology.host_of(d) for d in range(topology.n_devices)))
     return stage_charges(plan.stages, plan.transfers, recorded.swapped, layers, plan.devices, plan.microbatch_size,
                          topology, runtime, plan.shared)

@@ -20,12 +20,20 @@ from stagewise.passes.sim_cost import SimCost
 _EPS = 1e-12
 
 
+@dataclass(frozen=True)
+class HostLink:
+    """The link key of swaps between the devices of one host and its memory, one per direction."""
+
+    host: int
+    inbound: bool
+
+
 @dataclass
 class Flow:
     """A transfer in flight: the bytes still to move on its link."""
 
     key: tuple[MessageKey, ...] | type[Instruction]  # the messages a transfer carries; a compute's instruction type
-    link: tuple[int, int] | tuple[str]  # devices (src, dst), or HOST for a compute
+    link: tuple[int, int] | tuple[str] | HostLink  # devices (src, dst), HOST for a compute, or a host link
     bandwidth: float
     remaining: float
     start: float
@@ -61,7 +69,7 @@ class FairShareClock:
     def _rates(self) -> list[float]:
         """Fair share: each flow gets its link's bandwidth divided by the flows on that link; a
         compute on a shared host gets its speed with as many computes running."""
-        count: dict[tuple, int] = defaultdict(int)
+        count: dict[tuple | HostLink, int] = defaultdict(int)
         for flow in self.flows:
             count[flow.link] += 1
         computing = count[HOST]
@@ -90,6 +98,8 @@ class FairShareClock:
         for flow in drained:  # a drained flow's data is usable after the link latency
             if flow.link == HOST:
                 self._finish(flow.send)
+            elif isinstance(flow.link, HostLink):  # a swap: on the host, no network latency
+                self._later(self.cost.instruction_s, functools.partial(self._finish, flow.send))
             else:
                 latency = self.cost.latency_s + self.cost.instruction_s
                 self._later(latency, functools.partial(self._deliver, flow))

@@ -8,7 +8,17 @@ from dataclasses import dataclass, field
 
 from stagewise.ir.errors import PlanError
 from stagewise.ir.instruction_facts import Activity
-from stagewise.ir.instructions import AllReduceGradNorm, AllReduceShared, Instruction, Recv, Send
+from stagewise.ir.instructions import (
+    AllReduceGradNorm,
+    AllReduceShared,
+    Instruction,
+    Recv,
+    Send,
+    StashIn,
+    StashOut,
+    SwapIn,
+    SwapOut,
+)
 from stagewise.ir.plan import Transfer
 
 
@@ -24,8 +34,11 @@ class SimCost:
     entries cost nothing. `value_bytes` gives each transferred value's bytes per microbatch
     (its gradient has the same size); `tensor_bytes` each all-reduced shared gradient.
     A link from device a to b has `links[(a, b)]` bytes/s, else `bandwidth`; with
-    `duplex=False` both directions share one link. `instruction_s`, `concurrency` and
-    `shared_devices`: the runtime's per-instruction cost and host contention (module docstring).
+    `duplex=False` both directions share one link. Swaps and stashes cross the device's host
+    link, `host_links[d]` bytes/s (else `host_bandwidth`), shared fairly with the swaps in the same
+    direction of the devices behind the same host (`hosts[d]`; a device not listed has its own).
+    `instruction_s`, `concurrency` and `shared_devices`: the runtime's per-instruction cost and
+    host contention (module docstring).
     """
 
     forward_s: tuple[float, ...]
@@ -40,7 +53,9 @@ class SimCost:
     links: dict[tuple[int, int], float] = field(default_factory=dict)
     latency_s: float = 0.0
     duplex: bool = True
-    host_bandwidth: float = math.inf  # bytes/s between a device and host memory (swaps)
+    host_bandwidth: float = math.inf  # bytes/s between a device and host memory (swaps), where host_links has none
+    host_links: dict[int, float] = field(default_factory=dict)  # device -> bytes/s of its host link
+    hosts: dict[int, int] = field(default_factory=dict)  # device -> the host whose memory link it shares
     instruction_s: float = 0.0  # the runtime's own seconds per instruction
     concurrency: tuple[float, ...] = ()  # speed of each of k computes of `shared_devices` at once
     shared_devices: frozenset[int] = frozenset()  # devices whose compute shares the host
@@ -83,15 +98,29 @@ class SimCost:
         return self.links.get((dst, src), self.bandwidth)
 
     def __post_init__(self) -> None:
-        if self.bandwidth <= 0 or any(b <= 0 for b in self.links.values()):
+        if self.bandwidth <= 0 or any(b <= 0 for b in (*self.links.values(), *self.host_links.values())):
             raise PlanError("link bandwidths must be positive bytes/s (math.inf for free transfers)")
 
-    def bytes_of(self, ins: Send | Recv | AllReduceShared | AllReduceGradNorm) -> float:
+    def bytes_of(self, ins: Instruction) -> float:
+        """The bytes an instruction moves over the link it crosses (`Facts.crosses`); 0 for the rest."""
         if isinstance(ins, AllReduceGradNorm):
             return 8.0
         if isinstance(ins, AllReduceShared):
             return sum(self.tensor_bytes.get(v, 0.0) for v in ins.tensors)
-        return sum(self.value_bytes.get(v, 0.0) for v in ins.values)
+        if isinstance(ins, Send | Recv):
+            return sum(self.value_bytes.get(v, 0.0) for v in ins.values)
+        if isinstance(ins, StashIn | StashOut):  # the stash the cost model holds (the device's memory counts it)
+            return _at(self.stash_bytes, ins.stage)
+        return float(ins.nbytes) if isinstance(ins, SwapIn | SwapOut) else 0.0
+
+    def host_link(self, device: int) -> float:
+        """Bytes/s between a device and its host's memory."""
+        return self.host_links.get(device, self.host_bandwidth)
+
+    def host_of(self, device: int) -> int:
+        """The host whose memory link a device's swaps share; a device not in `hosts` has one of its
+        own (a key no listed host uses)."""
+        return self.hosts.get(device, -1 - device)
 
     def allreduce_s(self, ins: AllReduceShared | AllReduceGradNorm, devices: Sequence[int] | None = None) -> float:
         """Ring all-reduce over the member `devices` (default: the group read as devices): every

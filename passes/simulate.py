@@ -17,6 +17,9 @@ Rules, one per instruction kind:
   once: the runtime's mailbox buffers it, so the receiver need not have posted its `recv`.
 - `recv` finishes when the matching send (same what, values, microbatch, src -> dst) has
   arrived: bytes / link bandwidth + latency.
+- A swap or stash move crosses its device's host link (PCIe; a CPU device's memory copy), never
+  the links between devices: bytes / host link, in fair share with the moves in the same direction
+  of every device behind that host.
 - Transfers in flight on one link share its bandwidth fairly, and every finish time is
   recomputed whenever a transfer starts or ends (Srifty §4.3's fair-share simulator).
 - `allreduce` starts when every member of its group has reached it and costs a ring
@@ -48,6 +51,7 @@ from collections.abc import Callable, Iterable
 
 from stagewise.ir.deviations import DeviationPoints
 from stagewise.ir.errors import PlanError
+from stagewise.ir.instruction_facts import Activity, Link
 from stagewise.ir.instructions import (
     ALL_REDUCES,
     COMPUTES,
@@ -73,7 +77,7 @@ from stagewise.ir.instructions import (
 )
 from stagewise.ir.interpreter import Interpreter, stashes
 from stagewise.ir.program import Program
-from stagewise.passes.sim_clock import HOST, FairShareClock, Flow
+from stagewise.passes.sim_clock import HOST, FairShareClock, Flow, HostLink
 from stagewise.passes.sim_cost import SimCost, _at, transfer_bytes
 from stagewise.passes.sim_result import SimResult, Span, occupancy, span_order
 from stagewise.passes.sim_varuna import VarunaDeviation
@@ -180,8 +184,8 @@ class _Simulation(FairShareClock, VarunaDeviation, Interpreter):
         self.dispatch(device, index, self.programs[device].instructions[index])
 
     def _start_swap(self, device: int, index: int, ins: SwapIn | SwapOut | Free) -> None:
-        """A swap moves its planned bytes over the host link; device memory follows it."""
-        nbytes = 0 if isinstance(ins, Free) else ins.nbytes
+        """A swap moves its planned bytes over the device's host link; device memory follows it."""
+        nbytes = self.cost.bytes_of(ins)
         if ins.state is State.GRADS and self.cost.grad_bytes:
             self._hold_grads(device, ins.stage, held=isinstance(ins, SwapIn))
             (self.swapped_in if isinstance(ins, SwapIn) else self.swapped_out)[device] += nbytes
@@ -195,21 +199,29 @@ class _Simulation(FairShareClock, VarunaDeviation, Interpreter):
         else:
             self.swapped_out[device] += nbytes
             self.memory[device].append((self.now, -self.resident_swap.pop((ins.stage, ins.state), 0)))
-        self._after(self._moving_s(nbytes), (device, index))
+        self._cross_host_link(device, index, ins)
 
     def _start_stash(self, device: int, index: int, ins: StashIn | StashOut) -> None:
         """One microbatch's stash (sX): back in now, out once copied (`_finish`). It moves the stash the
         cost model holds for the stage (what the device's memory counts too), not the plan's estimate."""
-        nbytes = _at(self.cost.stash_bytes, ins.stage)
+        nbytes = self.cost.bytes_of(ins)
         if isinstance(ins, StashIn):
             self.swapped_in[device] += nbytes
             self.memory[device].append((self.now, nbytes))
         else:
             self.swapped_out[device] += nbytes
-        self._after(self._moving_s(round(nbytes)), (device, index))
+        self._cross_host_link(device, index, ins)
 
-    def _moving_s(self, nbytes: int) -> float:
-        return (nbytes / self.cost.host_bandwidth if nbytes else 0.0) + self.cost.instruction_s
+    def _cross_host_link(self, device: int, index: int, ins: SwapIn | SwapOut | Free | StashIn | StashOut) -> None:
+        """Its bytes flow over the device's host link, in fair share with the other swaps of that host
+        in that direction; then the runtime's cost. A kind that crosses no link (Free) costs that alone."""
+        if ins.facts.crosses is not Link.HOST:
+            self._after(self.cost.instruction_s, (device, index))
+            return
+        inbound = ins.facts.activity is Activity.SWAP_IN
+        link = HostLink(self.cost.host_of(device), inbound)
+        self.flows.append(Flow(type(ins), link, self.cost.host_link(device), self.cost.bytes_of(ins), self.now,
+                               (device, index)))
 
     def _start_compute(self, device: int, index: int, ins: Forward | Recompute | Backward | Update | HostUpdate) -> None:
         op = (device, index)

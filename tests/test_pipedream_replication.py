@@ -84,5 +84,7 @@ def test_ranks_grouped_by_host_give_the_topology_its_levels() -> None:
     assert grouped.link(0, 1) == 100.0 and grouped.link(1, 2) == 1.0
     mixed = hosts_topology(["a", "b", "a", "b"], local, 1.0)
     assert mixed.levels == () and mixed.link(0, 2) == 100.0 and mixed.link(0, 1) == 1.0
+    # each rank's swaps share its own host's memory link, levels or not
+    assert [grouped.host_of(r) for r in range(4)] == [0, 0, 1, 1] and [mixed.host_of(r) for r in range(4)] == [0, 1, 0, 1]
     costs = LayerCosts(compute=[10, 10, 10, 10], activation_bytes=[100, 1, 100, 0], param_bytes=[0] * 4)
     assert len(plan_pipeline(costs, grouped, straight=True).levels) == 2

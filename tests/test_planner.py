@@ -1,12 +1,14 @@
 """The planner chooses better plans than a person would and says how long they will take."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import stagewise as sw
-from stagewise.compiler.compile.calibrate import local_topology
+from stagewise.compiler.compile.calibrate import calibrate, local_topology
 from stagewise.ir.instructions import Stream
 from stagewise.ir.plan import CrossingValue, Cut, DeviceSpec, Layer, LayerCost
 from stagewise.ir.topology import Topology
@@ -225,12 +227,13 @@ def test_cpsat_binds_the_stages_across_the_fast_link(fast):
 
 
 def test_compile_measures_the_links_and_the_simulator_charges_them():
-    """compile() measures the link between every pair of its devices; the plan keeps that topology
-    and the simulator charges transfers on its links (slower links: a longer iteration)."""
+    """compile() measures the link between every pair of its devices and each one's host link (what
+    swaps cross: a memory copy on a CPU); the plan keeps that topology and the simulator charges
+    transfers on its links (slower links: a longer iteration)."""
     x, y = _gpt_batch()
     pipe = sw.compile(TinyGPT(), 2, (x,), loss_fn=lm_loss, example_target=y, cost="analytic", schedule="gpipe",
                       microbatches=2)
     topology = pipe.plan.costs.topology
-    assert topology == local_topology(2)
+    assert topology == replace(local_topology(2), host_links=(calibrate("cpu").host_bandwidth,) * 2)
     assert plan_charges(pipe.plan).links == topology.links()
     assert pipe.simulate(bandwidth=1e4).iteration_time > pipe.simulate().iteration_time

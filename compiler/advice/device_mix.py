@@ -4,16 +4,17 @@ joined by "+" ("1xp4d.24xlarge+1xg6.xlarge"): its devices, price, links and whos
 A mix is heterogeneous: devices of different speed and memory, which the planner's CP-SAT binding
 places (stages on the devices that suit them). Links: within an instance its intra-node
 bandwidth; between instances the slower of the two instances' network bandwidth, shared by the
-devices of an instance. Where the catalogue lacks a link figure the whole set gets sw.plan's
-default link (topology None).
+devices of an instance. Each instance is a host: its devices' swaps cross their PCIe links to it.
+Where the catalogue lacks a link figure the whole set gets sw.plan's default link.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from stagewise.catalogue.entries import Catalogue
 from stagewise.catalogue.requests import Cluster, check_device_request, parse_device_request
+from stagewise.compiler.compile.modelled_costs import modelled_topology
 from stagewise.ir.devices import Device
 from stagewise.ir.topology import Topology
 
@@ -46,7 +47,20 @@ class Mix:
     def figures(self) -> str:
         return "measured" if any(cluster.accelerator.measured for cluster in self.clusters) else "datasheet"
 
+    @property
+    def hosts(self) -> tuple[int, ...]:
+        """Per device, its instance: the host whose memory its swaps cross PCIe to."""
+        return tuple(n for n, members in enumerate(m for c in self.clusters for m in c.nodes) for _ in members)
+
     def topology(self) -> Topology | None:
+        """The catalogue's links (`catalogue_topology`); where a figure is missing, sw.plan's default
+        link between every pair, still each instance its own host; None for one instance without them."""
+        found = self.catalogue_topology()
+        if found is not None or self.instances == 1:
+            return found
+        return replace(modelled_topology(self.devices), hosts=self.hosts)
+
+    def catalogue_topology(self) -> Topology | None:
         """Per pair of devices: their instance's intra-node link, or the slower instance's network
         share; None where a figure the set needs is missing. One instance type keeps its two levels
         (PipeDream's DP partitions level by level)."""
@@ -62,10 +76,11 @@ class Mix:
             if intra is None or inter is None:  # two clusters or more: always several nodes
                 return None
             links.extend([(intra, inter)] * len(members))
-        node_of = [n for n, (_, members) in enumerate(nodes) for _ in members]
-        return Topology.from_matrix([[None if i == j else links[i][0] if node_of[i] == node_of[j]
-                                      else min(links[i][1], links[j][1]) for j in range(len(links))]
-                                     for i in range(len(links))])
+        node_of = self.hosts
+        matrix = Topology.from_matrix([[None if i == j else links[i][0] if node_of[i] == node_of[j]
+                                        else min(links[i][1], links[j][1]) for j in range(len(links))]
+                                       for i in range(len(links))])
+        return replace(matrix, hosts=node_of)
 
 
 def _levels(cluster: Cluster) -> Topology | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -60,8 +61,9 @@ def hosts_topology(hosts: Sequence[str], local: Topology, between: float) -> Top
         per_host, count = shape
         inside = local.among(range(per_host)).slowest_link if per_host > 1 else between
         return Topology.hierarchical([(per_host, inside), (count, between)])
-    return Topology.from_matrix([[None if i == j else local.link(i, j) if hosts[i] == hosts[j] else between
-                                  for j in range(n)] for i in range(n)])
+    matrix = Topology.from_matrix([[None if i == j else local.link(i, j) if hosts[i] == hosts[j] else between
+                                    for j in range(n)] for i in range(n)])
+    return replace(matrix, hosts=tuple(list(dict.fromkeys(hosts)).index(h) for h in hosts))
 
 
 def _round_trip_bandwidth(peer: int, device: torch.device) -> float:

@@ -6,18 +6,24 @@ from __future__ import annotations
 
 import functools
 import sys
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 from stagewise.compiler.assembly.options import CompileRequest
 from stagewise.compiler.compile.analysis import Analysis
 from stagewise.compiler.compile.calibrate import (
+    calibrate,
     handoff_seconds,
     local_topology,
     optimizer_cost,
     optimizer_state_ratio,
 )
 from stagewise.compiler.compile.cluster import cluster_topology
-from stagewise.compiler.compile.modelled_costs import modelled_runtime_costs, modelled_topology
+from stagewise.compiler.compile.modelled_costs import (
+    modelled_host_links,
+    modelled_runtime_costs,
+    modelled_topology,
+)
 from stagewise.ir.choices import CostModel
 from stagewise.ir.costs import RuntimeCosts, training_state_per_param_byte
 from stagewise.ir.devices import Device
@@ -61,7 +67,7 @@ class Costs:
 
     layers: LayerCostModel
     runtime: RuntimeCosts
-    topology: Topology  # bytes/s of a send between every pair of the devices (measured)
+    topology: Topology  # bytes/s of a send between every pair of the devices, and of each one's host link
     optimizer_ratio: float  # bytes of optimizer state per weight byte on the devices
 
     @property
@@ -83,12 +89,20 @@ def measure_costs(request: CompileRequest, analysis: Analysis) -> Costs:
     layers = LayerCostModel(options.cost, analysis, devices[0], optimizer_ratio, options.precision, largest)
     layers.at(analysis.first.microbatch_size)
     if not request.runs_here:
-        topology = options.topology or modelled_topology(devices)
+        topology = with_host_links(options.topology or modelled_topology(devices), modelled_host_links(devices))
         return Costs(layers, modelled_runtime_costs(request, analysis), topology, optimizer_ratio)
     context = request.distributed
     topology = options.topology or (local_topology(devices) if context is None
                                     else cluster_topology(devices, context.local_rank))
-    return Costs(layers, runtime_costs(request, analysis, layers), topology, optimizer_ratio)
+    host_links = [float(d.spec().host_bandwidth or calibrate(d).host_bandwidth) for d in devices]
+    return Costs(layers, runtime_costs(request, analysis, layers), with_host_links(topology, host_links),
+                 optimizer_ratio)
+
+
+def with_host_links(topology: Topology, host_links: Sequence[float]) -> Topology:
+    """The topology with each device's host link, what its swaps cross; one that has its own (a
+    user's `topology=`) keeps them."""
+    return topology if topology.host_links else replace(topology, host_links=tuple(host_links))
 
 
 def runtime_costs(request: CompileRequest, analysis: Analysis, layer_costs: LayerCostModel) -> RuntimeCosts:

@@ -11,7 +11,9 @@ Layers are costed by passes/analytic.py; this module models the rest:
 - a per-instruction overhead `INSTRUCTION_S` (the runtime's hand-off between its stream threads
   and a kernel launch; measured here at 20-60 µs per hand-off for in-process CPU devices);
 - the links: `topology=` when given, else every pair of devices over `DEFAULT_LINK_BANDWIDTH` of
-  their kind (PCIe 4.0 x16 for GPUs: a GPU server without NVLink), which swaps are charged too.
+  their kind (PCIe 4.0 x16 for GPUs: a GPU server without NVLink);
+- each device's host link, which its swaps cross: its `host_bandwidth` (the catalogue's PCIe figure
+  for a catalogue device), else `DEFAULT_LINK_BANDWIDTH` of its kind.
 """
 
 from __future__ import annotations
@@ -39,6 +41,13 @@ def modelled_topology(devices: list[Device]) -> Topology:
     """Every pair of devices joined by the slowest default link of their kinds."""
     slowest = min(DEFAULT_LINK_BANDWIDTH.get(d.torch_device.type, DEFAULT_LINK_BANDWIDTH["cpu"]) for d in devices)
     return Topology.uniform(len(devices), slowest)
+
+
+def modelled_host_links(devices: list[Device]) -> tuple[float, ...]:
+    """Each device's host link: its own figure, else the default of its kind."""
+    return tuple(float(spec.host_bandwidth) if spec.host_bandwidth else
+                 DEFAULT_LINK_BANDWIDTH.get(spec.kind, DEFAULT_LINK_BANDWIDTH["cpu"])
+                 for spec in (d.spec() for d in devices))
 
 
 def modelled_runtime_costs(request: CompileRequest, analysis: Analysis) -> RuntimeCosts:
