@@ -391,7 +391,7 @@ def test_this_machines_figures_are_measured_once_and_read_back_by_later_processe
     for entry in (tmp_path / "machine").glob("test-*.json"):
         entry.write_text("{not json")
     forget_in_memory()
-    assert remembered("test", ("sgd", "cpu"), measure, OptimizerCost).per_tensor_s == 3e-5  # measured again
+    assert remembered("test", ("sgd", "cpu"), measure, OptimizerCost) != first and len(measured) == 3  # measured again
     forget_in_memory()
     handoff = handoff_seconds()
     forget_in_memory()
