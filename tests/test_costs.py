@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import stagewise as sw
+import stagewise.compiler.compile.costing as costing
 from stagewise.compiler.compile.calibrate import (
+    Calibration,
     OptimizerCost,
     calibrate,
     handoff_seconds,
@@ -370,6 +372,25 @@ def test_runtime_calibration_optimizer_handoff_and_contention(gpt_graph):
     speeds = measured.speeds
     assert len(speeds) == 3 and speeds[0] == 1.0 and measured.wake_s >= 0
     assert all(0 < b <= a for a, b in itertools.pairwise(speeds))
+
+
+def test_each_update_is_charged_the_undo_record_the_runtime_copies_before_it(monkeypatch):
+    """Before a stage's optimizer step the runtime copies its weights and optimizer state to host
+    memory (runtime/undo.py), every step: the update is charged that copy at the host link's
+    bandwidth (with a link of 1 MB/s, each layer's update takes at least its bytes / 1e6 seconds;
+    uncharged before, microseconds)."""
+    slow_link = Calibration(device="cpu", kind="cpu", copy_bandwidth=1e6, host_bandwidth=1e6, matmul_flops=1e10)
+    monkeypatch.setattr(costing, "calibrate", lambda device: slow_link)
+    torch.manual_seed(0)
+    adam = functools.partial(torch.optim.Adam, lr=1e-3)  # two moments: 3 copies of each weight
+    x, y = torch.randn(8, 8), torch.randint(0, 5, (8,))
+    model = mlp()
+    pipe = sw.compile(model, 1, (x,), loss_fn=F.cross_entropy, example_target=y, optimizer=adam,
+                      microbatches=1, cost="analytic")
+    for layer, update_s in zip(pipe.plan.layers, pipe.plan.costs.runtime.update_s, strict=True):
+        state_bytes = 3 * sum(model.get_parameter(name).numel() * 4 for name in layer.params)
+        assert state_bytes > 0 or not layer.params
+        assert update_s >= state_bytes / 1e6
 
 
 def test_this_machines_figures_are_measured_once_and_read_back_by_later_processes(tmp_path, monkeypatch):
