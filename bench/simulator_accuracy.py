@@ -1,13 +1,20 @@
-"""Simulator accuracy: the planner's predicted step time (cost="profile") vs the measured one, over many plans.
+"""Simulator accuracy: the planner's predicted step time vs the measured one, over real models and plans.
 
-    python bench/simulator_accuracy.py            # default run: 12 plans (about 2-3 minutes on 2 CPU cores)
-    python bench/simulator_accuracy.py --quick    # smoke run: 4 plans, fewer steps (about 30 s)
+    python bench/simulator_accuracy.py            # the sweep: 9 models x 1, 2, 4 devices, the planner's plans
+    python bench/simulator_accuracy.py --quick    # the same sweep, 4 microbatches, fewer steps (under 2 minutes)
+    python bench/simulator_accuracy.py --diagnose [--quick]   # where the time goes, 12 (4) plans of two models
 
-For each plan (model x devices x schedule x microbatches; the planner's own partition) the script
-prints pipe.plan.predicted_iteration_s next to the median measured `pipe.step` time and the
-relative error (predicted - measured) / measured, then the median |error| over the plans (target
-<= 10%).
+The sweep (bench/_accuracy_sweep.py): every model of the zoo (Hugging Face GPT-2, Llama, BERT and T5
+from tests/hf.py's small configs, a ResNet, the tied GPT, an MLP, an encoder-decoder, MobileNetV3;
+bench/_accuracy_plans.py) on 1, 2 and 4 CPU devices. For each, the planner's plan with cost="profile"
+is compiled and stepped: its predicted step time (pipe.plan.predicted_iteration_s), the median
+measured `pipe.step` time and the relative error (predicted - measured) / measured. The analytic
+model (cost="analytic", what `sw.plan` uses for absent hardware) is checked the same way, its
+devices given this machine's calibrated matmul FLOP/s and copy bandwidth, for the same schedule and
+microbatches (its own partition), and its plan stepped too. Then the median and worst |error| per
+device count and overall (target on the CPU: median <= 10%, worst <= 25%).
 
+The diagnosis (--diagnose), for each plan of PLANS: the same three columns, then
 Diagnosis, second table: the compute F+B of a step as a multiple of what the simulator charged for
 it (the sum of the stage's per-layer profiles), measured five ways:
 
@@ -51,7 +58,8 @@ import os
 import statistics
 from dataclasses import dataclass, replace
 
-from _accuracy_plans import PLANS, QUICK_PLANS, Model, gpt_model, mlp_model, null_model
+from _accuracy_plans import PLANS, QUICK_PLANS, Model, gpt_model, mlp_model, null_model, zoo
+from _accuracy_sweep import report_sweep, sweep_row
 from _accuracy_timing import RECORDER, concurrent_stage_seconds, stage_seconds, step_times
 from _common import start
 from rich.console import Console
@@ -310,7 +318,11 @@ def diagnose(console: Console, rows: list[Row]) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="4 plans, 1 warm-up + 3 timed steps (~30 s)")
+    p.add_argument("--quick", action="store_true", help="4 microbatches (diagnosis: 4 plans), 1 warm-up + 3 timed steps")
+    p.add_argument("--diagnose", action="store_true", help="where the time goes, over the plans of two models")
+    p.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4], help="device counts of the sweep")
+    p.add_argument("--models", nargs="+", default=None, help="keys of the zoo's models to sweep (default: all)")
+    p.add_argument("--microbatches", type=int, default=None, help="fixed in the sweep (default: the planner's)")
     p.add_argument("--steps", type=int, default=6, help="timed steps per plan")
     p.add_argument("--null-steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
@@ -328,15 +340,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.warmup, args.null_steps = 3, 1, 5
+        args.microbatches = args.microbatches or 4
     return args
 
 
-def main() -> None:
-    args = parse_args()
-    console = start(args, width=190, fresh_cache=True)  # profiles measured in this run
-    console.print(f"torch.set_num_threads(1) (one core per device's compute thread; {os.cpu_count()} cores here); "
-                  f"SGD; the planner's partition; cost='profile'; {args.warmup} warm-up + {args.steps} timed steps "
-                  f"per plan; null model: {args.null_steps} steps")
+def diagnose_plans(console: Console, args) -> None:
     models = {"gpt": gpt_model(args), "mlp": mlp_model(args)}
     RECORDER.install()
     try:
@@ -344,6 +352,23 @@ def main() -> None:
     finally:
         RECORDER.uninstall()
     report(console, rows, models, args)
+
+
+def main() -> None:
+    args = parse_args()
+    console = start(args, width=190, fresh_cache=True)  # profiles measured in this run
+    console.print(f"torch.set_num_threads(1) (one core per device's compute thread; {os.cpu_count()} cores here); "
+                  f"SGD; the planner's partition; {args.warmup} warm-up + {args.steps} timed steps per plan")
+    if args.diagnose:
+        diagnose_plans(console, args)
+    else:
+        models, rows = [m for m in zoo() if args.models is None or m.key in args.models], []
+        for model in models:
+            for devices in args.devices:
+                rows.append(sweep_row(model, devices, args))
+                console.print(f"  {model.key} on {devices}: {rows[-1].predicted * 1e3:.2f} ms predicted, "
+                              f"{rows[-1].measured * 1e3:.2f} ms measured")
+        report_sweep(console, models, rows)
     console.print(f"machine afterwards: load average {os.getloadavg()[0]:.2f} (1 min)")
 
 

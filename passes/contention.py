@@ -8,7 +8,10 @@ that curve to predict a step (Srifty §3.3 calibrates its simulator on the real 
 the same reason), so it is measured on the model's own costliest layer kind: k threads, each
 with its own copy of the layer, loop over its forward and backward at the same time for a
 window of several steps, for k = 1 .. the number of devices; the rate per thread over the rate
-alone is the speed, capped at cores / k (more threads than cores cannot all run).
+alone is the speed, capped at cores / k (more threads than cores cannot all run). Each rate is the
+highest of SPEED_REPEATS interleaved windows (the least disturbed by other work on the machine),
+and the figures are kept per machine (passes/machine_cache.py): measured once, read by every
+later process.
 """
 
 from __future__ import annotations
@@ -28,15 +31,16 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
 from stagewise.ir.plan import Layer, LayerCost
+from stagewise.passes.machine_cache import remembered
 from stagewise.passes.profile_layer import layer_module, layer_signature
-from stagewise.passes.profile_measure import real_inputs
+from stagewise.passes.profile_measure import least_disturbed, real_inputs
 from stagewise.passes.profile_shapes import shapes_at
 
 MIN_WINDOW_S = 0.03  # each measurement keeps every thread busy at least this long
 WINDOW_STEPS = 6  # ... and for at least this many steps of one thread alone
 WAKE_GAP_S = 0.01  # an idle wait like a pipeline's for its next input
 WAKE_REPEATS = 7
-_MEASURED: dict[tuple, HostContention] = {}
+SPEED_REPEATS = 3  # windows per thread count, interleaved: alone, 2, ..., alone, 2, ...
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]  # the user's, over some parameters
 
 
@@ -77,14 +81,13 @@ def host_contention(gm: fx.GraphModule, layers: Sequence[Layer], costs: Sequence
                     threads: int, optimizer_factory: OptimizerFactory | None = None) -> HostContention:
     """Measured on the costliest layer kind at the traced microbatch size: speeds for k = 1 .. threads
     (non-increasing, never above cores / k), the wake-up cost, and with `optimizer_factory` the speeds
-    of k threads stepping it over the layer's parameters. Measured once per process for a layer
-    kind, size and optimizer, so plans compiled side by side are charged alike."""
+    of k threads stepping it over the layer's parameters. Measured once per machine for a layer
+    kind, size and optimizer, so plans compiled side by side, or in later processes, are charged alike."""
     layer = costliest_layer(gm, layers, costs)
     # the factory by its repr: equal partials (a new one per compile) are the same optimizer
-    key = (layer_signature(gm, layer), traced_microbatch, threads, torch.get_num_threads(), repr(optimizer_factory))
-    if key not in _MEASURED:
-        _MEASURED[key] = _measure(gm, layers, layer, traced_microbatch, threads, optimizer_factory)
-    return _MEASURED[key]
+    key = (layer_signature(gm, layer), traced_microbatch, threads, repr(optimizer_factory))
+    measure = functools.partial(_measure, gm, layers, layer, traced_microbatch, threads, optimizer_factory)
+    return remembered("contention", key, measure, HostContention)
 
 
 def _measure(gm: fx.GraphModule, layers: Sequence[Layer], layer: Layer, traced_microbatch: int,
@@ -106,14 +109,17 @@ def _measure(gm: fx.GraphModule, layers: Sequence[Layer], layer: Layer, traced_m
 def _speeds(steps: list[Callable[[], None]]) -> tuple[tuple[float, ...], float]:
     """Each of k threads' speed relative to one alone, for k = 1 .. len(steps) (non-increasing, never
     above cores / k), and the seconds of one step alone, back to back."""
-    alone = _rate(steps[:1], MIN_WINDOW_S)
-    window = max(MIN_WINDOW_S, WINDOW_STEPS / alone)
-    alone = _rate(steps[:1], window)
+    window = max(MIN_WINDOW_S, WINDOW_STEPS / _rate(steps[:1], MIN_WINDOW_S))
+    rates: list[list[float]] = [[] for _ in steps]  # per thread count k - 1
+    for _ in range(SPEED_REPEATS):
+        for k, measured in enumerate(rates, start=1):
+            measured.append(_rate(steps[:k], window))
+    best = [max(measured) for measured in rates]
     cores = computes_at_full_speed()
     speeds = [1.0]
     for k in range(2, len(steps) + 1):
-        speeds.append(min(speeds[-1], cores / k, _rate(steps[:k], window) / alone))
-    return tuple(speeds), 1 / alone
+        speeds.append(min(speeds[-1], cores / k, best[k - 1] / best[0]))
+    return tuple(speeds), 1 / best[0]
 
 
 def _update_step(module: torch.nn.Module, optimizer_factory: OptimizerFactory) -> Callable[[], None] | None:
@@ -127,15 +133,16 @@ def _update_step(module: torch.nn.Module, optimizer_factory: OptimizerFactory) -
 
 
 def _wake_seconds(module: torch.nn.Module, args: list, warm_s: float) -> float:
-    """Median extra seconds of a forward + backward right after the thread slept WAKE_GAP_S, over a
-    step in a back-to-back loop (`warm_s`, the condition the profiler times layers in)."""
+    """Extra seconds of a forward + backward right after the thread slept WAKE_GAP_S (the least disturbed
+    of WAKE_REPEATS) over a step in a back-to-back loop (`warm_s`, the condition the profiler times
+    layers in)."""
     times = []
     for _ in range(WAKE_REPEATS):
         time.sleep(WAKE_GAP_S)
         began = time.perf_counter()
         _step(module, args)
         times.append(time.perf_counter() - began)
-    return max(statistics.median(times) - warm_s, 0.0)
+    return max(least_disturbed(times) - warm_s, 0.0)
 
 
 def _rate(steps: list[Callable[[], None]], window: float) -> float:

@@ -23,6 +23,10 @@ transformer) are profiled once. Shapes and memory at a size u come from fake ten
 microbatch allocates nothing; only the few probed sizes are run for real. Profiles are
 cached on disk, keyed by the graph's structure, the device and the torch version.
 
+Load. Other work on the machine only ever makes a run slower, so each time is the least disturbed
+(the minimum) of its repeats, and the repeats are rounds over all the layers rather than back to
+back: a load that lasts part of the profile leaves each layer quiet rounds.
+
 Memory. The stash is what autograd saves for the backward (counted with
 saved_tensors_hooks; parameters excluded). The workspace is measured on CUDA (the peak
 allocation of a forward or backward above both its start and its end) and estimated on CPU
@@ -43,7 +47,9 @@ profile_measure (timing one layer), profile_context (timing layers in context), 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 import torch.fx as fx
@@ -63,7 +69,14 @@ from stagewise.passes.profile_layer import (
     layer_signature,
     layer_state_bytes,
 )
-from stagewise.passes.profile_measure import REPEATS, at_precision, measure_layer, real_inputs
+from stagewise.passes.profile_measure import (
+    REPEATS,
+    at_precision,
+    least_disturbed,
+    measure_layer,
+    real_inputs,
+    retime_layer,
+)
 from stagewise.passes.profile_shapes import ShapeCache, Shapes, shapes_at
 from stagewise.passes.profile_sizes import MAX_MICROBATCH, does_not_fit, fits, probe_list, slow_start
 
@@ -167,7 +180,9 @@ def _largest_fitting(shapes: ShapeCache, state: Sequence[LayerState], layers: Se
 def _profile_unique(gm, unique: Sequence[Layer], sizes: Sequence[int], shapes: ShapeCache,
                     state: Sequence[LayerState], device: Device, repeats: int,
                     quiet: bool, precision: str) -> dict[int, list[LayerCost]]:
-    """Run each unique layer at each probe size; stop a layer's sizes at a real OOM."""
+    """Run each unique layer at each probe size; stop a layer's sizes at a real OOM. The repeats are
+    `repeats` rounds over all the layers, not back to back: a load that lasts part of the profile
+    disturbs some rounds of a layer, and each time is its least disturbed round."""
     where = device.torch_device
     console = Console(stderr=True)
     columns = (TextColumn("profiling {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -177,33 +192,66 @@ def _profile_unique(gm, unique: Sequence[Layer], sizes: Sequence[int], shapes: S
     # fork_rng: a layer with dropout must not move the user's random stream
     with torch.random.fork_rng(devices=cuda), Progress(*columns, console=console, transient=True,
                                                         disable=not show) as bar:
-        task = bar.add_task("layers", total=len(unique) * len(sizes))
-        for layer in unique:
-            bar.update(task, description=layer.name)
-            module = layer_module(gm, layer).to(where)
-            out[layer.index] = []
-            for u in sizes:
-                at_u = shapes.at(u)
-                own = module if at_u.graph is None else layer_module(at_u.graph, layer).to(where)
-                cost = _probe(own, layer, u, at_u, state[layer.index], where, repeats, precision)
-                bar.advance(task)
-                if cost is None:
-                    break
-                out[layer.index].append(cost)
-            if not out[layer.index]:
-                raise ProfileError(
-                    f"layer {layer.name!r} runs out of memory on {device.name!r} even at microbatch "
-                    f"size {sizes[0]}: give it more memory or split the module into smaller ones"
-                )
-            del module
+        task = bar.add_task("layers", total=len(unique) * len(sizes) * repeats)
+        for round_ in range(repeats):
+            for layer in unique:
+                bar.update(task, description=layer.name)
+                if round_ == 0:
+                    out[layer.index] = _probe_sizes(gm, layer, sizes, shapes, state[layer.index], where, precision,
+                                                    functools.partial(bar.advance, task))
+                else:
+                    out[layer.index] = _retimed(gm, layer, out[layer.index], shapes, where, precision)
+                    bar.advance(task, len(sizes))
+                if not out[layer.index]:
+                    raise ProfileError(
+                        f"layer {layer.name!r} runs out of memory on {device.name!r} even at microbatch "
+                        f"size {sizes[0]}: give it more memory or split the module into smaller ones"
+                    )
     return out
 
 
+def _probe_sizes(gm: fx.GraphModule, layer: Layer, sizes: Sequence[int], shapes: ShapeCache, state: LayerState,
+                 where: torch.device, precision: str, advance: Callable[[], object]) -> list[LayerCost]:
+    """The first round: one timed run of the layer at each size, and its bytes, up to the first
+    size that runs out of memory."""
+    module = layer_module(gm, layer).to(where)
+    costs: list[LayerCost] = []
+    for u in sizes:
+        at_u = shapes.at(u)
+        own = module if at_u.graph is None else layer_module(at_u.graph, layer).to(where)
+        cost = _probe(own, layer, u, at_u, state, where, precision)
+        advance()
+        if cost is None:
+            break
+        costs.append(cost)
+    return costs
+
+
+def _retimed(gm: fx.GraphModule, layer: Layer, probes: Sequence[LayerCost], shapes: ShapeCache,
+             where: torch.device, precision: str) -> list[LayerCost]:
+    """A later round: each probe's times again, the least disturbed of the two kept."""
+    module = layer_module(gm, layer).to(where)
+    kept = []
+    for probe in probes:
+        at_u = shapes.at(probe.u)
+        own = module if at_u.graph is None else layer_module(at_u.graph, layer).to(where)
+        inputs = real_inputs([at_u.values[name] for name in layer.inputs], where, seed=layer.index)
+        try:
+            times = retime_layer(at_precision(own, precision, where), inputs, where)
+        except torch.OutOfMemoryError:  # it fitted in the first round: keep that round's figures
+            torch.cuda.empty_cache()
+            times = {}
+        kept.append(replace(probe, fwd_s=least_disturbed([probe.fwd_s, *times.get("fwd_s", ())]),
+                            bwd_s=least_disturbed([probe.bwd_s, *times.get("bwd_s", ())]),
+                            recompute_s=least_disturbed([probe.recompute_s, *times.get("recompute_s", ())])))
+    return kept
+
+
 def _probe(module, layer: Layer, u: int, shapes: Shapes, state: LayerState, device: torch.device,
-           repeats: int, precision: str) -> LayerCost | None:
+           precision: str) -> LayerCost | None:
     inputs = real_inputs([shapes.values[name] for name in layer.inputs], device, seed=layer.index)
     try:
-        m = measure_layer(at_precision(module, precision, device), inputs, device, repeats)
+        m = measure_layer(at_precision(module, precision, device), inputs, device, repeats=1)
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
         return None

@@ -20,13 +20,17 @@ from stagewise.ir.plan import Layer
 from stagewise.passes.profile_fit import LayerProfile
 from stagewise.passes.profile_layer import value_key
 
-CACHE_VERSION = 2
+CACHE_VERSION = 3  # 3: times are the least disturbed of rounds (2: a median of runs back to back)
+
+
+def cache_root() -> Path:
+    """$STAGEWISE_CACHE, default ~/.cache/stagewise: profiles and this machine's figures live under it."""
+    return Path(os.environ.get("STAGEWISE_CACHE") or Path.home() / ".cache" / "stagewise")
 
 
 def cache_dir() -> Path:
     """$STAGEWISE_CACHE/profiles, default ~/.cache/stagewise/profiles."""
-    root = os.environ.get("STAGEWISE_CACHE") or Path.home() / ".cache" / "stagewise"
-    return Path(root) / "profiles"
+    return cache_root() / "profiles"
 
 
 def cache_key(gm: fx.GraphModule, layers: Sequence[Layer], signatures: Sequence[str], device: Device,

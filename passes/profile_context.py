@@ -23,7 +23,7 @@ from stagewise.ir.precision import autocast_for
 from stagewise.passes.capture_functional import modifies_input
 from stagewise.passes.profile_fit import LayerProfile
 from stagewise.passes.profile_layer import layer_module
-from stagewise.passes.profile_measure import real_inputs, timed
+from stagewise.passes.profile_measure import least_disturbed, real_inputs, timed
 from stagewise.passes.profile_shapes import Shapes
 
 CONTEXT_REPEATS = 9  # passes timed for the factors: with 3 a whole-graph factor spread 0.97-1.59 here, with 9 1.03-1.12
@@ -43,8 +43,8 @@ def in_context_factors(gm: fx.GraphModule, layers: Sequence[Layer], profiles: Se
     (dissertation §2.4.1) times layers inside whole training iterations for this reason. Here
     every layer runs in model order at the traced size on its predecessors' real outputs, each
     forward timed, then every backward in reverse order, each fed the gradients its consumers
-    produced (median of `repeats` passes after a warm-up; of at least CONTEXT_MIN_REPEATS once the
-    passes took CONTEXT_BUDGET_S). Identical layers share the median of their factors. Measured only where the model already lives on `device` (no copy of a model
+    produced (the least disturbed of `repeats` passes after a warm-up, as the probes are; of at
+    least CONTEXT_MIN_REPEATS once the passes took CONTEXT_BUDGET_S). Identical layers share the median of their factors. Measured only where the model already lives on `device` (no copy of a model
     that may not fit); (1, 1) elsewhere, on OOM, and for a factor outside CONTEXT_RANGE.
     Forwards run under the precision's autocast.
     """
@@ -73,7 +73,7 @@ def in_context_factors(gm: fx.GraphModule, layers: Sequence[Layer], profiles: Se
         torch.cuda.empty_cache()
         return neutral
     traced = shapes.u
-    ratios = [(_ratio(statistics.median(fwd), p.fwd_s(traced)), _ratio(statistics.median(bwd), p.bwd_s(traced)))
+    ratios = [(_ratio(least_disturbed(fwd), p.fwd_s(traced)), _ratio(least_disturbed(bwd), p.bwd_s(traced)))
               for (fwd, bwd), p in zip(times, profiles, strict=True)]
     by_signature: dict[str, list[tuple[float, float]]] = {}
     for p, ratio in zip(profiles, ratios, strict=True):

@@ -3,14 +3,14 @@
 The workspace is measured on CUDA (the peak allocation of a forward or backward above both
 its start and its end); elsewhere the caller estimates it from fake shapes. Inputs are
 synthetic (normal floats, integers in {0, 1}, all-True masks): a layer whose speed depends on
-the values (sparse routing) is timed on typical-looking data only.
+the values (sparse routing) is timed on typical-looking data only. Each time is the least disturbed
+of its repeats: other work on the machine only ever makes a run slower.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -41,8 +41,8 @@ class Measurement:
 
 def measure_layer(module: torch.nn.Module, inputs: Sequence[Any], device: torch.device,
                   repeats: int = REPEATS) -> Measurement:
-    """Forward, recompute and backward of one layer (median of `repeats` timed runs after a
-    warm-up), the bytes autograd saves (saved_tensors_hooks) and, on CUDA, the transient peak.
+    """Forward, recompute and backward of one layer (the least disturbed of `repeats` timed runs
+    after a warm-up), the bytes autograd saves (saved_tensors_hooks) and, on CUDA, the transient peak.
 
     Each timed run is F, then R (the forward again, as a recompute right before a backward), then B.
     """
@@ -66,6 +66,30 @@ def measure_layer(module: torch.nn.Module, inputs: Sequence[Any], device: torch.
     del out
     _clear_grads(module, inputs)
 
+    times = _timed_runs(module, inputs, device, repeats)
+    return Measurement(
+        fwd_s=least_disturbed(times["fwd_s"]),
+        bwd_s=least_disturbed(times["bwd_s"]),
+        recompute_s=least_disturbed(times["recompute_s"]),
+        act_bytes=act,
+        stash_bytes=sum(saved.values()),
+        workspace_bytes=peak.transient if device.type == "cuda" else None,
+        times=times,
+    )
+
+
+def retime_layer(module: torch.nn.Module, inputs: Sequence[Any], device: torch.device) -> dict[str, list[float]]:
+    """One more timed run of forward, recompute and backward after a warm-up (a later round of
+    the profile: the bytes are those of the first)."""
+    _backward(_forward(module, _own_copies(inputs)))
+    _clear_grads(module, inputs)
+    return _timed_runs(module, inputs, device, 1)
+
+
+def _timed_runs(module: torch.nn.Module, inputs: Sequence[Any], device: torch.device,
+                repeats: int) -> dict[str, list[float]]:
+    """Seconds of `repeats` runs of F, then R (the forward again, as a recompute right before a
+    backward), then B, per quantity."""
     times: dict[str, list[float]] = {k: [] for k in TIMES}
     for _ in range(repeats):
         seconds, first = timed(functools.partial(_forward, module, _own_copies(inputs)), device)
@@ -77,15 +101,7 @@ def measure_layer(module: torch.nn.Module, inputs: Sequence[Any], device: torch.
         times["bwd_s"].append(seconds if out[0] else 0.0)
         del out
         _clear_grads(module, inputs)
-    return Measurement(
-        fwd_s=statistics.median(times["fwd_s"]),
-        bwd_s=statistics.median(times["bwd_s"]),
-        recompute_s=statistics.median(times["recompute_s"]),
-        act_bytes=act,
-        stash_bytes=sum(saved.values()),
-        workspace_bytes=peak.transient if device.type == "cuda" else None,
-        times=times,
-    )
+    return times
 
 
 class Autocast(torch.nn.Module):
@@ -154,6 +170,13 @@ def _clear_grads(module, inputs) -> None:
     for t in tree_flatten(list(inputs))[0]:
         if isinstance(t, torch.Tensor):
             t.grad = None
+
+
+def least_disturbed(seconds: Sequence[float]) -> float:
+    """The figure of repeated timings of one operation: their minimum. Load from other processes
+    only ever adds time, so the fastest run is the one it disturbed least; a median still moved
+    with a load that lasted half the runs (three compiles of one model chose three plans)."""
+    return min(seconds)
 
 
 def timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:

@@ -10,7 +10,10 @@ import torch
 import torch.nn.functional as F
 
 import stagewise as sw
+import stagewise.compiler.compile.costing as costing
 from stagewise.compiler.compile.calibrate import (
+    Calibration,
+    OptimizerCost,
     calibrate,
     handoff_seconds,
     local_topology,
@@ -29,6 +32,7 @@ from stagewise.passes.analytic import analytic_layers, roofline
 from stagewise.passes.capture import trace
 from stagewise.passes.contention import costliest_layer, host_contention
 from stagewise.passes.layers import build_layers
+from stagewise.passes.machine_cache import forget_in_memory, remembered
 from stagewise.passes.profile import (
     LayerProfile,
     PiecewiseLinear,
@@ -368,6 +372,51 @@ def test_runtime_calibration_optimizer_handoff_and_contention(gpt_graph):
     speeds = measured.speeds
     assert len(speeds) == 3 and speeds[0] == 1.0 and measured.wake_s >= 0
     assert all(0 < b <= a for a, b in itertools.pairwise(speeds))
+
+
+def test_each_update_is_charged_the_undo_record_the_runtime_copies_before_it(monkeypatch):
+    """Before a stage's optimizer step the runtime copies its weights and optimizer state to host
+    memory (runtime/undo.py), every step: the update is charged that copy at the host link's
+    bandwidth (with a link of 1 MB/s, each layer's update takes at least its bytes / 1e6 seconds;
+    uncharged before, microseconds)."""
+    slow_link = Calibration(device="cpu", kind="cpu", copy_bandwidth=1e6, host_bandwidth=1e6, matmul_flops=1e10)
+    monkeypatch.setattr(costing, "calibrate", lambda device: slow_link)
+    torch.manual_seed(0)
+    adam = functools.partial(torch.optim.Adam, lr=1e-3)  # two moments: 3 copies of each weight
+    x, y = torch.randn(8, 8), torch.randint(0, 5, (8,))
+    model = mlp()
+    pipe = sw.compile(model, 1, (x,), loss_fn=F.cross_entropy, example_target=y, optimizer=adam,
+                      microbatches=1, cost="analytic")
+    for layer, update_s in zip(pipe.plan.layers, pipe.plan.costs.runtime.update_s, strict=True):
+        state_bytes = 3 * sum(model.get_parameter(name).numel() * 4 for name in layer.params)
+        assert state_bytes > 0 or not layer.params
+        assert update_s >= state_bytes / 1e6
+
+
+def test_this_machines_figures_are_measured_once_and_read_back_by_later_processes(tmp_path, monkeypatch):
+    """What compile measures about the machine beside the layers is kept on disk: a later process
+    (forget_in_memory) reads the same figures instead of measuring them again under another load;
+    another key is measured; an unreadable entry is measured again."""
+    monkeypatch.setenv("STAGEWISE_CACHE", str(tmp_path))
+    measured = []
+
+    def measure() -> OptimizerCost:
+        measured.append(1)
+        return OptimizerCost(per_tensor_s=1e-5 * len(measured), per_byte_s=2e-9)
+
+    first = remembered("test", ("sgd", "cpu"), measure, OptimizerCost)
+    forget_in_memory()
+    assert remembered("test", ("sgd", "cpu"), measure, OptimizerCost) == first and len(measured) == 1
+    assert remembered("test", ("adam", "cpu"), measure, OptimizerCost) != first and len(measured) == 2
+    assert remembered("seconds", 1, lambda: 3e-5, float) == 3e-5
+    for entry in (tmp_path / "machine").glob("test-*.json"):
+        entry.write_text("{not json")
+    forget_in_memory()
+    assert remembered("test", ("sgd", "cpu"), measure, OptimizerCost) != first and len(measured) == 3  # measured again
+    forget_in_memory()
+    handoff = handoff_seconds()
+    forget_in_memory()
+    assert handoff_seconds() == handoff  # the real figure, read back
 
 
 def test_two_level_topology_is_fast_within_and_slow_across_servers():

@@ -5,14 +5,14 @@ repetition counts: noise only ever makes an operation slower): the bandwidth of 
 within the device's memory, the bandwidth of the host <-> device link (a swap; on a CPU
 device the same as a copy), and the FLOP/s of an fp32 matmul, from which relative speeds
 follow. Between two logical devices the send bandwidth is that of a copy from one to the
-other, which is what a transfer inside one process is. Results are cached in memory, so the
-whole calibration runs once per process (well under a second on a CPU).
+other, which is what a transfer inside one process is. Every figure here is the least disturbed of
+several repeats and is kept per machine (passes/machine_cache.py): measured once on a machine (well
+under a second on a CPU), read back by every later process, so a plan does not follow the load.
 """
 
 from __future__ import annotations
 
 import functools
-import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -22,6 +22,8 @@ import torch
 
 from stagewise.ir.devices import Device, resolve_devices, torch_device
 from stagewise.ir.topology import Topology
+from stagewise.passes.machine_cache import remembered
+from stagewise.passes.profile_measure import least_disturbed
 from stagewise.runtime.sync import Sync
 
 COPY_BYTES = 8 * 2**20  # large enough to be bandwidth-bound, small enough to stay fast
@@ -29,6 +31,8 @@ MATMUL_N = 256
 REPEATS = 5
 OPTIMIZER_ELEMENTS = 2**20  # one 4 MiB parameter: the per-byte cost of a step
 OPTIMIZER_TENSORS = 64  # small parameters: the per-tensor cost
+HANDOFF_ROUNDS = 200  # hand-offs timed together ...
+HANDOFF_REPEATS = 5  # ... this many times, the least disturbed kept (one timing read 10 to 34 µs here)
 
 
 @dataclass(frozen=True)
@@ -43,8 +47,9 @@ class Calibration:
 
 
 def calibrate(device: str | torch.device | Device = "cpu") -> Calibration:
-    """Measure (once per process and device) copy and host-link bandwidth and matmul FLOP/s."""
-    return _calibrate(str(_torch_device(device)))
+    """Measure (once per machine and device) copy and host-link bandwidth and matmul FLOP/s."""
+    name = str(_torch_device(device))
+    return remembered("calibration", name, functools.partial(_calibrate, name), Calibration)
 
 
 @functools.cache
@@ -73,14 +78,15 @@ def _calibrate(name: str) -> Calibration:
 
 def send_bandwidth(src: str | torch.device | Device, dst: str | torch.device | Device) -> float:
     """Bytes/s of a transfer between two logical devices of this process: a copy from src to dst."""
-    return _send_bandwidth(str(_torch_device(src)), str(_torch_device(dst)))
+    names = (str(_torch_device(src)), str(_torch_device(dst)))
+    return remembered("send", names, functools.partial(_send_bandwidth, *names), float)
 
 
 @functools.cache
 def _send_bandwidth(src_name: str, dst_name: str) -> float:
     src, dst = torch.device(src_name), torch.device(dst_name)
     if src == dst:
-        return _calibrate(src_name).copy_bandwidth
+        return calibrate(src_name).copy_bandwidth
     a = torch.empty(COPY_BYTES // 4, dtype=torch.float32, device=src)
     b = torch.empty(COPY_BYTES // 4, dtype=torch.float32, device=dst)
     return COPY_BYTES / best_seconds(lambda: b.copy_(a, non_blocking=True), src, dst)
@@ -109,9 +115,9 @@ def _torch_device(device: str | torch.device | Device) -> torch.device:
 
 
 def best_seconds(op: Callable[[], object], *devices: torch.device, repeats: int = REPEATS) -> float:
-    """Seconds of the fastest of `repeats` runs of op, after one warm-up run."""
+    """Seconds of the fastest (least disturbed) of `repeats` runs of op, after one warm-up run."""
     op()
-    return max(min(_seconds(op, *devices) for _ in range(repeats)), 1e-9)
+    return max(least_disturbed([_seconds(op, *devices) for _ in range(repeats)]), 1e-9)
 
 
 def _seconds(op: Callable[[], object], *devices: torch.device) -> float:
@@ -155,15 +161,12 @@ class OptimizerCost:
 def optimizer_cost(optimizer_factory, device: str | torch.device | Device = "cpu") -> OptimizerCost:
     """Time the user's optimizer on `device`: one large parameter (bandwidth-bound) and many small
     ones (per-tensor overhead), so the planner can charge each stage's update (U). Measured once
-    per process for an optimizer (keyed by the factory's repr) and device."""
+    per machine for an optimizer (keyed by the factory's repr) and device."""
     device = _torch_device(device)
-    key = (repr(optimizer_factory), str(device))
-    if key not in _OPTIMIZER_COSTS:
-        _OPTIMIZER_COSTS[key] = _measure_optimizer(optimizer_factory, device)
-    return _OPTIMIZER_COSTS[key]
+    return remembered("optimizer", (repr(optimizer_factory), str(device)),
+                      functools.partial(_measure_optimizer, optimizer_factory, device), OptimizerCost)
 
 
-_OPTIMIZER_COSTS: dict[tuple[str, str], OptimizerCost] = {}
 CACHE_FLUSH_BYTES = 64 * 2**20  # more than a CPU's last-level cache
 
 
@@ -183,7 +186,7 @@ def _measure_optimizer(optimizer_factory, device: torch.device) -> OptimizerCost
             if flush is not None:
                 flush.fill_(1.0)
             times.append(_seconds(step, device))
-        return statistics.median(times)
+        return least_disturbed(times)
 
     large = [torch.nn.Parameter(torch.zeros(OPTIMIZER_ELEMENTS, device=device))]
     small = [torch.nn.Parameter(torch.zeros(64, device=device)) for _ in range(OPTIMIZER_TENSORS)]
@@ -192,11 +195,20 @@ def _measure_optimizer(optimizer_factory, device: torch.device) -> OptimizerCost
     return OptimizerCost(per_tensor, per_byte)
 
 
-@functools.cache
-def handoff_seconds(rounds: int = 200) -> float:
+def handoff_seconds() -> float:
     """Seconds one stream thread of the in-process runtime takes to see an event another stream
     thread sets (a `Sync` wake-up and the GIL hand-off): the simulator charges it per instruction.
-    Measured once per process by two threads passing a counter back and forth."""
+    Measured once per machine by two threads passing a counter back and forth, the least disturbed
+    of HANDOFF_REPEATS timings."""
+    return remembered("handoff", HANDOFF_ROUNDS, _least_disturbed_handoff, float)
+
+
+def _least_disturbed_handoff() -> float:
+    return least_disturbed([_handoff(HANDOFF_ROUNDS) for _ in range(HANDOFF_REPEATS)])
+
+
+def _handoff(rounds: int) -> float:
+    """Seconds per hand-off of two threads passing a counter back and forth `rounds` times each."""
     sync, state = Sync(2, timeout_s=10.0), {"turn": 0}
 
     def turn_is(turn: int) -> bool:

@@ -108,7 +108,8 @@ def with_host_links(topology: Topology, host_links: Sequence[float]) -> Topology
 def runtime_costs(request: CompileRequest, analysis: Analysis, layer_costs: LayerCostModel) -> RuntimeCosts:
     """What the runtime adds on this machine: per-instruction hand-offs, contention between the
     in-process CPU devices (measured on the model's costliest layer kind with cost="profile", the
-    cores' share with cost="analytic"), and the optimizer step, timed on the first device."""
+    cores' share with cost="analytic"), and the optimizer step, timed on the first device, with the
+    undo record the runtime takes before it."""
     first = analysis.first
     sharing = request.sharing_cpu_devices
     optimizer = request.options.optimizer
@@ -122,7 +123,23 @@ def runtime_costs(request: CompileRequest, analysis: Analysis, layer_costs: Laye
     elif sharing > 1:
         concurrency = tuple(min(1.0, request.cores_at_full_speed / k) for k in range(1, sharing + 1))
     step = optimizer_cost(optimizer, request.devices[0])
-    update = tuple(step.seconds(len(params), sum(p.numel() * p.element_size() for p in params))
-                   for params in analysis.trainable_per_layer())
+    update = tuple(step.seconds(len(params), sum(p.numel() * p.element_size() for p in params)) + record
+                   for params, record in zip(analysis.trainable_per_layer(), undo_record_seconds(request, analysis),
+                                             strict=True))
     return RuntimeCosts(instruction_s=handoff_seconds(), concurrency=concurrency, update_s=update, wake_s=wake_s,
                         update_concurrency=update_concurrency)
+
+
+def undo_record_seconds(request: CompileRequest, analysis: Analysis) -> tuple[float, ...]:
+    """Per layer, the seconds of the undo record the runtime takes right before each update so that a
+    failed step can be rolled back (runtime/undo.py `UpdateUndo`): the weights and the optimizer
+    state copied to host memory, at the first device's host-link bandwidth. Uncharged, it was most of
+    the gap between a CPU update's charge and its measured time (bench/simulator_accuracy.py), and on
+    a GPU it is a device-to-host copy of all training state but the gradients every step."""
+    state_ratio = optimizer_state_ratio(request.options.optimizer)
+    bandwidth = calibrate(request.devices[0]).host_bandwidth
+    first = analysis.first
+    return tuple(
+        sum(p.numel() * p.element_size() * (1 + state_ratio if p.requires_grad else 1)
+            for p in map(first.graph.get_parameter, layer.params)) / bandwidth
+        for layer in first.layers)
