@@ -1,0 +1,109 @@
+"""Per-stage activation policy: keep a stage's stashes, recompute them (Varuna §3.2) or swap them to host
+memory (Harmony's sX), chosen by cost.
+
+Why per stage: the stashes a schedule keeps in flight differ by stage (1F1B's stage s holds p - s of
+them, its last stage one), so one device may need relief while another keeps everything, and the
+cheaper relief depends on the stage: recompute costs one more forward per microbatch, a swap its
+stash's bytes over the host link less what overlaps compute. The planner keeps a stage's stashes
+where they fit; for the others it simulates each choice (the simulator charges the extra forward,
+the link time and its overlap, and the peak memory of each) and keeps the one that fits and is
+fastest, so a plan that fits only with recompute is found rather than refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from stagewise.ir.choices import ActivationPolicy, Schedule
+from stagewise.ir.instructions import Phase
+from stagewise.ir.plan import Stage, Task
+from stagewise.passes.schedule import stashes_held_once, with_recompute
+from stagewise.passes.swap import SwapPlan
+
+if TYPE_CHECKING:
+    from stagewise.passes.planner import Assembled
+
+PER_STAGE_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED)  # the schedules that take a policy
+Policies = Mapping[int, ActivationPolicy]  # per stage instance; a stage not named keeps its stashes
+
+
+def asked_policies(asked: ActivationPolicy | Policies, stages: Sequence[Stage],
+                   tasks: Sequence[Sequence[Task]]) -> Policies | None:
+    """Each stage's policy for `activations=` (None for AUTO: the swap mode decides as it always has).
+    RECOMPUTE spares the stages that hold one stash at a time anyway (1F1B's last stage)."""
+    if isinstance(asked, Mapping):
+        return {s.index: asked.get(s.index, ActivationPolicy.KEEP) for s in stages}
+    if asked is ActivationPolicy.AUTO:
+        return None
+    if asked is ActivationPolicy.RECOMPUTE:
+        once = stashes_held_once(tasks)
+        return {s.index: ActivationPolicy.KEEP if s.index in once else asked for s in stages}
+    return {s.index: asked for s in stages}
+
+
+def apply_policies(tasks: list[list[Task]], policies: Policies | None) -> tuple[list[list[Task]], frozenset[int] | None]:
+    """The tasks with the RECOMPUTE stages recomputing, and the stages whose stashes are swapped (None:
+    as the swap mode says)."""
+    if policies is None:
+        return tasks, None
+    recompute = {s for s, policy in policies.items() if policy is ActivationPolicy.RECOMPUTE}
+    swap = frozenset(s for s, policy in policies.items() if policy is ActivationPolicy.SWAP)
+    return (with_recompute(tasks, recompute) if recompute else tasks), swap
+
+
+def recorded_policies(stages: Sequence[Stage], tasks: Sequence[Sequence[Task]], swaps: SwapPlan) -> tuple[Stage, ...]:
+    """The stages with the policy their programs run (Varuna's recompute and Harmony's swapped stashes
+    included), what the plan records and its table shows."""
+    recomputing = {t.stage for device_tasks in tasks for t in device_tasks if t.phase is Phase.RECOMPUTE}
+
+    def policy(stage: int) -> ActivationPolicy:
+        if stage in recomputing:
+            return ActivationPolicy.RECOMPUTE
+        return ActivationPolicy.SWAP if swaps.swaps_stash(stage) else ActivationPolicy.KEEP
+
+    return tuple(replace(s, activations=policy(s.index)) for s in stages)
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A candidate with what the simulator predicts for it."""
+
+    plan: Assembled
+    iteration_s: float
+    peak_bytes: tuple[int, ...]  # per device
+    capacities: tuple[int | None, ...]  # per device; None: unbounded
+
+    @property
+    def over(self) -> tuple[int, ...]:
+        """Per device, the bytes its peak exceeds its memory by (0 where it fits)."""
+        return tuple(0 if cap is None else max(peak - cap, 0) for peak, cap in zip(self.peak_bytes, self.capacities,
+                                                                                 strict=True))
+
+    @property
+    def key(self) -> tuple[bool, int, float]:
+        """Lower is better: fitting first, then the least memory over a capacity, then the time."""
+        return any(self.over), max(self.over, default=0), self.iteration_s
+
+
+def choose_policies(first: Scored, build: Callable[[Policies], Scored], swap_allowed: bool) -> Scored:
+    """Greedy over the stages that need relief (`needing_relief`), in order: each takes whichever of keep,
+    recompute and swap (where swapping is allowed) gives the best plan with the others' choices so far."""
+    choices = [ActivationPolicy.KEEP, ActivationPolicy.RECOMPUTE] + ([ActivationPolicy.SWAP] if swap_allowed else [])
+    best = first
+    for stage in needing_relief(first):
+        policies = {s.index: s.activations for s in best.plan.stages}
+        for choice in choices:
+            if policies[stage] is not choice:
+                trial = build({**policies, stage: choice})
+                best = trial if trial.key < best.key else best
+    return best
+
+
+def needing_relief(scored: Scored) -> list[int]:
+    """The stages whose stashes the swap mode moved to host memory, and every stage that stashes on a
+    device the plan overflows: where keeping the stashes did not fit."""
+    stash = scored.plan.swaps.stash_bytes
+    return sorted(s.index for s in scored.plan.stages if stash.get(s.index, 0) > 0
+                  and (s.activations is not ActivationPolicy.KEEP or scored.over[s.device] > 0))
