@@ -279,12 +279,14 @@ class Plan:
 
 
 def _with_policies_run(plan: Plan, data: dict, programs: tuple[Program, ...]) -> Plan:
-    """A plan saved before stages recorded their activation policy: each stage's as its programs run it."""
-    if all(not isinstance(stage, dict) or "activations" in stage for stage in data.get("stages", ())):
+    """A plan saved before stages recorded their activation policy: each such stage's as its programs run it."""
+    unrecorded = {i for i, stage in enumerate(data.get("stages", ())) if isinstance(stage, dict)
+                  and "activations" not in stage}
+    if not unrecorded:
         return plan
     run = activations_run(programs)
     return replace(plan, stages=tuple(replace(s, activations=run.get(s.index, ActivationPolicy.KEEP))
-                                      for s in plan.stages))
+                                      if i in unrecorded else s for i, s in enumerate(plan.stages)))
 
 
 def _build(cls, data):

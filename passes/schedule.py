@@ -261,8 +261,9 @@ def stashes_held_once(tasks: Sequence[Sequence[Task]]) -> frozenset[int]:
     stage): they hold one stash at a time already, so recomputing would only add a forward."""
     adjacent: dict[int, bool] = {}
     for device_tasks in tasks:
-        for task, after in zip(device_tasks, list(device_tasks[1:]) + [None], strict=True):
+        for i, task in enumerate(device_tasks):
             if task.phase is Phase.FORWARD:
+                after = device_tasks[i + 1] if i + 1 < len(device_tasks) else None
                 follows = after is not None and (after.phase, after.stage, after.microbatch) == (
                     Phase.BACKWARD, task.stage, task.microbatch)
                 adjacent[task.stage] = adjacent.get(task.stage, True) and follows
