@@ -93,6 +93,7 @@ PLANS = [  # (devices, schedule, options); the reference is one device under gpi
     (2, "1f1b", {}), (4, "1f1b", {}), (2, "interleaved", {}), (2, "varuna", {}), (4, "varuna", {}),
     (2, "harmony-dp", {}), (4, "varuna", {"replicas": 2}),
     (2, "1f1b", {"activations": "recompute"}),  # stage 0 recomputes, stage 1 keeps (passes/activations.py)
+    (2, "interleaved", {"activations": "recompute"}),  # every virtual stage but the last recomputes
 ]
 
 
