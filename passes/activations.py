@@ -81,10 +81,18 @@ class Scored:
         return tuple(0 if cap is None else max(peak - cap, 0) for peak, cap in zip(self.peak_bytes, self.capacities,
                                                                                  strict=True))
 
-    @property
-    def key(self) -> tuple[bool, int, float]:
-        """Lower is better: fitting first, then the least memory over a capacity, then the time."""
-        return any(self.over), max(self.over, default=0), self.iteration_s
+    def better_than(self, other: Scored, device: int, slack: float) -> bool:
+        """Whether this is the better choice for a stage on `device`: a plan that fits first; then the
+        one whose device overflows less, by more than `slack` (one of the stage's stashes: relief on a
+        stage moves its device's memory by whole stashes, a smaller difference is a side effect such as
+        a receive buffer); then the faster. Not the worst device's overflow: a device that overflows
+        whatever this stage does (its own state, say) would make the slowest choice stay."""
+        if any(self.over) != any(other.over):
+            return not any(self.over)
+        mine, theirs = self.over[device], other.over[device]
+        if abs(mine - theirs) > slack:
+            return mine < theirs
+        return self.iteration_s < other.iteration_s
 
 
 def choose_policies(first: Scored, build: Callable[[Policies], Scored], swap_allowed: bool) -> Scored:
@@ -94,10 +102,12 @@ def choose_policies(first: Scored, build: Callable[[Policies], Scored], swap_all
     best = first
     for stage in needing_relief(first):
         policies = {s.index: s.activations for s in best.plan.stages}
+        device = next(s.device for s in best.plan.stages if s.index == stage)
+        slack = best.plan.swaps.stash_bytes.get(stage, 0)
         for choice in choices:
             if policies[stage] is not choice:
                 trial = build({**policies, stage: choice})
-                best = trial if trial.key < best.key else best
+                best = trial if trial.better_than(best, device, slack) else best
     return best
 
 
