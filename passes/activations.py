@@ -81,33 +81,45 @@ class Scored:
         return tuple(0 if cap is None else max(peak - cap, 0) for peak, cap in zip(self.peak_bytes, self.capacities,
                                                                                  strict=True))
 
-    def better_than(self, other: Scored, device: int, slack: float) -> bool:
-        """Whether this is the better choice for a stage on `device`: a plan that fits first; then the
-        one whose device overflows less, by more than `slack` (one of the stage's stashes: relief on a
-        stage moves its device's memory by whole stashes, a smaller difference is a side effect such as
-        a receive buffer); then the faster. Not the worst device's overflow: a device that overflows
-        whatever this stage does (its own state, say) would make the slowest choice stay."""
+    def better_than(self, other: Scored, device: int, relieves_both: bool) -> bool:
+        """Whether this is the better choice for a stage on `device`: a plan that fits first. Between
+        keeping and a relief, then the one whose device overflows less (the relief may lead to a fit);
+        between two reliefs (recompute, swap), whether the device fits, since their other differences in
+        memory are side effects such as the next stage's receive buffers. Then the faster. Never the
+        worst device's overflow: a device over whatever this stage does would make the slowest stay."""
         if any(self.over) != any(other.over):
             return not any(self.over)
         mine, theirs = self.over[device], other.over[device]
-        if abs(mine - theirs) > slack:
+        if relieves_both and (mine > 0) != (theirs > 0):
+            return mine == 0
+        if not relieves_both and mine != theirs:
             return mine < theirs
         return self.iteration_s < other.iteration_s
 
 
 def choose_policies(first: Scored, build: Callable[[Policies], Scored], swap_allowed: bool) -> Scored:
-    """Greedy over the stages that need relief (`needing_relief`), in order: each takes whichever of keep,
-    recompute and swap (where swapping is allowed) gives the best plan with the others' choices so far."""
-    choices = [ActivationPolicy.KEEP, ActivationPolicy.RECOMPUTE] + ([ActivationPolicy.SWAP] if swap_allowed else [])
+    """The stages that need relief (`needing_relief`) all recomputing, or all swapping, where that fits
+    or is faster (one stage alone seldom is: the slowest stage's swaps set the pace); then greedy over
+    them, in order: each takes whichever of keep, recompute and swap gives the best plan with the
+    others' choices so far."""
+    reliefs = [ActivationPolicy.RECOMPUTE] + ([ActivationPolicy.SWAP] if swap_allowed else [])
+    choices = [ActivationPolicy.KEEP, *reliefs]
+    needing = needing_relief(first)
     best = first
-    for stage in needing_relief(first):
+    policies = {s.index: s.activations for s in first.plan.stages}
+    for relief in reliefs:
+        trial = build({**policies, **dict.fromkeys(needing, relief)})
+        if (any(trial.over), trial.iteration_s) < (any(best.over), best.iteration_s):
+            best = trial
+    for stage in needing:
         policies = {s.index: s.activations for s in best.plan.stages}
         device = next(s.device for s in best.plan.stages if s.index == stage)
-        slack = best.plan.swaps.stash_bytes.get(stage, 0)
+        held = policies[stage]
         for choice in choices:
-            if policies[stage] is not choice:
+            if held is not choice:
                 trial = build({**policies, stage: choice})
-                best = trial if trial.better_than(best, device, slack) else best
+                if trial.better_than(best, device, ActivationPolicy.KEEP not in (held, choice)):
+                    best, held = trial, choice
     return best
 
 

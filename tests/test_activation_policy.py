@@ -107,7 +107,8 @@ def test_a_choice_is_judged_on_its_own_device_when_another_overflows_whatever_it
     outcomes = {(SWAP, KEEP): ((120, 150), 10.0), (KEEP, KEEP): ((200, 150), 1.0),
                 (RECOMPUTE, KEEP): ((90, 151), 1.1), (RECOMPUTE, RECOMPUTE): ((90, 151), 1.2),
                 (RECOMPUTE, SWAP): ((90, 151), 5.0), (SWAP, RECOMPUTE): ((120, 150), 10.2),
-                (SWAP, SWAP): ((120, 150), 10.5)}
+                (SWAP, SWAP): ((120, 150), 10.5), (KEEP, RECOMPUTE): ((200, 151), 1.1),
+                (KEEP, SWAP): ((200, 150), 5.0)}
 
     def build(policies) -> Scored:
         return _scored(dict(policies), *outcomes[(policies[0], policies[1])])
@@ -115,8 +116,8 @@ def test_a_choice_is_judged_on_its_own_device_when_another_overflows_whatever_it
     first = _scored({0: SWAP, 1: KEEP}, *outcomes[(SWAP, KEEP)])
     chosen = choose_policies(first, build, swap_allowed=True)
     assert [s.activations for s in chosen.plan.stages] == [RECOMPUTE, KEEP]
-    # device 1 over by 51 recomputing, 50 swapping: a byte, well under a stash (10), so time decides
-    outcomes[(RECOMPUTE, SWAP)] = ((90, 150), 5.0)
+    # neither relief fits device 0, recomputing leaves it 5 bytes fuller (the run-ahead's buffers): time decides
+    outcomes[(RECOMPUTE, KEEP)] = ((125, 151), 1.1)
     assert [s.activations for s in choose_policies(first, build, swap_allowed=True).plan.stages] == [RECOMPUTE, KEEP]
 
 
