@@ -5,9 +5,10 @@ Why per stage: the stashes a schedule keeps in flight differ by stage (1F1B's st
 them, its last stage one), so one device may need relief while another keeps everything, and the
 cheaper relief depends on the stage: recompute costs one more forward per microbatch, a swap its
 stash's bytes over the host link less what overlaps compute. The planner keeps a stage's stashes
-where they fit; for the others it simulates each choice (the simulator charges the extra forward,
-the link time and its overlap, and the peak memory of each) and keeps the one that fits and is
-fastest, so a plan that fits only with recompute is found rather than refused.
+where they fit; for the others it simulates the choices (the simulator charges the extra forward,
+the link time and its overlap, and the peak memory of each): all of them recomputing, all swapping,
+then each stage in turn; it keeps what fits and is fastest, so a plan that fits only with recompute
+is found rather than refused.
 """
 
 from __future__ import annotations
