@@ -1,4 +1,4 @@
-"""The values of compile's `schedule=` and `cost=` options, as str enums the plan records.
+"""The values of compile's `schedule=`, `cost=` and `activations=` options, as str enums the plan records.
 
 They are `StrEnum`s so that plan.json, programs.txt and checkpoints keep the same text, and the
 public API takes either a member (`sw.Schedule.GPIPE`) or its string ("gpipe").
@@ -46,6 +46,24 @@ class CostModel(enum.StrEnum):
 
     PROFILE = "profile"
     ANALYTIC = "analytic"
+
+
+class ActivationPolicy(enum.StrEnum):
+    """What a stage does with the activations a forward saves for its backward (its stash): KEEP them
+    on the device, RECOMPUTE them from the forward's inputs just before the backward (Varuna §3.2:
+    one more forward), or SWAP them to host memory and back (Harmony's sX: link time). compile's
+    `activations=` takes these or AUTO (the planner chooses per stage by cost); each `Stage` of a
+    plan records the one it runs.
+
+    Example:
+        >>> sw.ActivationPolicy("recompute")
+        <ActivationPolicy.RECOMPUTE: 'recompute'>
+    """
+
+    AUTO = "auto"
+    KEEP = "keep"
+    RECOMPUTE = "recompute"
+    SWAP = "swap"
 
 
 def choice_names(choices: type[enum.StrEnum]) -> str:

@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields, replace
 
-from stagewise.ir.choices import CostModel, Schedule, parse_choice
+from stagewise.ir.choices import ActivationPolicy, CostModel, Schedule, parse_choice
 from stagewise.ir.costs import RuntimeCosts
 from stagewise.ir.devices import DeviceSpec
 from stagewise.ir.errors import CheckpointError
 from stagewise.ir.instructions import Phase
-from stagewise.ir.plan_checks import check_plan
+from stagewise.ir.plan_checks import activations_run, check_plan
 from stagewise.ir.program import Program, programs_from_text
 from stagewise.ir.report import plan_group, render_plan
 from stagewise.ir.time_split import Bound, TimeSplit
@@ -106,7 +106,8 @@ class Transfer:
 
 @dataclass(frozen=True)
 class Stage:
-    """The layers bound to one device, and the values it takes in and gives out."""
+    """The layers bound to one device, the values it takes in and gives out, and what it does with its
+    stashed activations (`activations`: keep, recompute or swap; plans saved before read as their programs run)."""
 
     index: int
     device: int
@@ -118,6 +119,7 @@ class Stage:
     logical: int = -1  # the pipeline position (pack) this stage instance runs; -1: same as index
     replica: int = 0  # data-parallel replica of the logical stage
     microbatches: tuple[int, ...] = ()  # the microbatches this instance processes; () = all
+    activations: ActivationPolicy = ActivationPolicy.KEEP  # never AUTO: the policy the programs run
 
     @property
     def position(self) -> int:
@@ -265,7 +267,7 @@ class Plan:
         try:
             data = json.loads(text)
             programs = programs_from_text(data.pop("programs", ""))
-            built = _build(cls, data)
+            built = _with_policies_run(_build(cls, data), data, programs)
         except (ValueError, TypeError, KeyError, AttributeError) as error:  # a StagewiseError passes as it is
             raise CheckpointError(f"this is not a plan stagewise wrote ({type(error).__name__}: {error}); read "
                                   "plan.json of a checkpoint saved by this version of stagewise") from error
@@ -277,6 +279,17 @@ class Plan:
     def __rich__(self):
         """rich's console.print shows the same tables (it would pretty-print the dataclass's fields)."""
         return plan_group(self)
+
+
+def _with_policies_run(plan: Plan, data: dict, programs: tuple[Program, ...]) -> Plan:
+    """A plan saved before stages recorded their activation policy: each such stage's as its programs run it."""
+    unrecorded = {i for i, stage in enumerate(data.get("stages", ())) if isinstance(stage, dict)
+                  and "activations" not in stage}
+    if not unrecorded:
+        return plan
+    run = activations_run(programs)
+    return replace(plan, stages=tuple(replace(s, activations=run.get(s.index, ActivationPolicy.KEEP))
+                                      if i in unrecorded else s for i, s in enumerate(plan.stages)))
 
 
 def _build(cls, data):
@@ -294,6 +307,8 @@ _NESTED = {}
 def _convert(hint: str, value):
     if hint == "Schedule":
         return parse_choice(Schedule, value, "schedule ")
+    if hint == "ActivationPolicy":
+        return parse_choice(ActivationPolicy, value, "activations=")
     if hint == "CostModel | None":  # "": a hand-made plan's, written before the cost model was an enum
         return None if value in (None, "") else parse_choice(CostModel, value, "cost_model=")
     if hint == "Bound":

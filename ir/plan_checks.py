@@ -14,12 +14,17 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from stagewise.ir.choices import ActivationPolicy
 from stagewise.ir.declared import ALTERED, dtype_named, plain_shape
 from stagewise.ir.errors import CheckpointError
+from stagewise.ir.instructions import Recompute, StashIn, StashOut
 from stagewise.ir.output_spec_check import check_output_spec
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from stagewise.ir.plan import InputSpec, Plan
+    from stagewise.ir.program import Program
 
 MAX_COUNT = 1 << 16  # devices, stages, microbatches: far above any pipeline
 MAX_MICROBATCH_SIZE = 1 << 24  # samples in one microbatch
@@ -57,6 +62,7 @@ def check_plan(plan: Plan) -> Plan:
         _shape(f"state_shapes[{position}]", shape)
     _check_programs(plan)
     _check_split(plan)
+    _check_activations(plan)
     check_output_spec(plan.output_spec)
     if not all(name is None or isinstance(name, str) for name in plan.output_nodes):
         _refuse("output_nodes", plan.output_nodes, "a node name or null per leaf of output_spec")
@@ -88,6 +94,33 @@ def _check_split(plan: Plan) -> None:
     for label, seconds in split.parts():
         if type(seconds) not in (int, float) or not 0 <= seconds < math.inf:
             _refuse(f"predicted_split's {label} seconds", seconds, "a finite, non-negative number of seconds")
+
+
+def activations_run(programs: Iterable[Program]) -> dict[int, ActivationPolicy]:
+    """Per stage, what its programs do with its stashes: recompute them, swap them to host memory, else
+    (a stage not listed) keep them. A plan saved before stages recorded a policy reads as this."""
+    run: dict[int, ActivationPolicy] = {}
+    for program in programs:
+        for instruction in program.instructions:
+            if isinstance(instruction, Recompute):
+                run[instruction.stage] = ActivationPolicy.RECOMPUTE
+            elif isinstance(instruction, StashOut | StashIn) and instruction.stage not in run:
+                run[instruction.stage] = ActivationPolicy.SWAP
+    return run
+
+
+def _check_activations(plan: Plan) -> None:
+    """Each stage's recorded policy is one a stage runs (not AUTO) and the one its programs run (a
+    SWAP stage may keep every stash: one whose backward comes right after its forward stays), so the
+    plan table never says keep where a stage recomputes."""
+    run = activations_run(plan.programs)
+    for stage in plan.stages:
+        recorded, does = stage.activations, run.get(stage.index, ActivationPolicy.KEEP)
+        agrees = not plan.programs or recorded == does or (recorded, does) == (ActivationPolicy.SWAP,
+                                                                                 ActivationPolicy.KEEP)
+        if recorded is ActivationPolicy.AUTO or not agrees:
+            _refuse(f"stages[{stage.index}].activations", str(recorded),
+                    f"the policy its programs run ('{does}')")
 
 
 def _spec_bytes(name: str, spec: InputSpec, batch: int) -> int:

@@ -25,7 +25,7 @@ def plan_parts(plan) -> list[Table | str]:
     """The stage table, the predictions, the plans considered and the shared tensors."""
     stages = Table(title=f"stagewise plan: {plan.model} ({plan.tracer} trace, {plan.schedule}, "
                    f"{plan.microbatches} microbatches of {plan.microbatch_size})")
-    for column in ("stage", "device", "layers", "params", "fwd GFLOP/mb", "pred F+B ms/mb", "receives", "sends"):
+    for column in ("stage", "device", "layers", "params", "activations", "fwd GFLOP/mb", "pred F+B ms/mb", "receives", "sends"):
         stages.add_column(column)
     for stage in plan.stages:
         predicted = plan.predicted_stage_s[stage.index] * 1e3 if plan.predicted_stage_s else None
@@ -40,6 +40,7 @@ def plan_parts(plan) -> list[Table | str]:
             f"{stage.device}: {plan.devices[stage.device].name}",
             names,
             format_bytes(params),
+            str(stage.activations),
             f"{flops:.4f}",
             "-" if predicted is None else f"{predicted:.3f}",
             _transfers(receives, plan.microbatch_size, "src"),

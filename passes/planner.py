@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch.fx as fx
 
-from stagewise.ir.choices import Schedule
+from stagewise.ir.choices import ActivationPolicy, Schedule
 from stagewise.ir.costs import NO_RUNTIME_COSTS, RuntimeCosts
 from stagewise.ir.devices import format_bytes
 from stagewise.ir.errors import CapacityError, PartitionError, PlanError, StagewiseError
@@ -39,6 +39,7 @@ from stagewise.ir.plan import (
 )
 from stagewise.ir.time_split import TimeSplit
 from stagewise.ir.topology import Topology
+from stagewise.passes.activations import Policies, apply_policies, asked_policies, recorded_policies
 from stagewise.passes.costs import stage_charges
 from stagewise.passes.cpsat import partition_and_bind
 from stagewise.passes.harmony_packing import split_balanced
@@ -94,6 +95,7 @@ def assemble(
     stage_devices: Sequence[int], layout: Layout, swap: str, capacities: list[int | None], clip: bool,
     state_per_param_byte: float, optimizer_on_host: bool = False, stash_bytes: Sequence[float] = (),
     built: dict | None = None, replica_devices: Sequence[Sequence[int]] = (), grad_bytes: Sequence[float] | None = None,
+    activations: ActivationPolicy | Policies = ActivationPolicy.AUTO,
 ) -> Assembled:
     """Stages, replicas, shared tensors, swaps and programs of one plan (`stash_bytes`: what each
     layer stashes per microbatch at the plan's size, for deciding where stashed activations are
@@ -103,7 +105,8 @@ def assemble(
     per sample do not depend on the size). `built`: one compile's stages by graph, starts and
     devices, since its candidates share partitions (gpipe, 1f1b and varuna at a microbatch size).
     `replica_devices[s]`: the devices of stage s's replicas when stages are replicated each their own
-    way (PipeDream's 2-1 plans); else `layout` copies the whole pipeline."""
+    way (PipeDream's 2-1 plans); else `layout` copies the whole pipeline. `activations`: every stage's
+    policy, or per stage instance (passes/activations.py); AUTO swaps stashes as `swap` says."""
     built = {} if built is None else built
     key = (id(gm), tuple(starts), tuple(stage_devices))
     if key not in built:
@@ -116,8 +119,11 @@ def assemble(
     shared = find_shared(gm, stages)
     # clipping with swapping: lower counts the norm stage by stage (passes/lower.py)
     tasks = instance_tasks(schedule, stages, microbatches, len(capacities), jit_update=not clip)
-    swaps = plan_swaps(swap, stages, layers, capacities, state_per_param_byte, tasks, stash_bytes, grad_bytes)
+    tasks, stash_stages = apply_policies(tasks, asked_policies(activations, stages, tasks))
+    swaps = plan_swaps(swap, stages, layers, capacities, state_per_param_byte, tasks, stash_bytes, grad_bytes,
+                       stash_stages)
     programs = lower(stages, transfers, shared, tasks, clip, swaps, optimizer_on_host)
+    stages = recorded_policies(stages, tasks, swaps)
     return Assembled(schedule, microbatches, tuple(starts), tuple(stage_devices), layout, stages, transfers, shared,
                      swaps, programs, tuple(tuple(on) for on in replica_devices))
 

@@ -25,7 +25,8 @@ statistics take the microbatches in one order (tests/test_gradient_order.py).
 Generators describe one pipeline lane (one data-parallel replica) with logical stages and
 lane-local microbatches; `instance_tasks` maps lanes onto stage instances and devices. Stages
 replicated each their own number of ways (PipeDream's 2-1 plans) form no lanes: each instance
-runs GPipe or 1F1B-RR over its own microbatches (`replicated_stage_tasks`).
+runs GPipe or 1F1B-RR over its own microbatches (`replicated_stage_tasks`). `with_recompute` makes
+chosen stages of any of these recompute instead of stash (the planner's per-stage activation policy).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 
 from stagewise.ir.choices import Schedule, choice_names, parse_choice
 from stagewise.ir.errors import OptionError, PlanError
@@ -236,6 +238,36 @@ def instance_tasks(name: Schedule, stages: Sequence[Stage], microbatches: int, n
                 mb = None if task.microbatch is None else local[task.microbatch]
                 per_device[instance.device].append(Task(task.phase, instance.index, mb, task.stash))
     return per_device
+
+
+def with_recompute(tasks: Sequence[Sequence[Task]], stages: AbstractSet[int]) -> list[list[Task]]:
+    """Each device's tasks with `stages` recomputing (Varuna §3.2, per stage): their forwards keep only
+    their inputs (no stash) and each backward is preceded by the recompute of its forward, so a stage
+    holds one microbatch's stash at a time whatever the schedule keeps in flight. Forwards and
+    backwards keep their order, so gradients sum as without recompute."""
+    def recomputed(task: Task) -> list[Task]:
+        if task.stage not in stages or task.phase is Phase.UPDATE:
+            return [task]
+        if task.phase is Phase.FORWARD:
+            return [Task(Phase.FORWARD, task.stage, task.microbatch, stash=False)]
+        if task.phase is Phase.BACKWARD:
+            return [Task(Phase.RECOMPUTE, task.stage, task.microbatch), task]
+        raise PlanError(f"stage {task.stage} already recomputes ({task}); give recompute stages a schedule that stashes")
+    return [[new for task in device_tasks for new in recomputed(task)] for device_tasks in tasks]
+
+
+def stashes_held_once(tasks: Sequence[Sequence[Task]]) -> frozenset[int]:
+    """Stages every forward of which is followed right away by its backward on its device (1F1B's last
+    stage): they hold one stash at a time already, so recomputing would only add a forward."""
+    adjacent: dict[int, bool] = {}
+    for device_tasks in tasks:
+        for i, task in enumerate(device_tasks):
+            if task.phase is Phase.FORWARD:
+                after = device_tasks[i + 1] if i + 1 < len(device_tasks) else None
+                follows = after is not None and (after.phase, after.stage, after.microbatch) == (
+                    Phase.BACKWARD, task.stage, task.microbatch)
+                adjacent[task.stage] = adjacent.get(task.stage, True) and follows
+    return frozenset(stage for stage, always in adjacent.items() if always)
 
 
 def replicated_stage_tasks(name: Schedule, stages: Sequence[Stage], microbatches: int, n_devices: int) -> list[list[Task]]:

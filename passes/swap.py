@@ -208,14 +208,15 @@ class Residency:
 
 def plan_swaps(mode: SwapMode | str, stages: Sequence[Stage], layers: Sequence[Layer], capacities: list[int | None], state_per_param_byte: float,
                tasks: Sequence[Sequence[Task]] = (), stash_bytes: Sequence[float] = (),
-               grad_bytes: Sequence[float] | None = None) -> SwapPlan:
+               grad_bytes: Sequence[float] | None = None, stash_stages: AbstractSet[int] | None = None) -> SwapPlan:
     """The swap plan for `swap=`: "off", "on" (Harmony-style everywhere), "all" ("on", and every stage's
     stashed activations), "per-device" (baseline), or "auto": Harmony-style swapping only on devices
     whose stages' training state exceeds their capacity. In every mode but "off" and "all", a device's
     stashes are swapped where they do not fit beside the state it keeps (`tasks[d]`: device d's
     schedule, which says how many stashes are in flight; `stash_bytes`: one microbatch's per layer).
     `grad_bytes`: per layer, the bytes of its trainable parameters, the only ones with gradients and
-    optimizer state (None: every parameter trains)."""
+    optimizer state (None: every parameter trains). `stash_stages`: the stages whose stashes go to host
+    memory, chosen per stage (passes/activations.py); None: as `mode` says."""
     requested = parse_choice(SwapMode, mode, "swap=")
     weights = {s.index: sum(layers[i].param_bytes for i in s.layers) for s in stages}
     grads = weights if grad_bytes is None else {s.index: round(sum(grad_bytes[i] for i in s.layers)) for s in stages}
@@ -241,7 +242,9 @@ def plan_swaps(mode: SwapMode | str, stages: Sequence[Stage], layers: Sequence[L
     depth = 1 if tight else 2
     device_of = {s.index: s.device for s in stages}
     resident = [_resident_state(state, chosen, depth, [s for s in state if device_of[s] == d]) for d in range(len(capacities))]
-    if requested == SwapMode.ALL:
+    if stash_stages is not None:
+        swapped_stash = frozenset(s for s in stash_stages if stash.get(s, 0) > 0)
+    elif requested == SwapMode.ALL:
         swapped_stash = frozenset(s for s, b in stash.items() if b > 0)
     elif requested == SwapMode.OFF:
         swapped_stash = frozenset()

@@ -22,7 +22,7 @@ from stagewise.compiler.compile.driver import compile, plan, simulate  # noqa: A
 from stagewise.compiler.elastic.load import load
 from stagewise.compiler.elastic.periodic import Checkpoints
 from stagewise.compiler.pipeline.pipeline import Pipeline
-from stagewise.ir.choices import CostModel, Schedule
+from stagewise.ir.choices import ActivationPolicy, CostModel, Schedule
 from stagewise.ir.devices import Device
 from stagewise.ir.errors import (
     AssumedFiguresWarning,
@@ -59,6 +59,7 @@ from stagewise.passes.swap import SwapMode
 from stagewise.runtime.device_time import DeviceTime
 
 __all__ = [
+    "ActivationPolicy",
     "BatchSizeError",
     "Candidate",
     "CapacityError",

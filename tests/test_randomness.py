@@ -92,6 +92,8 @@ PLANS = [  # (devices, schedule, options); the reference is one device under gpi
     (3, "gpipe", {"split_points": ["blocks.0", "blocks.3"]}), (2, "harmony-pp", {}),
     (2, "1f1b", {}), (4, "1f1b", {}), (2, "interleaved", {}), (2, "varuna", {}), (4, "varuna", {}),
     (2, "harmony-dp", {}), (4, "varuna", {"replicas": 2}),
+    (2, "1f1b", {"activations": "recompute"}),  # stage 0 recomputes, stage 1 keeps (passes/activations.py)
+    (2, "interleaved", {"activations": "recompute"}),  # every virtual stage but the last recomputes
 ]
 
 

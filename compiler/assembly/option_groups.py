@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Any, ParamSpec, TypeVar
 
 from stagewise.compiler.assembly.options import (
+    check_activations,
     check_clip_grad_norm,
     check_flags,
     check_microbatch_count,
@@ -20,7 +21,7 @@ from stagewise.compiler.assembly.options import (
     check_split_points,
 )
 from stagewise.compiler.assembly.shape_buckets import parse_shape_buckets
-from stagewise.ir.choices import CostModel, Schedule, parse_choice
+from stagewise.ir.choices import ActivationPolicy, CostModel, Schedule, parse_choice
 from stagewise.ir.errors import OptionError
 from stagewise.ir.precision import LossScaling, check_precision
 from stagewise.passes.swap import SwapMode
@@ -89,21 +90,31 @@ class MemoryOptions:
             stashed activations, "off" never swaps.
         optimizer_on_host: the optimizer steps fp32 masters in host memory (Harmony's CPU update,
             ZeRO-Offload), so no device holds optimizer state.
+        activations: sw.ActivationPolicy or its name, what each stage does with the activations
+            its forwards save for the backward: "auto" keeps them where they fit and elsewhere
+            recomputes or swaps them, whichever the simulator predicts faster (per stage); "keep",
+            "recompute" (every stage that holds more than one at a time) or "swap" force one. For
+            gpipe, 1f1b and interleaved; varuna and Harmony keep their own.
 
     Raises:
-        OptionError: an unknown swap mode, or `optimizer_on_host` not a bool.
+        OptionError: an unknown swap mode or activation policy, one the swap mode contradicts
+            ("swap" with swap="off"; "keep" or "recompute" with swap="all"), or `optimizer_on_host`
+            not a bool.
 
     Example:
         >>> sw.MemoryOptions(swap="on")
-        MemoryOptions(swap=<SwapMode.ON: 'on'>, optimizer_on_host=False)
+        MemoryOptions(swap=<SwapMode.ON: 'on'>, optimizer_on_host=False, activations=<ActivationPolicy.AUTO: 'auto'>)
     """
 
     swap: SwapMode | str = SwapMode.AUTO
     optimizer_on_host: bool = False
+    activations: ActivationPolicy | str = ActivationPolicy.AUTO
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "swap", parse_choice(SwapMode, self.swap, "swap="))
+        swap = parse_choice(SwapMode, self.swap, "swap=")
+        object.__setattr__(self, "swap", swap)
         check_flags(optimizer_on_host=self.optimizer_on_host)
+        object.__setattr__(self, "activations", check_activations(self.activations, swap))
 
 
 @dataclass(frozen=True)

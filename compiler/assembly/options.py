@@ -13,7 +13,7 @@ import torch
 
 from stagewise.compiler.assembly.batches import batch_size, check_microbatches, input_specs
 from stagewise.compiler.assembly.optimizer_groups import ParamGroups, check_param_groups, sample_optimizer
-from stagewise.ir.choices import CostModel, Schedule, parse_choice
+from stagewise.ir.choices import ActivationPolicy, CostModel, Schedule, parse_choice
 from stagewise.ir.devices import Device, check_present, resolve_devices
 from stagewise.ir.errors import (
     BatchSizeError,
@@ -49,6 +49,7 @@ class CompileOptions:
     split_points: tuple[str, ...] | None = None
     clip_grad_norm: float | None = None
     swap: SwapMode = SwapMode.AUTO
+    activations: ActivationPolicy = ActivationPolicy.AUTO  # a member or its string: read as the member when made
     replicas: int | str | tuple[int, ...] = 1
     stages: int | str | None = None
     optimizer_on_host: bool = False
@@ -137,8 +138,22 @@ def _check_scalars(options: CompileOptions) -> None:
     check_microbatch_count(options.microbatches)
     check_flags(optimizer_on_host=options.optimizer_on_host)
     object.__setattr__(options, "swap", parse_choice(SwapMode, options.swap, "swap="))
+    object.__setattr__(options, "activations", check_activations(options.activations, options.swap))
     check_seed(options.seed)
     check_split_points(options.split_points)
+
+
+def check_activations(activations: object, swap: SwapMode) -> ActivationPolicy:
+    """`activations=` as a member, and one the swap mode allows: swap="off" moves no stash to host
+    memory, swap="all" moves every one (so keeping or recomputing them contradicts it)."""
+    policy = parse_choice(ActivationPolicy, activations, "activations=")
+    if policy is ActivationPolicy.SWAP and swap is SwapMode.OFF:
+        raise OptionError("activations='swap' moves stashed activations to host memory, which swap='off' forbids; "
+                          "give swap='auto', or activations='keep' or 'recompute'")
+    if policy in (ActivationPolicy.KEEP, ActivationPolicy.RECOMPUTE) and swap is SwapMode.ALL:
+        raise OptionError(f"activations='{policy}' contradicts swap='all', which swaps every stage's stashed "
+                          "activations; give swap='on' (state only), or activations='auto' or 'swap'")
+    return policy
 
 
 def check_clip_grad_norm(clip: object) -> None:

@@ -36,7 +36,7 @@ from stagewise.compiler.compile.phases import plan as plan_phase
 from stagewise.compiler.pipeline.pipeline import Pipeline
 from stagewise.compiler.pipeline.readings import Compiled
 from stagewise.compiler.pipeline.virtual_devices import virtual_layout
-from stagewise.ir.choices import CostModel, Schedule
+from stagewise.ir.choices import ActivationPolicy, CostModel, Schedule
 from stagewise.ir.devices import format_bytes
 from stagewise.ir.errors import CapacityError, ExampleInputsError, LossError, OptionError
 from stagewise.ir.plan import Plan
@@ -72,6 +72,7 @@ def compile(  # noqa: A001 - the public name of the API
     replicas: int | str | tuple[int, ...] = 1,
     stages: int | str | None = None,
     optimizer_on_host: bool = False,
+    activations: ActivationPolicy | str = ActivationPolicy.AUTO,
     seed: int | None = None,
     precision: str | LossScaling = "fp32",
     virtual_devices: int | None = None,
@@ -95,7 +96,7 @@ def compile(  # noqa: A001 - the public name of the API
             sw.ParamGroups; default SGD(lr=0.01).
         plan: sw.PlanOptions: microbatches, schedule, cost, split_points, replicas, stages,
             virtual_devices (documented there).
-        memory: sw.MemoryOptions: swap, optimizer_on_host.
+        memory: sw.MemoryOptions: swap, optimizer_on_host, activations.
         training: sw.TrainingOptions: clip_grad_norm, seed, precision, shape_buckets.
         microbatches ... shape_buckets: each option of the three groups may instead be given as
             a keyword of its own (`microbatches=4`), the same value as in its group.
@@ -120,8 +121,9 @@ def compile(  # noqa: A001 - the public name of the API
     """
     chosen = with_groups(dict(microbatches=microbatches, schedule=schedule, cost=cost, split_points=split_points,
                               replicas=replicas, stages=stages, virtual_devices=virtual_devices, swap=swap,
-                              optimizer_on_host=optimizer_on_host, clip_grad_norm=clip_grad_norm, seed=seed,
-                              precision=precision, shape_buckets=shape_buckets), plan, memory, training)
+                              optimizer_on_host=optimizer_on_host, activations=activations,
+                              clip_grad_norm=clip_grad_norm, seed=seed, precision=precision,
+                              shape_buckets=shape_buckets), plan, memory, training)
     if chosen["cost"] is None:  # PlanOptions' default: compile's own
         chosen["cost"] = CostModel.PROFILE
     virtual = chosen.pop("virtual_devices")
@@ -167,6 +169,7 @@ def plan(
     replicas: int | str | tuple[int, ...] = 1,
     stages: int | str | None = None,
     optimizer_on_host: bool = False,
+    activations: ActivationPolicy | str = ActivationPolicy.AUTO,
     precision: str = "fp32",
     topology: Topology | None = None,
 ) -> Plan:
@@ -202,7 +205,7 @@ def plan(
     """
     chosen = with_groups(dict(microbatches=microbatches, schedule=schedule, split_points=split_points, swap=swap,
                               replicas=replicas, stages=stages, optimizer_on_host=optimizer_on_host,
-                              precision=precision, cost=CostModel.ANALYTIC, virtual_devices=None, clip_grad_norm=None,
+                              activations=activations, precision=precision, cost=CostModel.ANALYTIC, virtual_devices=None, clip_grad_norm=None,
                               seed=0), plan, memory, training)
     chosen.pop("shape_buckets", None)  # how steps are padded: nothing a plan holds
     if chosen.pop("virtual_devices") is not None:

@@ -66,7 +66,8 @@ def _replan_options(options: CompileOptions, virtual_devices: int | None) -> dic
     return {"schedule": options.schedule, "microbatches": options.microbatches, "cost": options.cost,
             "swap": options.swap, "replicas": "auto" if fixed_layout else options.replicas,
             "stages": options.stages if options.stages in (None, "auto") else None,
-            "optimizer_on_host": options.optimizer_on_host, "precision": options.precision,
+            "optimizer_on_host": options.optimizer_on_host, "activations": options.activations,
+            "precision": options.precision,
             "loss_scaling": None if options.loss_scaling is None else asdict(options.loss_scaling),
             "virtual_devices": virtual_devices}
 

@@ -3,7 +3,9 @@ and keep the simplest that fits within a margin of the fastest, agree on it acro
 
 from __future__ import annotations
 
+import functools
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -12,9 +14,10 @@ import torch
 from stagewise.compiler.assembly.options import CompileRequest
 from stagewise.compiler.compile.analysis import Analysed, Analysis
 from stagewise.compiler.compile.costing import Costs
-from stagewise.ir.choices import Schedule
-from stagewise.ir.errors import AssumedFiguresWarning, PartitionError
+from stagewise.ir.choices import ActivationPolicy, Schedule
+from stagewise.ir.errors import AssumedFiguresWarning, OptionError, PartitionError
 from stagewise.ir.plan import LayerCost
+from stagewise.passes.activations import PER_STAGE_SCHEDULES, Policies, Scored, choose_policies
 from stagewise.passes.analytic import DEFAULT_PEAK_FLOPS
 from stagewise.passes.harmony_plan import HARMONY
 from stagewise.passes.harmony_search import PackSearch, choose_with_harmony
@@ -52,11 +55,12 @@ class Built(NamedTuple):
 @dataclass(frozen=True)
 class Placement:
     """Stage starts and each stage's device, decided elsewhere (the planner, or rank 0); with
-    replicated stages, each stage's replicas' devices."""
+    replicated stages, each stage's replicas' devices; each stage's activation policy."""
 
     starts: tuple[int, ...]
     stage_devices: tuple[int, ...]
     replica_devices: tuple[tuple[int, ...], ...] = ()
+    activations: tuple[tuple[int, ActivationPolicy], ...] = ()  # per stage instance, its policy (): choose
 
 
 @dataclass(frozen=True)
@@ -115,12 +119,38 @@ class PlanBuilder:
                 self.partitions[key] = partition(name, graph.layers, graph.cuts, layer_costs, layout, request.specs, size,
                                                  self.costs.topology)
             starts, stage_devices = self.partitions[key]
-        plan = assemble(graph.graph, graph.layers, graph.cuts, graph.microbatch_size, name, m, starts, stage_devices, layout,
-                        options.swap, request.capacities, options.reduces_grad_norm, self.costs.state_ratio,
-                        optimizer_on_host=options.optimizer_on_host,
-                        stash_bytes=[c.stash_bytes for c in layer_costs], built=self.built,
-                        replica_devices=replica_devices, grad_bytes=[c.grad_bytes for c in layer_costs])
-        return Built(plan, layer_costs, size)
+        assembled = functools.partial(
+            assemble, graph.graph, graph.layers, graph.cuts, graph.microbatch_size, name, m, starts, stage_devices, layout,
+            options.swap, request.capacities, options.reduces_grad_norm, self.costs.state_ratio,
+            optimizer_on_host=options.optimizer_on_host, stash_bytes=[c.stash_bytes for c in layer_costs],
+            built=self.built, replica_devices=replica_devices, grad_bytes=[c.grad_bytes for c in layer_costs])
+        return Built(self._with_activations(name, assembled, layer_costs, size, placement), layer_costs, size)
+
+    def _with_activations(self, name: Schedule, assembled: Callable[..., Assembled], layer_costs: list[LayerCost],
+                          size: int, placement: Placement | None) -> Assembled:
+        """The candidate with each stage's activation policy: the one asked for, rank 0's (`placement`),
+        or chosen per stage by simulating each (passes/activations.py). Varuna and Harmony keep their own."""
+        request, asked = self.request, self.request.options.activations
+        if name not in PER_STAGE_SCHEDULES:
+            if asked is not ActivationPolicy.AUTO:
+                raise OptionError(f"activations='{asked}' is not for the {name} schedule, which recomputes or swaps "
+                                  f"by its own rules; use it with {', '.join(PER_STAGE_SCHEDULES)}, or activations='auto'")
+            return assembled()
+        if placement is not None and placement.activations:
+            return assembled(activations=dict(placement.activations))
+        plan = assembled(activations=asked)
+        if asked is not ActivationPolicy.AUTO or request.options.swap is SwapMode.ALL:
+            return plan
+
+        def scored(candidate: Assembled) -> Scored:
+            prediction, _ = predict(candidate, layer_costs, request.specs, size, self.costs.topology, self.costs.runtime)
+            return Scored(candidate, prediction.iteration_s, prediction.peak_bytes,
+                          tuple(spec.memory for spec in request.specs))
+
+        def build(policies: Policies) -> Scored:
+            return scored(assembled(activations=policies))
+
+        return choose_policies(scored(plan), build, swap_allowed=request.options.swap is not SwapMode.OFF).plan
 
     def pack_search(self, graph: Analysed, exact: bool) -> PackSearch:
         """Harmony's Alg. 1 over `graph`, building its configurations as `build` does."""
@@ -258,7 +288,8 @@ def _candidate_of(plan: Assembled) -> Candidate:
 
 
 def _placement_of(plan: Assembled) -> Placement:
-    return Placement(tuple(plan.starts), tuple(plan.stage_devices), plan.replica_devices)
+    return Placement(tuple(plan.starts), tuple(plan.stage_devices), plan.replica_devices,
+                     tuple((s.index, s.activations) for s in plan.stages))
 
 
 def _agree_across_ranks(chosen: Assembled, builder: PlanBuilder) -> Assembled:

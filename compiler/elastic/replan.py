@@ -36,7 +36,7 @@ from stagewise.compiler.compile.model_graph import stand_in, usable
 from stagewise.compiler.pipeline.morph import restore_checkpoint
 from stagewise.compiler.pipeline.pipeline import Pipeline
 from stagewise.compiler.pipeline.training_state import put_saved_mode
-from stagewise.ir.choices import CostModel, Schedule
+from stagewise.ir.choices import ActivationPolicy, CostModel, Schedule
 from stagewise.ir.declared import ALTERED, dtype_named
 from stagewise.ir.errors import CapacityError, CheckpointError, PlanError, StagewiseError
 from stagewise.ir.plan import InputSpec, Plan
@@ -119,7 +119,8 @@ def _options(model_graph: dict, plan: Plan, training: dict, target: torch.Tensor
         cost=saved.get("cost", CostModel.PROFILE),
         clip_grad_norm=training.get("clip_grad_norm"), swap=saved.get("swap", SwapMode.AUTO),
         replicas=saved.get("replicas", 1), stages=saved.get("stages"),
-        optimizer_on_host=bool(saved.get("optimizer_on_host", False)), seed=plan.seed, precision=plan.precision,
+        optimizer_on_host=bool(saved.get("optimizer_on_host", False)),
+        activations=saved.get("activations", ActivationPolicy.AUTO), seed=plan.seed, precision=plan.precision,
         loss_scaling=_loss_scaling(saved.get("loss_scaling"), where))
 
 
