@@ -24,8 +24,7 @@ import torch.fx as fx
 
 from stagewise.ir.choices import Schedule
 from stagewise.ir.costs import NO_RUNTIME_COSTS, RuntimeCosts
-from stagewise.ir.devices import format_bytes
-from stagewise.ir.errors import CapacityError, PartitionError, PlanError, StagewiseError
+from stagewise.ir.errors import PartitionError, PlanError, StagewiseError
 from stagewise.ir.plan import (
     Cut,
     DeviceSpec,
@@ -38,6 +37,7 @@ from stagewise.ir.plan import (
     Transfer,
 )
 from stagewise.ir.topology import Topology
+from stagewise.passes.capacity import HostOver, check_fit, host_bytes, nothing_fits
 from stagewise.passes.costs import stage_charges
 from stagewise.passes.cpsat import partition_and_bind
 from stagewise.passes.harmony_packing import split_balanced
@@ -71,6 +71,7 @@ class Assembled:
     swaps: SwapPlan
     programs: tuple[Program, ...]
     replica_devices: tuple[tuple[int, ...], ...] = ()  # per stage, its replicas' devices (replicated stages)
+    host_bytes: tuple[int, ...] = ()  # per device, what the runtime keeps in host memory (passes/capacity.py)
 
     @property
     def stage_replicas(self) -> tuple[int, ...]:
@@ -83,7 +84,8 @@ class Prediction:
     iteration_s: float
     stage_s: tuple[float, ...]  # forward + backward seconds of one microbatch, per stage instance
     peak_bytes: tuple[int, ...]  # per device
-    fits: bool
+    fits: bool  # every device's pool and every host's RAM
+    hosts_over: tuple[HostOver, ...] = ()  # the hosts whose RAM cannot hold what the plan keeps there
 
 
 def assemble(
@@ -91,11 +93,13 @@ def assemble(
     stage_devices: Sequence[int], layout: Layout, swap: str, capacities: list[int | None], clip: bool,
     state_per_param_byte: float, optimizer_on_host: bool = False, stash_bytes: Sequence[float] = (),
     built: dict | None = None, replica_devices: Sequence[Sequence[int]] = (), grad_bytes: Sequence[float] | None = None,
+    host_optimizer_bytes: float = 0.0,
 ) -> Assembled:
     """Stages, replicas, shared tensors, swaps and programs of one plan (`stash_bytes`: what each
     layer stashes per microbatch at the plan's size, for deciding where stashed activations are
     swapped; `grad_bytes`: each layer's trainable parameter bytes, None where every parameter
-    trains). `traced_microbatch`: the microbatch size `gm`'s values have, which their bytes per
+    trains; `host_optimizer_bytes`: the optimizer's state per trainable byte where it steps on the
+    host, for the host memory the plan needs). `traced_microbatch`: the microbatch size `gm`'s values have, which their bytes per
     sample are counted at (a candidate of another size may be built on the same graph: the bytes
     per sample do not depend on the size). `built`: one compile's stages by graph, starts and
     devices, since its candidates share partitions (gpipe, 1f1b and varuna at a microbatch size).
@@ -115,8 +119,9 @@ def assemble(
     tasks = instance_tasks(schedule, stages, microbatches, len(capacities), jit_update=not clip)
     swaps = plan_swaps(swap, stages, layers, capacities, state_per_param_byte, tasks, stash_bytes, grad_bytes)
     programs = lower(stages, transfers, shared, tasks, clip, swaps, optimizer_on_host)
+    on_host = host_bytes(stages, swaps, tasks, len(capacities), optimizer_on_host, host_optimizer_bytes)
     return Assembled(schedule, microbatches, tuple(starts), tuple(stage_devices), layout, stages, transfers, shared,
-                     swaps, programs, tuple(tuple(on) for on in replica_devices))
+                     swaps, programs, tuple(tuple(on) for on in replica_devices), on_host)
 
 
 def sim_cost(plan: Assembled, costs: Sequence[LayerCost], devices: Sequence[DeviceSpec], microbatch_size: int,
@@ -138,9 +143,9 @@ def predict(plan: Assembled, costs: Sequence[LayerCost], devices: Sequence[Devic
     cost = sim_cost(plan, costs, devices, microbatch_size, topology, runtime)
     result = simulate(plan.programs, cost)
     peaks = tuple(int(result.peak_bytes.get(d, 0)) for d in range(len(devices)))
-    fits = all(d.memory is None or peak <= d.memory for d, peak in zip(devices, peaks, strict=True))
+    fit = check_fit(devices, peaks, plan.host_bytes)
     stage_s = tuple(f + b for f, b in zip(cost.forward_s, cost.backward_s, strict=True))
-    return Prediction(result.iteration_time, stage_s, peaks, fits), result
+    return Prediction(result.iteration_time, stage_s, peaks, fit.fits, fit.hosts_over), result
 
 
 def partition(
@@ -370,21 +375,11 @@ def choose(
         raise failure("no plan could be built: " + "; ".join(f"{c.describe().strip()}: {r}" for c, r in tried))
     if not any(prediction.fits for _, _, prediction in built):
         _, plan, prediction = min(built, key=lambda b: (b[2].iteration_s, simplicity(b[1])))
-        raise _nothing_fits(plan, prediction, devices)
+        raise nothing_fits(f"{plan.schedule}, {plan.microbatches} microbatches", prediction.peak_bytes,
+                           prediction.hosts_over, devices)
     kept, fastest = keep_simplest([(simplicity(plan), prediction) for _, plan, prediction in built])
     verdict = Verdict(built[kept][0], built[kept][2].iteration_s, built[fastest][0], built[fastest][2].iteration_s)
     return built[kept][1], built[kept][2], tried, verdict
-
-
-def _nothing_fits(plan: Assembled, prediction: Prediction, devices: Sequence[DeviceSpec]) -> CapacityError:
-    over = [(d, peak, spec.memory) for d, (peak, spec) in enumerate(zip(prediction.peak_bytes, devices, strict=True))
-            if spec.memory is not None and peak > spec.memory]
-    detail = ", ".join(f"device {d} would need {format_bytes(peak)} of its {format_bytes(cap)}" for d, peak, cap in over)
-    return CapacityError(
-        f"no plan fits the devices' memory even with swapping: the best ({plan.schedule}, {plan.microbatches} "
-        f"microbatches) predicts {detail}. Give the devices more memory, add devices, use a smaller batch or "
-        "more microbatches (smaller activations)."
-    )
 
 
 __all__ = ["PLAN_MARGIN", "Assembled", "Candidate", "Prediction", "RuntimeCosts", "Simplicity", "Verdict", "assemble",

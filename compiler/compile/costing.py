@@ -63,6 +63,7 @@ class Costs:
     runtime: RuntimeCosts
     topology: Topology  # bytes/s of a send between every pair of the devices (measured)
     optimizer_ratio: float  # bytes of optimizer state per weight byte on the devices
+    host_optimizer_ratio: float = 0.0  # the same in host memory, where the optimizer steps on the host
 
     @property
     def state_ratio(self) -> float:
@@ -77,18 +78,19 @@ def measure_costs(request: CompileRequest, analysis: Analysis) -> Costs:
     (compiler/compile/modelled_costs.py) unless `topology=` gives the links."""
     devices = request.devices
     options = request.options
-    # no optimizer state on the devices when the optimizer steps on the host
-    optimizer_ratio = 0.0 if options.optimizer_on_host else optimizer_state_ratio(options.optimizer)
+    # no optimizer state on the devices when the optimizer steps on the host: it is in host memory
+    state_ratio = optimizer_state_ratio(options.optimizer)
+    optimizer_ratio, host_ratio = (0.0, state_ratio) if options.optimizer_on_host else (state_ratio, 0.0)
     largest = MAX_MICROBATCH if options.microbatch_sizes is None else options.microbatch_sizes[1]
     layers = LayerCostModel(options.cost, analysis, devices[0], optimizer_ratio, options.precision, largest)
     layers.at(analysis.first.microbatch_size)
     if not request.runs_here:
         topology = options.topology or modelled_topology(devices)
-        return Costs(layers, modelled_runtime_costs(request, analysis), topology, optimizer_ratio)
+        return Costs(layers, modelled_runtime_costs(request, analysis), topology, optimizer_ratio, host_ratio)
     context = request.distributed
     topology = options.topology or (local_topology(devices) if context is None
                                     else cluster_topology(devices, context.local_rank))
-    return Costs(layers, runtime_costs(request, analysis, layers), topology, optimizer_ratio)
+    return Costs(layers, runtime_costs(request, analysis, layers), topology, optimizer_ratio, host_ratio)
 
 
 def runtime_costs(request: CompileRequest, analysis: Analysis, layer_costs: LayerCostModel) -> RuntimeCosts:

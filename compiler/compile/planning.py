@@ -119,7 +119,8 @@ class PlanBuilder:
                         options.swap, request.capacities, options.reduces_grad_norm, self.costs.state_ratio,
                         optimizer_on_host=options.optimizer_on_host,
                         stash_bytes=[c.stash_bytes for c in layer_costs], built=self.built,
-                        replica_devices=replica_devices, grad_bytes=[c.grad_bytes for c in layer_costs])
+                        replica_devices=replica_devices, grad_bytes=[c.grad_bytes for c in layer_costs],
+                        host_optimizer_bytes=self.costs.host_optimizer_ratio)
         return Built(plan, layer_costs, size)
 
     def pack_search(self, graph: Analysed, exact: bool) -> PackSearch:
@@ -235,7 +236,7 @@ def _describe(candidate: Candidate, result: Prediction | str) -> str:
     what = candidate.describe()
     if isinstance(result, str):
         return f"{what} not possible: {result}"
-    fits = "fits" if result.fits else "does not fit"
+    fits = "fits" if result.fits else "does not fit" + (" host memory" if result.hosts_over else "")
     return f"{what} {result.iteration_s * 1e3:9.2f} ms/iteration, {fits}"
 
 
