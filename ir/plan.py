@@ -178,6 +178,7 @@ class Plan:
         predicted_iteration_s: the simulated time of one step.
         predicted_stage_s: per stage, forward + backward of one microbatch.
         predicted_peak_bytes: per device, its simulated peak memory.
+        predicted_host_bytes: per device, what the runtime keeps for it in host memory.
         considered: the candidate plans the planner simulated, one line each.
         costs: what the predictions charged, so a loaded plan predicts the same.
         input_specs: per input (then the target), the shapes and dtypes step accepts.
@@ -216,6 +217,7 @@ class Plan:
     predicted_iteration_s: float | None = None
     predicted_stage_s: tuple[float, ...] = ()  # forward + backward of one microbatch, per stage
     predicted_peak_bytes: tuple[int, ...] = ()  # per device
+    predicted_host_bytes: tuple[int, ...] = ()  # per device, kept in host memory (passes/capacity.py)
     considered: tuple[str, ...] = ()  # the candidate plans the planner simulated, one line each
     costs: PlanCosts | None = None  # what the predictions charged: a loaded plan predicts the same
     input_specs: tuple[InputSpec, ...] = ()  # per input_names (then the target); () skips step's checks

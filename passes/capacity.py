@@ -8,10 +8,10 @@ Per stage instance the runtime keeps (runtime/worker.py, runtime/undo.py, runtim
   between their uses;
 - with the optimizer on the host (ZeRO-Offload): the fp32 masters, the gradients sent for the
   update and the optimizer's state;
-- the undo record of each update (a failed step is rolled back): a host copy of every tensor the
-  update may write, kept from step to step. That is the weights and optimizer state wherever
-  they are: a swapped stage's device copies and host copies both, and beside a host optimizer's
-  state the device weights, the masters and the gradients;
+- the undo record of each update (a failed step is rolled back): a host copy, kept from step to
+  step, of every tensor the update may write as the step found it: the weights and optimizer
+  state (a swapped stage's host copies; with a host optimizer its masters and state, and the
+  device's weights where they stay there);
 - swapped stashes: as many of a stage's stashes as it holds in flight at once.
 
 A CPU device's pool is that RAM too, so its predicted peak joins its host's use.
@@ -63,12 +63,11 @@ def _stage_bytes(stage: int, swaps: SwapPlan, optimizer_on_host: bool, host_opti
     if optimizer_on_host:
         state = round(grads * host_optimizer_bytes)
         kept = weights + grads + state  # masters, gradients, optimizer state
-        undo = kept if swapped else weights + kept  # a resident stage's device weights too
+        undo = weights + state + (0 if swapped else weights)  # a resident stage's device weights too
         return kept + undo
     optimizer = swaps.optimizer_bytes.get(stage, 0)
-    if swapped:
-        return weights + grads + optimizer + 2 * (weights + optimizer)
-    return weights + optimizer
+    kept = weights + grads + optimizer if swapped else 0
+    return kept + weights + optimizer
 
 
 def _most_in_flight(tasks: Sequence[Task], stage: int) -> int:
@@ -111,14 +110,20 @@ class Fit:
     """Whether a candidate's predicted peaks fit its devices' pools and its hosts' RAM."""
 
     fits: bool
+    pools_fit: bool
     hosts_over: tuple[HostOver, ...]
+
+
+def pools_fit(devices: Sequence[DeviceSpec], peaks: Sequence[int]) -> bool:
+    """Every device's peak within its `memory`."""
+    return all(d.memory is None or peak <= d.memory for d, peak in zip(devices, peaks, strict=True))
 
 
 def check_fit(devices: Sequence[DeviceSpec], peaks: Sequence[int], held: Sequence[int]) -> Fit:
     """Every device's peak within its `memory`, and every host's use (`host_use`) within its RAM."""
     over = tuple(hosts_over(devices, host_use(devices, held, peaks)))
-    pools = all(d.memory is None or peak <= d.memory for d, peak in zip(devices, peaks, strict=True))
-    return Fit(pools and not over, over)
+    pools = pools_fit(devices, peaks)
+    return Fit(pools and not over, pools, over)
 
 
 def nothing_fits(plan: str, peaks: Sequence[int], over_hosts: Sequence[HostOver],

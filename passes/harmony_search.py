@@ -95,8 +95,9 @@ class PackSearch:
             return simulate(size, starts).score
 
         def fits(size: int, starts: list[int]) -> bool:
-            unbuilt, over_memory, _ = simulate(size, starts).score
-            return unbuilt or not over_memory  # more packs cannot mend a plan that does not build
+            # more packs cannot mend a plan that does not build, nor one its hosts' RAM cannot hold
+            found = simulate(size, starts)
+            return found.score[0] or (isinstance(found.prediction, Prediction) and found.prediction.pools_fit)
 
         try:
             size, starts = search_packs(sorted(by_size), self.n_layers, self.costs_at, self.cuts, self.devices,

@@ -86,6 +86,7 @@ class Prediction:
     peak_bytes: tuple[int, ...]  # per device
     fits: bool  # every device's pool and every host's RAM
     hosts_over: tuple[HostOver, ...] = ()  # the hosts whose RAM cannot hold what the plan keeps there
+    pools_fit: bool = True  # every device's pool (only the hosts' RAM may be short)
 
 
 def assemble(
@@ -145,7 +146,7 @@ def predict(plan: Assembled, costs: Sequence[LayerCost], devices: Sequence[Devic
     peaks = tuple(int(result.peak_bytes.get(d, 0)) for d in range(len(devices)))
     fit = check_fit(devices, peaks, plan.host_bytes)
     stage_s = tuple(f + b for f, b in zip(cost.forward_s, cost.backward_s, strict=True))
-    return Prediction(result.iteration_time, stage_s, peaks, fit.fits, fit.hosts_over), result
+    return Prediction(result.iteration_time, stage_s, peaks, fit.fits, fit.hosts_over, fit.pools_fit), result
 
 
 def partition(
@@ -374,7 +375,9 @@ def choose(
             raise failure(reasons[0])
         raise failure("no plan could be built: " + "; ".join(f"{c.describe().strip()}: {r}" for c, r in tried))
     if not any(prediction.fits for _, _, prediction in built):
-        _, plan, prediction = min(built, key=lambda b: (b[2].iteration_s, simplicity(b[1])))
+        # the reason from the fastest candidate, among those that at least fit the devices' pools
+        pooled = [b for b in built if b[2].pools_fit]
+        _, plan, prediction = min(pooled or built, key=lambda b: (b[2].iteration_s, simplicity(b[1])))
         raise nothing_fits(f"{plan.schedule}, {plan.microbatches} microbatches", prediction.peak_bytes,
                            prediction.hosts_over, devices)
     kept, fastest = keep_simplest([(simplicity(plan), prediction) for _, plan, prediction in built])
