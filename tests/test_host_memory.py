@@ -20,6 +20,10 @@ import torch.nn.functional as F
 
 import stagewise as sw
 from stagewise.compiler.advice.recommend_report import Out
+from stagewise.ir.choices import Schedule
+from stagewise.passes.capacity import HostOver
+from stagewise.passes.harmony_search import Simulated, _simplest_within_margin
+from stagewise.passes.planner import Candidate, Prediction
 from tests.models.mlp import mlp
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
@@ -91,6 +95,20 @@ def test_the_smallest_ram_a_host_states_bounds_it():
     tight = sw.Device("cuda", memory=100_000, peak_flops="1TFLOPS", host_memory=SWAPPED_ON_HOST // 2)
     with pytest.raises(sw.CapacityError, match="host memory"):
         _plan([roomy, tight], schedule="harmony-pp", swap="on")
+
+
+def test_harmony_search_hands_on_a_configuration_the_devices_hold():
+    """When no configuration fits, Alg. 1's pick is the fastest its devices' pools hold (only the
+    host's RAM is short), so that the refusal names host memory rather than a faster configuration's
+    device overflow (7B on one g6.xlarge said "device 0 would need" before)."""
+    def simulated(seconds: float, pools_fit: bool) -> Simulated:
+        prediction = Prediction(seconds, (seconds,), (1,), False, (HostOver(0, 2, 1),), pools_fit)
+        return Simulated((None, [], 1), prediction)  # type: ignore[arg-type]  # only the prediction is read
+
+    few, many = Candidate(Schedule.HARMONY_PP, 1), Candidate(Schedule.HARMONY_PP, 2)
+    scored = [(few, simulated(1.0, pools_fit=False)), (many, simulated(2.0, pools_fit=True))]
+    assert _simplest_within_margin(scored, scored[0])[0] == many
+    assert _simplest_within_margin(scored[:1], scored[0])[0] == few  # none holds: Alg. 1's own
 
 
 def test_a_cpu_device_has_this_machines_ram():
