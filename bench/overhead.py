@@ -1,7 +1,8 @@
 """Dispatch overhead: a tiny model trained eagerly and with stagewise on 1, 2 and 4 in-process CPU devices.
 
-    python bench/overhead.py                        # 1, 2 and 4 devices, 5 warm-up + 100 timed steps (~15 s)
-    python bench/overhead.py --steps 200 --devices 2,4
+    python bench/overhead.py                        # 1, 2 and 4 devices, 5 warm-up + 100 timed steps (~15 s),
+                                                    # then the compute-bound GPT (~30 s)
+    python bench/overhead.py --steps 200 --devices 2,4 --gpt-steps 0
     PYTHONPATH=/tmp/before python bench/overhead.py   # another checkout's stagewise (the line
                                                      # "stagewise imported from" names which one ran)
 
@@ -20,6 +21,11 @@ Timing: one intra-op thread everywhere (pinned, unless --no-pin). Every configur
 the same weights and sees the same batch; after warm-up, steps of the configurations alternate
 (round robin) so drift in the machine's speed (other jobs) affects all alike; medians are reported.
 The last loss of each configuration is printed beside its times: they must agree with eager's.
+
+The second table is issue 23's other figure: a compute-bound model (GPT, 8 layers x 256 hidden,
+batch 16 x 128 tokens, 4 microbatches) on one CPU device against eager training over the same
+microbatches (gradient accumulation); the target is a ratio of at most 1.05. Its steps alternate
+the same way (few of them: a step is about a second).
 
 Reading the figures: on the 2-core VM this was written on, the pipelines' step times are bimodal,
 and a run can sit in either mode: in the slow one 2 and 4 devices step about 1.5x and 2x slower.
@@ -51,6 +57,7 @@ from rich.table import Table
 import stagewise as sw
 
 WIDTH, DEPTH, BATCH, MICROBATCHES, LEARNING_RATE = 16, 8, 64, 16, 0.01
+GPT_LAYERS, GPT_DIM, GPT_BATCH, GPT_TOKENS, GPT_VOCAB, GPT_MICROBATCHES = 8, 256, 16, 128, 256, 4
 
 
 @dataclass
@@ -80,12 +87,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=100, help="timed steps per configuration")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per configuration first")
     p.add_argument("--devices", default="1,2,4", help="comma-separated in-process CPU device counts")
+    p.add_argument("--gpt-steps", type=int, default=3, help="timed steps of the compute-bound GPT (0: skip it)")
     p.add_argument("--no-pin", action="store_true",
                    help="do not set OMP_NUM_THREADS=MKL_NUM_THREADS=1 (some ops in new threads then use every core)")
     args = p.parse_args(argv)
     args.devices = [int(d) for d in args.devices.split(",")]
-    if args.steps < 1 or args.warmup < 0 or any(d < 1 for d in args.devices):
-        p.error("--steps must be >= 1, --warmup >= 0 and every device count >= 1")
+    if args.steps < 1 or args.warmup < 0 or args.gpt_steps < 0 or any(d < 1 for d in args.devices):
+        p.error("--steps must be >= 1, --warmup and --gpt-steps >= 0 and every device count >= 1")
     return args
 
 
@@ -172,6 +180,46 @@ def table(configs: list[Config]) -> Table:
     return result
 
 
+def gpt_configs() -> list[Config]:
+    """Issue 23's compute-bound model on one CPU device: eager over the microbatches, then stagewise."""
+    gpt = _common.tests_models()
+    torch.manual_seed(0)
+    model = gpt.TinyGPT(vocab=GPT_VOCAB, dim=GPT_DIM, heads=4, layers=GPT_LAYERS, context=GPT_TOKENS, tie=False)
+    ids = torch.randint(0, GPT_VOCAB, (GPT_BATCH, GPT_TOKENS + 1))
+    x, y = ids[:, :-1], ids[:, 1:]
+    eager, pipeline = copy.deepcopy(model), copy.deepcopy(model)
+    optimizer = torch.optim.SGD(eager.parameters(), lr=LEARNING_RATE)
+
+    def eager_step() -> float:
+        optimizer.zero_grad()
+        total = torch.zeros(())
+        for xs, ys in zip(x.chunk(GPT_MICROBATCHES), y.chunk(GPT_MICROBATCHES), strict=True):
+            loss = gpt.lm_loss(eager(xs), ys) / GPT_MICROBATCHES
+            loss.backward()
+            total += loss.detach()
+        optimizer.step()
+        return total.item()
+
+    pipe = sw.compile(pipeline, 1, (x,), loss_fn=gpt.lm_loss, example_target=y, microbatches=GPT_MICROBATCHES,
+                      schedule="1f1b", cost="analytic")
+    instructions = sum(len(program.instructions) for program in pipe.programs)
+    return [Config(f"eager, {GPT_MICROBATCHES} microbatches", eager_step, instructions=0),
+            Config("1 device", lambda: pipe.step(x, target=y).item(), instructions)]
+
+
+def gpt_table(configs: list[Config]) -> Table:
+    eager, pipeline = configs
+    result = Table(title=f"compute-bound GPT ({GPT_LAYERS} x {GPT_DIM}, batch {GPT_BATCH} x {GPT_TOKENS}) "
+                         "on one CPU device: median step time")
+    for column in ("configuration", "step time (ms)", "instructions per step", "x eager (target <= 1.05)",
+                   "last loss"):
+        result.add_column(column, justify="right")
+    for config in configs:
+        result.add_row(config.name, f"{config.median_s * 1e3:.1f}", str(config.instructions or "-"),
+                       f"{config.median_s / eager.median_s:.3f}" if config is pipeline else "-", f"{config.loss:.6f}")
+    return result
+
+
 def main() -> None:
     args = parse_args()
     console = _common.start(args, width=140, fresh_cache=False)
@@ -187,6 +235,10 @@ def main() -> None:
     configs += [pipeline_config(copy.deepcopy(model), devices, x, y) for devices in args.devices]
     measure(configs, args.warmup, args.steps)
     console.print(table(configs))
+    if args.gpt_steps:
+        gpt = gpt_configs()
+        measure(gpt, 1, args.gpt_steps)
+        console.print(gpt_table(gpt))
     console.print(f"us per instruction above eager = (step time - eager step time) / instructions per step "
                   f"(every device's program); the next column subtracts eager training over the same "
                   f"{MICROBATCHES} microbatches (gradient accumulation) instead, which leaves stagewise's own "

@@ -84,25 +84,41 @@ def train_beside_eager(console: Console, pipe: sw.Pipeline, eager, eager_opt, ba
 
 
 def show_where_the_time_went(console: Console, pipe: sw.Pipeline, pipe_s: float, eager_s: float) -> None:
-    """Compile phases, training time, and the last step per device stream beside the simulator's prediction."""
+    """Compile phases, training time, and the last step per device (compute, waiting, the runtime's
+    dispatch, swap, p2p) beside the simulator's prediction; then whether the model or the runtime dominates."""
     console.rule("where the time went")
     for phase, seconds in pipe.compile_times.items():
         console.print(f"compile: {phase:<45} {seconds:7.2f} s")
     console.print(f"training: stagewise {pipe_s:.2f} s, eager {eager_s:.2f} s for {STEPS} steps on this "
                   f"{os.cpu_count()}-core machine (the {DEVICES} logical devices share its cores)")
     simulated = pipe.simulate()
-    breakdown = Table(title="last step, per device: measured busy seconds per stream, and the simulator's prediction")
-    for column in ("device", "compute", "p2p_in", "p2p_out", "swap", "measured step", "predicted busy", "predicted step"):
+    breakdown = Table(title="last step, per device: ms (% of the step) on its compute thread, swap and p2p "
+                            "beside it, and the simulator's prediction")
+    for column in ("device", "compute", "waiting", "dispatch", "swap", "p2p", "measured step", "predicted busy",
+                   "predicted step"):
         breakdown.add_column(column, justify="right")
-    for row in pipe.time_breakdown():
-        d = row["device"]
-        breakdown.add_row(str(d), f"{row['compute_s']:.3f}", f"{row['p2p_in_s']:.3f}", f"{row['p2p_out_s']:.3f}",
-                          f"{row['swap_in_s'] + row['swap_out_s']:.3f}", f"{row['step_s']:.3f}",
-                          f"{simulated.busy.get(d, 0.0):.3f}", f"{simulated.iteration_time:.3f}")
+    rows = pipe.time_breakdown()
+    for row in rows:
+        share = [f"{seconds * 1e3:.1f} ({100 * seconds / row.step_s:.0f}%)"
+                 for seconds in (row.compute_s, row.waiting_s, row.dispatch_s, row.swap_s, row.p2p_s)]
+        breakdown.add_row(str(row.device), *share, f"{row.step_s * 1e3:.1f}",
+                          f"{simulated.busy.get(row.device, 0.0) * 1e3:.1f}", f"{simulated.iteration_time * 1e3:.1f}")
     console.print(breakdown)
+    console.print(verdict(rows), soft_wrap=True)
     sent = sum(s["p2p_bytes"] for s in pipe.stats)
     peaks = ", ".join(f"{s['peak_bytes'] / 2**20:.1f} MiB" for s in pipe.stats)
     console.print(f"bytes sent between devices over {STEPS} steps: {sent / 2**20:.2f} MiB; peak memory per device: {peaks}")
+
+
+def verdict(rows: list[sw.DeviceTime]) -> str:
+    """One line: whether the model's compute or the runtime's dispatch took more of the devices' time."""
+    total = sum(row.step_s for row in rows)
+    compute = sum(row.compute_s for row in rows) / total
+    dispatch = sum(row.dispatch_s for row in rows) / total
+    waiting = sum(row.waiting_s for row in rows) / total
+    who = "the model dominates" if compute >= dispatch else "the runtime dominates"
+    return (f"{who}: compute {100 * compute:.0f}% of the devices' time, the runtime's dispatch "
+            f"{100 * dispatch:.0f}%, waiting on other devices (the pipeline's bubble) {100 * waiting:.0f}%")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from stagewise.ir.instructions import Phase
 from stagewise.ir.plan_checks import check_plan
 from stagewise.ir.program import Program, programs_from_text
 from stagewise.ir.report import plan_group, render_plan
+from stagewise.ir.time_split import Bound, TimeSplit
 from stagewise.ir.topology import Level, Topology
 
 
@@ -179,6 +180,7 @@ class Plan:
         predicted_stage_s: per stage, forward + backward of one microbatch.
         predicted_peak_bytes: per device, its simulated peak memory.
         predicted_host_bytes: per device, what the runtime keeps for it in host memory.
+        predicted_split: where the predicted iteration's time goes, and its bound (ir/time_split.py).
         considered: the candidate plans the planner simulated, one line each.
         costs: what the predictions charged, so a loaded plan predicts the same.
         input_specs: per input (then the target), the shapes and dtypes step accepts.
@@ -218,6 +220,7 @@ class Plan:
     predicted_stage_s: tuple[float, ...] = ()  # forward + backward of one microbatch, per stage
     predicted_peak_bytes: tuple[int, ...] = ()  # per device
     predicted_host_bytes: tuple[int, ...] = ()  # per device, kept in host memory (passes/capacity.py)
+    predicted_split: TimeSplit | None = None  # compute, bubble, swap, p2p, all-reduce; the bound
     considered: tuple[str, ...] = ()  # the candidate plans the planner simulated, one line each
     costs: PlanCosts | None = None  # what the predictions charged: a loaded plan predicts the same
     input_specs: tuple[InputSpec, ...] = ()  # per input_names (then the target); () skips step's checks
@@ -295,6 +298,8 @@ def _convert(hint: str, value):
         return parse_choice(Schedule, value, "schedule ")
     if hint == "CostModel | None":  # "": a hand-made plan's, written before the cost model was an enum
         return None if value in (None, "") else parse_choice(CostModel, value, "cost_model=")
+    if hint == "Bound":
+        return Bound(value)
     if isinstance(value, dict):  # a nested dataclass: `Name` or `Name | None`
         return _build(_NESTED[hint.split("|")[0].strip()], value)
     if isinstance(value, list):
@@ -349,6 +354,6 @@ _NESTED.update(
     {
         cls.__name__: cls
         for cls in (Layer, InputSpec, CrossingValue, Cut, SharedTensor, Transfer, Stage, DeviceSpec, LayerCost, PlanCosts, Topology,
-                    Level, RuntimeCosts)
+                    Level, RuntimeCosts, TimeSplit)
     }
 )

@@ -56,6 +56,7 @@ def check_plan(plan: Plan) -> Plan:
     for position, shape in enumerate(plan.state_shapes):
         _shape(f"state_shapes[{position}]", shape)
     _check_programs(plan)
+    _check_split(plan)
     check_output_spec(plan.output_spec)
     if not all(name is None or isinstance(name, str) for name in plan.output_nodes):
         _refuse("output_nodes", plan.output_nodes, "a node name or null per leaf of output_spec")
@@ -75,6 +76,18 @@ def _check_programs(plan: Plan) -> None:
                 if hasattr(instruction, name):
                     _count(f"programs[{position}] instruction {index} ({instruction}): {name}",
                            getattr(instruction, name), 0, high)
+
+
+def _check_split(plan: Plan) -> None:
+    """The predicted split on a device of the plan, each part a finite, non-negative number of seconds
+    (the table divides and formats them)."""
+    split = plan.predicted_split
+    if split is None:  # a plan made by hand, or saved before the split was kept
+        return
+    _count("predicted_split.device", split.device, 0, len(plan.devices) - 1)
+    for label, seconds in split.parts():
+        if type(seconds) not in (int, float) or not 0 <= seconds < math.inf:
+            _refuse(f"predicted_split's {label} seconds", seconds, "a finite, non-negative number of seconds")
 
 
 def _spec_bytes(name: str, spec: InputSpec, batch: int) -> int:

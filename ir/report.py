@@ -53,6 +53,9 @@ def plan_parts(plan) -> list[Table | str]:
         peaks = ", ".join(f"dev{d} {format_bytes(b)}" for d, b in enumerate(plan.predicted_peak_bytes))
         parts.append(f"predicted ({plan.cost_model} costs): {plan.predicted_iteration_s * 1e3:.2f} ms per iteration; "
                      f"peak memory {peaks}")
+    if plan.predicted_split is not None:
+        split = plan.predicted_split
+        parts.append(f"where the time goes (dev{split.device}, the busiest): {split}")
     if plan.precision != "fp32":
         parts.append(f"precision: {plan.precision} (forwards under torch.autocast; fp32 weights, gradients, optimizer)")
     if plan.considered:

@@ -36,6 +36,7 @@ from stagewise.ir.plan import (
     Stage,
     Transfer,
 )
+from stagewise.ir.time_split import TimeSplit
 from stagewise.ir.topology import Topology
 from stagewise.passes.capacity import HostOver, check_fit, host_bytes, nothing_fits
 from stagewise.passes.costs import stage_charges
@@ -50,6 +51,7 @@ from stagewise.passes.pipedream_partition import straight_partition
 from stagewise.passes.replicate import replicate, replicate_stages
 from stagewise.passes.schedule import REPLICATED_STAGE_SCHEDULES, SCHEDULES, instance_tasks
 from stagewise.passes.shared import find_shared
+from stagewise.passes.sim_split import time_split
 from stagewise.passes.simulate import SimCost, SimResult, simulate
 from stagewise.passes.stages import build_stages
 from stagewise.passes.swap import SwapPlan, plan_swaps
@@ -85,6 +87,7 @@ class Prediction:
     stage_s: tuple[float, ...]  # forward + backward seconds of one microbatch, per stage instance
     peak_bytes: tuple[int, ...]  # per device
     fits: bool  # every device's pool and every host's RAM
+    split: TimeSplit | None = None  # where the iteration's time goes (passes/sim_split.py)
     hosts_over: tuple[HostOver, ...] = ()  # the hosts whose RAM cannot hold what the plan keeps there
     pools_fit: bool = True  # every device's pool (only the hosts' RAM may be short)
 
@@ -146,7 +149,8 @@ def predict(plan: Assembled, costs: Sequence[LayerCost], devices: Sequence[Devic
     peaks = tuple(int(result.peak_bytes.get(d, 0)) for d in range(len(devices)))
     fit = check_fit(devices, peaks, plan.host_bytes)
     stage_s = tuple(f + b for f, b in zip(cost.forward_s, cost.backward_s, strict=True))
-    return Prediction(result.iteration_time, stage_s, peaks, fit.fits, fit.hosts_over, fit.pools_fit), result
+    return Prediction(result.iteration_time, stage_s, peaks, fit.fits, time_split(result), fit.hosts_over,
+                      fit.pools_fit), result
 
 
 def partition(

@@ -43,6 +43,7 @@ from stagewise.runtime.links import (
 from stagewise.runtime.pending import POLL_S, Pending
 from stagewise.runtime.pool import MemoryPool
 from stagewise.runtime.step_records import StepRecords
+from stagewise.runtime.step_timing import waited_since
 from stagewise.runtime.sync import Aborted, Sync
 from stagewise.runtime.transport import LocalTransport
 
@@ -219,7 +220,7 @@ class DistributedTransport(EndOfStep):
         (a wait within the step), `Aborted` when another thread here failed or another rank posted a
         failure notice."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        start = time.monotonic()
+        start, began = time.monotonic(), time.perf_counter()
         while not pending.done(POLL_S):
             if abortable:
                 self._stop_if_failed()
@@ -230,6 +231,7 @@ class DistributedTransport(EndOfStep):
                     f"answering (timeout {timeout_s:g} s). Check that rank's log; if it is only slow, "
                     "raise the timeout."
                 )
+        waited_since(began)  # blocked on a peer: the thread's step clock (runtime/step_timing.py)
 
     def _stop_if_failed(self) -> None:
         """`Aborted` once this step failed here or on another rank (whose notice fails this rank's

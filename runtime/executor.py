@@ -5,18 +5,22 @@ order (Harmony §4.4) on a thread of its own. An instruction first waits for the
 names (`Instruction.waits`: earlier instructions of other streams of its device), then runs;
 receives and all-reduces also wait for their partners. PyTorch releases the GIL inside ops,
 so one device's copies and sends overlap its compute and devices compute concurrently.
-On a CPU device whose messages stay in this process the two p2p streams have no thread: the
-thread that makes their next instruction ready runs it (runtime/threadless.py), which saves
-the thread hand-offs a message otherwise costs. The executor adds no barrier the programs do
-not state; `Sync` turns a deadlock, a failed thread or a silent peer into an error instead of
-a hang. A step is atomic and has a deadline (`timeout_s`): the caller waits for the threads until
-then, and a step that fails is rolled back on every stage (runtime/recovery.py, rollback.py).
+On a CPU device the swap streams have no thread, nor, where its messages stay in this process,
+the two p2p streams: the thread that makes their next instruction ready runs it
+(runtime/threadless.py), which saves the thread hand-offs a swap or message otherwise costs.
+Each instruction runs through the call `Interpreter.bind` made for it when the programs were
+loaded (runtime/tables.py): a step resolves no handler, worker or message key. The executor adds
+no barrier the programs do not state; `Sync` turns a deadlock, a failed thread or a silent peer
+into an error instead of a hang. A step is atomic and has a deadline (`timeout_s`): the caller
+waits for the threads until then, and a step that fails is rolled back on every stage
+(runtime/recovery.py, rollback.py).
 
 Varuna's opportunistic policy (runtime/opportunistic.py) lets the compute stream of a program
-that recomputes run a later forward early, taking over its receives and sends. The handlers,
-one per instruction kind, are in runtime/handlers.py. The executor and these parts share one
-`ExecutorState` (runtime/executor_state.py), each holding a reference to it: `pipe._executor.state`
-is where the step count, the loss scaler, the last step's timeline and the like are read.
+that recomputes run a later forward early, taking over its receives and sends. The handlers, one
+per instruction kind, are in runtime/handlers.py. The executor and these parts share one
+`ExecutorState` (runtime/executor_state.py), each holding a reference to it:
+`pipe._executor.state` is where the step count, the loss scaler, the last step's timeline and
+the like are read.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import torch
 
 from stagewise.ir.deviations import DeviationPoints
 from stagewise.ir.errors import PlanError
-from stagewise.ir.instructions import Instruction, Send, Stream
+from stagewise.ir.instructions import Stream
 from stagewise.ir.precision import LossScaling
 from stagewise.ir.program import Program
 from stagewise.runtime.executor_state import ExecutorState, StepRun
@@ -39,9 +43,10 @@ from stagewise.runtime.opportunistic import OpportunisticCompute
 from stagewise.runtime.precision import LossScaler
 from stagewise.runtime.recovery import GRACE_S, StepRecovery
 from stagewise.runtime.rollback import StepGuard
+from stagewise.runtime.step_timing import THREAD
 from stagewise.runtime.streams import DeviceStreams
 from stagewise.runtime.sync import Aborted, Sync
-from stagewise.runtime.threadless import THREADLESS, ThreadlessStreams
+from stagewise.runtime.threadless import SWAPS, THREADLESS, ThreadlessStreams
 from stagewise.runtime.threads import StreamThreads
 from stagewise.runtime.transport import StepOutcome, Transport
 from stagewise.runtime.worker import StageWorker
@@ -79,8 +84,8 @@ class StreamExecutor:
             guard=StepGuard(by_stage, transport.pools), replay=ForwardReplay(seed), precision=precision,
             scaler=None if loss_scaling is None else LossScaler(loss_scaling), clip_grad_norm=clip_grad_norm,
             timeout_s=timeout_s, opportunistic=opportunistic)
-        self.state.load(programs)
         self.interpreter = InstructionHandlers(self.state)  # what each instruction kind does
+        self.state.load(programs, self.interpreter.bind)  # each instruction a prebound call, once
         self.recovery = StepRecovery(self.state)  # a failed step's rollback; `broken`, `stuck`
         self.varuna = OpportunisticCompute(self.state)  # Varuna's compute stream
         self.threads = StreamThreads()  # one long-lived thread per (device, stream), reused by every step
@@ -92,8 +97,8 @@ class StreamExecutor:
 
     @programs.setter
     def programs(self, programs: tuple[Program, ...]) -> None:
-        """Programs may be replaced between steps; their lookups are computed then, once."""
-        self.state.load(programs)
+        """Programs may be replaced between steps; their lookups and calls are computed then, once."""
+        self.state.load(programs, self.interpreter.bind)
 
     def settle(self, broken_ok: bool = False) -> None:
         """Before a step, a save or reading the state: a stuck step rolled back, or an error (runtime/recovery.py)."""
@@ -186,12 +191,14 @@ class StreamExecutor:
         return self.state.loss_weights.total(losses, self.state.step.microbatches)
 
     def _threadless(self, program: Program, plan: DeviationPoints | None) -> tuple[Stream, ...]:
-        """The p2p streams of `program` that run without a thread this step (runtime/threadless.py): on a
-        CPU device whose messages stay in this process, unless Varuna's policy takes receives over."""
+        """The streams of `program` that run without a thread this step (runtime/threadless.py), on a CPU
+        device unless Varuna's policy takes receives over: its swap streams (a swap is a host copy), and
+        its p2p streams where its messages stay in this process."""
         state = self.state
-        if plan is not None or state.streams[program.device].cuda or not state.transport.in_memory:
+        if plan is not None or state.streams[program.device].cuda:
             return ()
-        return tuple(stream for stream in THREADLESS if state.tables[program.device].order[stream])
+        candidates = THREADLESS if state.transport.in_memory else SWAPS
+        return tuple(stream for stream in candidates if state.tables[program.device].order[stream])
 
     def _stream(self, program: Program, stream: Stream, plan: DeviationPoints | None) -> None:
         """Run this stream's instructions in order; on CUDA each waits for its events on the GPU too.
@@ -199,7 +206,8 @@ class StreamExecutor:
         Under Varuna's opportunistic policy the compute stream may run a later forward first,
         taking over its receives and sends: the p2p threads skip what it took."""
         device_streams = self.state.streams[program.device]
-        sync = self.state.step.sync
+        sync, times = self.state.step.sync, self.state.step.times
+        clock = times.thread_began(program.device, stream)  # runtime/step_timing.py
         try:
             with device_streams.running(stream):
                 self._help(program.device)  # a threadless instruction that waits for nothing
@@ -215,6 +223,7 @@ class StreamExecutor:
         except BaseException as error:  # noqa: BLE001 - handed to the caller of run()
             sync.fail(error)
         finally:
+            times.thread_ended(clock)
             sync.thread_done()
 
     def _run(self, program: Program, index: int, stream: Stream) -> None:
@@ -223,43 +232,47 @@ class StreamExecutor:
         without waits would otherwise start, and hold the step, after the failure)."""
         step = self.state.step
         done, tables = step.done[program.device], self.state.tables[program.device]
-        ins = program.instructions[index]
-        waits = ins.waits
+        waits = program.instructions[index].waits
         if waits:
             step.sync.wait_until(lambda: all([done[j] for j in waits]), tables.labels[index], tables.waits_on[index])
             self.state.streams[program.device].wait(stream, waits)
         if step.sync.error is not None:
             raise Aborted
         self._execute(program, index, stream)
-        self._help(program.device, ins)
+        self._help(program.device, tables.sends_to[index])
 
     def _execute(self, program: Program, index: int, stream: Stream) -> None:
-        """Execute instruction `index` (its events are done), record it, publish that it is done."""
-        device, step = program.device, self.state.step
-        ins = program.instructions[index]
+        """Execute instruction `index` (its events are done) through its prebound call, record it,
+        publish that it is done."""
+        device, step, tables = program.device, self.state.step, self.state.tables[program.device]
+        clock = THREAD.clock  # this thread's, for the step (runtime/step_timing.py)
+        assert clock is not None, "instructions run on the step's stream threads"
+        waited = clock.waited_s
         start = time.perf_counter()
         step.started[device][index] = True
         try:
-            self.interpreter.dispatch(device, index, ins)
+            tables.calls[index]()
         except Aborted:
             raise
         except BaseException as error:
-            self.recovery.blame(error, device, index, ins)
+            self.recovery.blame(error, device, index, program.instructions[index])
             raise
         end = time.perf_counter()
+        clock.ran(step.times, device, index, tables.stream[index], end - start - (clock.waited_s - waited))
         self.state.streams[device].record(stream, index)
-        step.timeline.append((device, ins.stream, index, start - step.started_at, end - step.started_at))
+        step.timeline.append((device, tables.stream[index], index, start - step.started_at, end - step.started_at))
         with step.sync.locked():
             step.done[device][index] = True
-            step.threadless[device].finished(ins.stream)
-            step.sync.changed(self.state.tables[device].done_key[index])
+            step.threadless[device].finished(tables.stream[index])
+            step.sync.changed(tables.done_key[index])
 
     # ---- threadless streams (runtime/threadless.py) --------------------------------------------
-    def _help(self, device: int, finished: Instruction | None = None) -> None:
+    def _help(self, device: int, delivered_to: int | None = None) -> None:
         """Run every threadless instruction that is ready now on `device` and, through the messages
-        the sends among them (and `finished`, if a send) deliver, on the receivers' devices."""
+        the sends among them deliver, on the receivers' devices (and on `delivered_to`, the receiver
+        of the send that just finished, if one did)."""
         step, transport = self.state.step, self.state.transport
-        devices = [device, finished.peer] if isinstance(finished, Send) else [device]
+        devices = [device] if delivered_to is None else [device, delivered_to]
         while devices:
             device = devices[-1]
             threadless = step.threadless.get(device)
@@ -271,11 +284,11 @@ class StreamExecutor:
             if index is None:
                 devices.pop()
                 continue
-            program = self.state.program_of[device]
-            ins = program.instructions[index]
-            self._execute(program, index, ins.stream)
-            if isinstance(ins, Send):
-                devices.append(ins.peer)
+            tables = self.state.tables[device]
+            self._execute(self.state.program_of[device], index, tables.stream[index])
+            receiver = tables.sends_to[index]
+            if receiver is not None:
+                devices.append(receiver)
 
     def _check_threadless_ran(self) -> None:
         """Every thread finished: a threadless instruction still unrun waited for something that never came."""

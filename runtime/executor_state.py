@@ -11,15 +11,17 @@ into the next.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from stagewise.ir.deviations import DeviationPoints
-from stagewise.ir.instructions import Stream
+from stagewise.ir.instructions import Instruction, Stream
 from stagewise.ir.program import Program
 from stagewise.runtime.forward_replay import ForwardReplay
 from stagewise.runtime.loss_weights import LossWeights
 from stagewise.runtime.precision import LossScaler
 from stagewise.runtime.rollback import StepGuard
+from stagewise.runtime.step_timing import StepTimes
 from stagewise.runtime.streams import DeviceStreams
 from stagewise.runtime.sync import Sync
 from stagewise.runtime.tables import ProgramTables
@@ -47,12 +49,14 @@ class StepRun:
     # measured (device, stream, index, start, end) of every instruction, in seconds from `started_at`
     timeline: list[tuple[int, Stream, int, float, float]] = field(default_factory=list)
     started_at: float = field(default_factory=time.perf_counter)  # the step's launch (perf_counter)
+    times: StepTimes = field(default_factory=StepTimes)  # where each stream thread's time went (runtime/step_timing.py)
 
     @classmethod
     def launched(cls, programs: tuple[Program, ...], microbatches: int, sync: Sync,
                  threadless: dict[int, ThreadlessStreams]) -> StepRun:
         """A step about to start its threads: nothing done, nothing started, no claims."""
-        return cls(microbatches, sync, threadless,
+        times = StepTimes(programs)
+        return cls(microbatches, sync, threadless, started_at=times.started_at, times=times,
                    done={p.device: [False] * len(p.instructions) for p in programs},
                    started={p.device: [False] * len(p.instructions) for p in programs},
                    owner={p.device: {} for p in programs})
@@ -92,9 +96,12 @@ class ExecutorState:
     def __post_init__(self) -> None:
         self.step = StepRun(0, Sync(0, self.timeout_s))  # before the first step: an empty record
 
-    def load(self, programs: tuple[Program, ...]) -> None:
-        """Programs may be replaced between steps; their lookups are computed here, once."""
+    def load(self, programs: tuple[Program, ...], bind: Callable[[int, int, Instruction], Callable[[], object]]) -> None:
+        """Programs may be replaced between steps; their lookups and prebound calls (`bind`: the
+        interpreter's) are computed here, once."""
         self.programs = tuple(programs)
         self.program_of = {p.device: p for p in self.programs}
         self.tables = {p.device: ProgramTables(p) for p in self.programs}
+        for program in self.programs:
+            self.tables[program.device].lower(program, bind)
         self.deviation_points.clear()

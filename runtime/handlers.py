@@ -9,7 +9,8 @@ the workers, transport, device streams, program tables and the running step's gr
 from __future__ import annotations
 
 import math
-from typing import cast
+from collections.abc import Callable
+from typing import ClassVar, cast
 
 import torch
 
@@ -22,6 +23,7 @@ from stagewise.ir.instructions import (
     Free,
     GradNormPart,
     HostUpdate,
+    Instruction,
     Recompute,
     Recv,
     Send,
@@ -50,19 +52,38 @@ class InstructionHandlers(Interpreter):
     def __init__(self, state: ExecutorState):
         self.state = state
 
+    def bind(self, device: int, index: int, ins: Instruction) -> Callable[[], None]:
+        """The instruction as the call a step makes (once per program, runtime/tables.py): the hot kinds
+        (forward, backward, send, receive) with their worker, name in errors and message keys resolved."""
+        binder = self.binders.get(type(ins))
+        return binder(self, device, index, ins) if binder is not None else super().bind(device, index, ins)
+
     def _forward(self, device: int, index: int, ins: Forward | Recompute) -> None:
-        state = self.state
-        worker = state.workers[ins.stage]
-        replayed = state.replay.running(ins.stage, worker.module, ins.microbatch, state.iteration, isinstance(ins, Recompute))
-        with autocast_for(state.precision, worker.device), replayed:
-            worker.forward(ins.microbatch, state.tables[device].labels[index], stash=stashes(ins))
+        self._bind_forward(device, index, ins)()
+
+    def _bind_forward(self, device: int, index: int, ins: Forward | Recompute) -> Callable[[], None]:
+        state, worker, label = self.state, self.state.workers[ins.stage], self.state.tables[device].labels[index]
+        stage, microbatch, recompute, stash = ins.stage, ins.microbatch, isinstance(ins, Recompute), stashes(ins)
+
+        def forward() -> None:  # the worker's module is read each time: predict swaps it for a step
+            replayed = state.replay.running(stage, worker.module, microbatch, state.iteration, recompute)
+            with autocast_for(state.precision, worker.device), replayed:
+                worker.forward(microbatch, label, stash=stash)
+        return forward
 
     def _backward(self, device: int, index: int, ins: Backward) -> None:
-        state = self.state
-        seed = state.loss_weights.seed(ins.microbatch, state.step.microbatches)
-        if state.scaler is not None:  # fp16: the seed scaled, so the gradients stay in fp16's range
-            seed *= state.scaler.scale
-        state.workers[ins.stage].backward(ins.microbatch, seed, state.tables[device].labels[index])
+        self._bind_backward(device, index, ins)()
+
+    def _bind_backward(self, device: int, index: int, ins: Backward) -> Callable[[], None]:
+        state, worker, label = self.state, self.state.workers[ins.stage], self.state.tables[device].labels[index]
+        microbatch = ins.microbatch
+
+        def backward() -> None:
+            seed = state.loss_weights.seed(microbatch, state.step.microbatches)
+            if state.scaler is not None:  # fp16: the seed scaled, so the gradients stay in fp16's range
+                seed *= state.scaler.scale
+            worker.backward(microbatch, seed, label)
+        return backward
 
     def _update(self, device: int, index: int, ins: Update | HostUpdate) -> None:
         """The optimizer step on the device or (HostUpdate) on host masters; `clip` scales first.
@@ -79,26 +100,37 @@ class InstructionHandlers(Interpreter):
         worker.update(state.tables[device].labels[index], on_host=isinstance(ins, HostUpdate), clip=ins.clip)
 
     def _send(self, device: int, index: int, ins: Send) -> None:
-        state = self.state
-        worker, tables = state.workers[ins.stage], state.tables[device]
-        for value, key in tables.messages[index]:
-            if ins.carries is Carried.ACTIVATIONS:
-                tensor = worker.output(ins.microbatch, value)
-            else:
-                tensor = worker.take_input_grad(ins.microbatch, value)
-            state.streams[device].hand_to([tensor], Stream.P2P_OUT)
-            state.transport.send(key, device, ins.peer, tensor, tables.labels[index])
+        self._bind_send(device, index, ins)()
+
+    def _bind_send(self, device: int, index: int, ins: Send) -> Callable[[], None]:
+        state, worker, tables = self.state, self.state.workers[ins.stage], self.state.tables[device]
+        label, messages, streams = tables.labels[index], tables.messages[index], state.streams[device]
+        microbatch, peer = ins.microbatch, ins.peer
+        take = worker.output if ins.carries is Carried.ACTIVATIONS else worker.take_input_grad
+
+        def send() -> None:
+            for value, key in messages:
+                tensor = take(microbatch, value)
+                streams.hand_to([tensor], Stream.P2P_OUT)
+                state.transport.send(key, device, peer, tensor, label)
+        return send
 
     def _recv(self, device: int, index: int, ins: Recv) -> None:
-        state = self.state
-        worker, tables = state.workers[ins.stage], state.tables[device]
-        for value, key in tables.messages[index]:
-            tensor = state.transport.recv(key, tables.labels[index])
-            state.streams[device].hand_to([tensor], Stream.COMPUTE)
-            if ins.carries is Carried.ACTIVATIONS:
-                worker.provide(ins.microbatch, value, tensor, ("buffer",) + key)
-            else:
-                worker.add_output_grad(ins.microbatch, value, tensor, ("buffer",) + key)
+        self._bind_recv(device, index, ins)()
+
+    def _bind_recv(self, device: int, index: int, ins: Recv) -> Callable[[], None]:
+        state, worker, tables = self.state, self.state.workers[ins.stage], self.state.tables[device]
+        label, streams, microbatch = tables.labels[index], state.streams[device], ins.microbatch
+        # each message's value, transport key and the pool's key of the buffer it arrives in
+        messages = [(value, key, ("buffer",) + key) for value, key in tables.messages[index]]
+        keep = worker.provide if ins.carries is Carried.ACTIVATIONS else worker.add_output_grad
+
+        def recv() -> None:
+            for value, key, buffer_key in messages:
+                tensor = state.transport.recv(key, label)
+                streams.hand_to([tensor], Stream.COMPUTE)
+                keep(microbatch, value, tensor, buffer_key)
+        return recv
 
     def _swap_in(self, device: int, index: int, ins: SwapIn | StashIn) -> None:
         """State (weights, grads, optimizer) or one microbatch's stash into the device pool."""
@@ -158,6 +190,11 @@ class InstructionHandlers(Interpreter):
 
     def _devices(self, group: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(sorted({self.state.device_of[s] for s in group}))
+
+    # the kinds on every microbatch's path, bound with what their handler looks up resolved (`bind`)
+    binders: ClassVar[dict[type[Instruction], Callable[..., Callable[[], None]]]] = {
+        Forward: _bind_forward, Recompute: _bind_forward, Backward: _bind_backward, Send: _bind_send, Recv: _bind_recv,
+    }
 
 
 def _moved(ins: SwapIn | SwapOut | Free | StashIn | StashOut) -> tuple[str, int | None]:

@@ -23,11 +23,12 @@ class DeviceStreams:
         self.device = device
         self.cuda = device.type == "cuda"
         self.streams = {name: torch.cuda.Stream(device) for name in Stream} if self.cuda else {}
-        self.events: dict[int, torch.cuda.Event] = {}  # instruction index -> its event, this step
+        # instruction index -> its event, made at its first step and recorded again by every later one
+        # (an event is waited on only once its instruction is done: recorded this step)
+        self.events: dict[int, torch.cuda.Event] = {}
 
     def begin_step(self) -> None:
         """Every stream starts after what the caller's stream issued (the step's inputs)."""
-        self.events.clear()
         if self.cuda:
             caller = torch.cuda.current_stream(self.device)
             for stream in self.streams.values():
@@ -51,9 +52,10 @@ class DeviceStreams:
     def record(self, stream: Stream, index: int) -> None:
         """Instruction `index`'s event: set when the work it issued on `stream` is done."""
         if self.cuda:
-            event = torch.cuda.Event()
+            event = self.events.get(index)
+            if event is None:
+                event = self.events[index] = torch.cuda.Event()
             event.record(self.streams[stream])
-            self.events[index] = event
 
     def hand_to(self, tensors, stream: Stream) -> None:
         """`tensors`, made on another stream, are used on `stream` from now on."""

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 
 from stagewise.ir.errors import PeerError, PlanError
+from stagewise.runtime.step_timing import waited_since
 
 RECHECK_S = 1.0  # a parked thread re-checks its predicate at least this often, whatever it was told
 
@@ -59,7 +60,11 @@ class Sync:
         `what` names the wait in errors."""
         with self.lock:
             if not ready():
-                self._block(ready, what, keys)
+                began = time.perf_counter()
+                try:
+                    self._block(ready, what, keys)
+                finally:
+                    waited_since(began)  # the thread's step clock (runtime/step_timing.py)
 
     def _block(self, ready: Callable[[], bool], what: str, keys: Sequence[Hashable]) -> None:
         """Park until `ready()`, failing the step on deadlock or timeout (caller holds the lock)."""

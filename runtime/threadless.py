@@ -9,6 +9,11 @@ no thread: whichever thread completes the last thing one of their instructions w
 event of its device, its message, the stream's previous instruction) runs it right away. What
 runs is the same: each stream's instructions in program order, one at a time, each after its
 events and (a receive) its messages; only the thread differs.
+
+The same holds for the swap streams of a CPU device (issue 23: a CPU device keeps one compute
+thread): there a swap is a copy in host memory, as synchronous as the compute, so a thread of its
+own would only add hand-offs. Their instructions wait for events of the device alone, so the
+thread that finishes the last of those (mostly the device's compute thread) runs them at once.
 """
 
 from __future__ import annotations
@@ -19,8 +24,11 @@ from stagewise.ir.instructions import Stream
 from stagewise.ir.program import Program
 from stagewise.runtime.tables import ProgramTables
 
-# the streams that may do without a thread: their instructions never block and are short
-THREADLESS = (Stream.P2P_IN, Stream.P2P_OUT)
+# the streams that may do without a thread: their instructions never block (a receive runs once its
+# message arrived); the executor says which are threadless on which device (runtime/executor.py)
+P2P = (Stream.P2P_IN, Stream.P2P_OUT)
+SWAPS = (Stream.SWAP_IN, Stream.SWAP_OUT)
+THREADLESS = P2P + SWAPS
 
 
 class ThreadlessStreams:

@@ -56,6 +56,7 @@ from stagewise.ir.plan import Plan
 from stagewise.ir.precision import LossScaling
 from stagewise.ir.topology import Topology
 from stagewise.passes.swap import SwapMode
+from stagewise.runtime.device_time import DeviceTime
 
 __all__ = [
     "BatchSizeError",
@@ -68,6 +69,7 @@ __all__ = [
     "Cluster",
     "Device",
     "DeviceError",
+    "DeviceTime",
     "ExampleInputsError",
     "LossError",
     "LossScaling",

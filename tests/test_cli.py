@@ -10,6 +10,7 @@ interpreter spends about 4 CPU-seconds importing torch and stagewise before it s
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -72,6 +73,7 @@ def test_console_script_plans_a_hugging_face_config_and_writes_the_timeline(gpt2
     assert "devices: 4xH100 (4, datasheet figures); links: sw.plan's default per device kind" in run.stdout
     assert "stagewise plan: GPT2LMHeadModel" in run.stdout and "plans considered:" in run.stdout
     assert "precision: bf16" in run.stdout
+    assert re.search(r"where the time goes \(dev\d, the busiest\): compute [<\d]+%.* — bound: \w+", run.stdout)
     events = json.loads(trace.read_text())["traceEvents"]
     assert {"F", "B"} <= {event["name"][0] for event in events if event["ph"] == "X"}
     assert png.read_bytes().startswith(b"\x89PNG")
@@ -100,6 +102,7 @@ def test_recommend_ranks_the_candidates_and_exits_1_when_none_meets_the_budget(g
                                       "--seq-len", "32", "--steps", "1000", "--budget", "0.000001")
     assert status == 1, err
     assert "1xH100-SXM-80GB" in out and "p3.2xlarge" in out
+    assert re.search(r"│ +[<\d]+(/[<\d]+){4} │ +(compute|PCIe|network) │", out)  # the row's split and bound
     assert "no candidate meets every constraint: budget" in out
 
 

@@ -15,5 +15,6 @@ def test_demo_runs_and_matches_eager() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
     assert "where the time went" in out and "predicted step" in out
+    assert re.search(r"the (model|runtime) dominates: compute \d+% .* dispatch \d+%", out), out[-2000:]
     difference = re.search(r"largest parameter difference after \d+ steps: ([0-9.e+-]+)", out)
     assert difference is not None and float(difference[1]) < 1e-5, out[-2000:]

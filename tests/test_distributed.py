@@ -151,10 +151,25 @@ def test_two_ranks_train_like_eager(trained, case):
         assert (stats["swap_in_bytes"] > 0) == (stats["swap_out_bytes"] > 0) == (mode not in ("off", "one-stage")), stats
         if mode == "host":
             assert stats["optimizer_bytes"] == 0, stats  # the optimizer state never reaches the device
+        _assert_time_split(stats, idle, swapped=stats["swap_in_bytes"] > 0)
     assert all(torch.equal(a, b) for a, b in zip(results[0]["losses"], results[1]["losses"], strict=True))
     assert_state_equal(results[0]["state"], state)
     assert_state_equal(results[1]["state"], results[0]["state"])
     assert results[0]["lrs"] == results[1]["lrs"] and results[0]["optimizer_names"] == results[1]["optimizer_names"]
+
+
+def _assert_time_split(stats: dict, idle: bool, swapped: bool) -> None:
+    """The rank's last step in its stats row: its compute thread's parts add up to the step, the
+    waits on the other rank are waiting (not compute), and swapping shows as swap time."""
+    if idle:
+        assert not stats["compute_s"], stats
+        return
+    parts = sum(stats[name] for name in ("compute_s", "waiting_s", "dispatch_s", "inline_s", "idle_s"))
+    assert parts == pytest.approx(stats["step_s"], rel=1e-9), stats
+    assert stats["compute_s"] > 0 and stats["dispatch_s"] >= 0 and stats["waiting_s"] >= 0, stats
+    if stats["p2p_bytes"] > 0:  # it received from the other rank: waited on the network for it
+        assert stats["waiting_s"] > 0, stats
+    assert (stats["swap_in_s"] + stats["swap_out_s"] > 0) == swapped, stats
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "varuna"])

@@ -102,7 +102,7 @@ def test_harmony_search_hands_on_a_configuration_the_devices_hold():
     host's RAM is short), so that the refusal names host memory rather than a faster configuration's
     device overflow (7B on one g6.xlarge said "device 0 would need" before)."""
     def simulated(seconds: float, pools_fit: bool) -> Simulated:
-        prediction = Prediction(seconds, (seconds,), (1,), False, (HostOver(0, 2, 1),), pools_fit)
+        prediction = Prediction(seconds, (seconds,), (1,), False, hosts_over=(HostOver(0, 2, 1),), pools_fit=pools_fit)
         return Simulated((None, [], 1), prediction)  # type: ignore[arg-type]  # only the prediction is read
 
     few, many = Candidate(Schedule.HARMONY_PP, 1), Candidate(Schedule.HARMONY_PP, 2)

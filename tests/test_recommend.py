@@ -117,6 +117,11 @@ def test_cost_and_time_rank_as_the_plans_predict(tmp_path, predicted):
     by_time = _recommend(tmp_path, objective="time", steps=steps)
     assert [row.request for row in by_time.rows] == sorted(CANDIDATES, key=predicted.get)
     assert "recommended: " + by_time.rows[0].request in str(by_time)
+    lines = {line.split("│")[2].strip(): [cell.strip() for cell in line.split("│")] for line in str(by_time).splitlines()
+             if line.startswith("│")}
+    for row in by_time.rows:  # each row says where its time goes and what bounds it
+        split = row.plan.predicted_split
+        assert lines[row.request][11:13] == [split.percentages(), str(split.bound)]  # after the plan column
 
 
 def test_a_deadline_rules_out_the_slow_candidates(tmp_path, predicted):

@@ -57,7 +57,8 @@ def test_time_breakdown_names_every_stream_and_sums_what_ran():
     rows = pipe.time_breakdown()
     assert [r["device"] for r in rows] == [0, 1, 2]
     for row in rows:
-        assert set(row) == {"device", "step_s", "compute_s", "swap_in_s", "swap_out_s", "p2p_in_s", "p2p_out_s"}
+        assert set(row) == {"device", "step_s", "compute_s", "waiting_s", "dispatch_s", "inline_s", "idle_s",
+                            "swap_in_s", "swap_out_s", "p2p_in_s", "p2p_out_s"}
         assert 0 < row["compute_s"] <= row["step_s"]
     spans = {(d, s): 0.0 for d, s, *_ in pipe._executor.state.step.timeline}
     for device, stream, _, start, end in pipe._executor.state.step.timeline:

@@ -1,4 +1,5 @@
-"""The runtime's threads: the `Sync` monitor's wake-ups, deadlock and timeout, and threadless p2p streams."""
+"""The runtime's threads: the `Sync` monitor's wake-ups, deadlock and timeout, threadless p2p and swap streams,
+and the prebound calls a step runs."""
 
 import threading
 
@@ -9,8 +10,11 @@ import torch.nn.functional as F
 import stagewise as sw
 from stagewise.ir.instructions import Carried, Recv, Stream
 from stagewise.ir.program import Program
+from stagewise.runtime.handlers import InstructionHandlers
 from stagewise.runtime.sync import Aborted, Sync
+from tests.models.gpt import TinyGPT, lm_loss
 from tests.models.mlp import mlp
+from tests.reference import check_equal_training, token_batches
 
 X, Y = torch.randn(8, 8), torch.randint(0, 5, (8,))
 
@@ -85,6 +89,42 @@ def test_cpu_p2p_streams_run_without_threads_in_program_order():
                          if device == program.device and s is stream)
             assert [index for _, index in ran] == executor.state.tables[program.device].order[stream]
     assert set(executor.threads.queues) == {(p.device, Stream.COMPUTE) for p in executor.programs}
+
+
+def _ran_in_program_order(executor, device: int, stream: Stream) -> bool:
+    ran = sorted((start, index) for d, s, index, start, _ in executor.state.step.timeline if d == device and s is stream)
+    return [index for _, index in ran] == executor.state.tables[device].order[stream]
+
+
+def test_cpu_swap_streams_run_on_the_devices_compute_threads():
+    """Issue 23: a CPU device keeps one compute thread; its swaps (host copies) run inline, in program
+    order, and training stays eager's (before: a thread per swap stream, a hand-off per swap)."""
+    pipe = check_equal_training(TinyGPT(layers=2), token_batches(steps=2), 2, loss_fn=lm_loss, microbatches=2,
+                                schedule="1f1b", swap="on")
+    executor = pipe._executor
+    for program in executor.programs:
+        swaps = tuple(s for s in (Stream.SWAP_IN, Stream.SWAP_OUT) if executor.state.tables[program.device].order[s])
+        assert swaps and set(swaps) <= set(executor.state.step.threadless[program.device].streams)
+        assert all(_ran_in_program_order(executor, program.device, s) for s in swaps)
+    assert set(executor.threads.queues) == {(p.device, Stream.COMPUTE) for p in executor.programs}
+
+
+def test_a_step_runs_the_calls_bound_when_the_programs_were_loaded(monkeypatch):
+    """Lower once, run many: each instruction is bound to its handler once per program (here: on
+    replacing the programs), and a step dispatches nothing by type (before: a lookup per instruction)."""
+    pipe = compile_mlp()
+    bound = []
+    bind = InstructionHandlers.bind
+    monkeypatch.setattr(InstructionHandlers, "bind", lambda self, *args: bound.append(args) or bind(self, *args))
+    pipe._executor.programs = pipe._executor.programs
+    assert len(bound) == sum(len(p.instructions) for p in pipe.programs)
+
+    def no_dispatch(*args):
+        raise AssertionError("a step looked a handler up by type")
+    monkeypatch.setattr(InstructionHandlers, "dispatch", no_dispatch)
+    for _ in range(2):
+        assert torch.isfinite(pipe.step(X, target=Y))
+    assert len(bound) == sum(len(p.instructions) for p in pipe.programs)
 
 
 def test_a_receive_whose_message_never_comes_is_a_deadlock_error():

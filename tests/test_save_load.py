@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import stagewise as sw
+from stagewise.passes.sim_split import time_split
 from tests.harness.checkpoints import assert_optimizer_state_equal, optimizer_state
 from tests.hf import gpt2, lm_batches
 from tests.models.cnn import ResNet
@@ -141,6 +142,7 @@ def test_a_loaded_pipeline_simulates_what_compile_predicted(tmp_path, schedule):
     assert loaded.plan.costs == pipe.plan.costs
     assert loaded.simulate().iteration_time == predicted
     assert loaded.simulate().peak_bytes == pipe.simulate().peak_bytes
+    assert time_split(loaded.simulate()) == pipe.plan.predicted_split and str(loaded.plan) == str(pipe.plan)
 
 
 def test_a_pipeline_saved_in_eval_mode_loads_in_eval_mode(tmp_path):

@@ -19,6 +19,7 @@ from rich.table import Table
 from stagewise.ir.plan import Plan
 
 SECONDS_PER_HOUR = 3600.0
+SPLIT_COLUMN = "% compute/bubble/\nswap/p2p/all-reduce"  # the predicted split's shares (ir/time_split.py)
 
 
 class Out(enum.Enum):
@@ -226,15 +227,17 @@ class Recommendation:
     def __str__(self) -> str:
         table = Table(title=f"devices for {self.steps} steps, by {self.objective}" + _limits(self))
         for column in ("#", "devices", "n", "iteration", "$/hour", "$/step", "run", "run $", "peak memory",
-                       "plan", "figures", "out because / note"):
+                       "plan", SPLIT_COLUMN, "bound", "figures", "out because / note"):
             table.add_column(column, justify="left" if column in ("devices", "plan", "out because / note") else "right")
         for index, row in enumerate(self.rows, 1):
+            split = row.plan.predicted_split if row.plan is not None else None
             table.add_row(str(index) if row.meets else "-", row.request, str(row.devices), _ms(row.iteration_s),
                           _usd(row.usd_per_hour), _usd(row.run_usd(1), 4), _duration(row.run_s(self.steps)),
-                          _usd(row.run_usd(self.steps)), row.peak_memory, _plan(row.plan), row.figures,
-                          "; ".join(part for part in (row.why_not, row.note) if part))
+                          _usd(row.run_usd(self.steps)), row.peak_memory, _plan(row.plan),
+                          "" if split is None else split.percentages(), "" if split is None else str(split.bound),
+                          row.figures, "; ".join(part for part in (row.why_not, row.note) if part))
         buffer = io.StringIO()
-        Console(file=buffer, width=170, force_terminal=False, color_system=None).print(table)
+        Console(file=buffer, width=200, force_terminal=False, color_system=None).print(table)
         verdict = f"no candidate meets every constraint: {self.unsatisfied}" if self.unsatisfied else \
             f"recommended: {self.rows[0].request}"
         return buffer.getvalue() + verdict + "\n"

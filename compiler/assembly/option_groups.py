@@ -19,6 +19,7 @@ from stagewise.compiler.assembly.options import (
     check_seed,
     check_split_points,
 )
+from stagewise.compiler.assembly.shape_buckets import parse_shape_buckets
 from stagewise.ir.choices import CostModel, Schedule, parse_choice
 from stagewise.ir.errors import OptionError
 from stagewise.ir.precision import LossScaling, check_precision
@@ -116,24 +117,31 @@ class TrainingOptions:
         precision: "fp32", "bf16" (stage forwards under torch.autocast, fp32 weights, gradients
             and optimizer state) or "fp16" (the same with dynamic loss scaling; sw.LossScaling(...)
             for your own settings): a step whose gradients overflow is skipped on every stage.
+        shape_buckets: pad each step's sequences (dimension 1) at the end up to a multiple of this
+            int, or to the smallest of these lengths, so many lengths run as a few shapes; the
+            targets are padded with the loss's ignore index and an attention mask with 0. compile
+            checks on the example that the loss is unchanged, else refuses naming the input.
 
     Raises:
-        OptionError: `clip_grad_norm` not a positive finite number, or `seed` not an int.
+        OptionError: `clip_grad_norm` not a positive finite number, `seed` not an int, or
+            `shape_buckets` not a positive int or a list of positive lengths.
         PrecisionError: an unknown precision.
 
     Example:
         >>> sw.TrainingOptions(clip_grad_norm=1.0, precision="bf16")
-        TrainingOptions(clip_grad_norm=1.0, seed=None, precision='bf16')
+        TrainingOptions(clip_grad_norm=1.0, seed=None, precision='bf16', shape_buckets=None)
     """
 
     clip_grad_norm: float | None = None
     seed: int | None = None
     precision: str | LossScaling = "fp32"
+    shape_buckets: int | tuple[int, ...] | list[int] | None = None
 
     def __post_init__(self) -> None:
         check_clip_grad_norm(self.clip_grad_norm)
         check_seed(self.seed)
         check_precision(self.precision)
+        parse_shape_buckets(self.shape_buckets)
 
 
 OptionGroup = PlanOptions | MemoryOptions | TrainingOptions

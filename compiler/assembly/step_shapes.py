@@ -2,13 +2,14 @@
 
 A pipeline trains on batches of any shape the stage code takes (a shorter sequence, a smaller
 image, an uneven last microbatch). The plan's transfers hold the example's shapes; for a
-microbatch of other sizes the stage modules are run on fake tensors (no memory, no compute), in
-pipeline order, from the microbatch's input sizes: every value they send gets its shape and dtype
-(under torch.distributed a receiver allocates its buffer from it before the message arrives), and
-input sizes the stage code cannot take are refused before anything runs, naming the stage and the
-op, instead of failing in the middle of a step. Stages run under the plan's precision (a bf16
-activation is sent as bf16). One propagation per distinct microbatch
-signature, cached: a loader with 8 sequence lengths and an uneven last batch costs a handful.
+microbatch of other sizes every value sent gets its shape and dtype before the step (under
+torch.distributed a receiver allocates its buffer from it before the message arrives), and input
+sizes the stage code cannot take are refused before anything runs, naming the stage and the op,
+instead of failing in the middle of a step. The shapes come from the microbatch's size class
+(compiler/assembly/size_classes.py: the stage modules run once on symbolic sizes, evaluated per
+shape in microseconds) where its guards hold, else from the stage modules run on fake tensors of
+these sizes, in pipeline order. Stages run under the plan's precision (a bf16 activation is sent
+as bf16). Each signature's shapes are cached.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from stagewise.compiler.assembly.size_classes import ClassKey, Signature, SizeClass, ValueSpec, class_key
 from stagewise.ir.declared import dtype_named
 from stagewise.ir.errors import ExampleInputsError
 from stagewise.ir.plan import Plan, Stage
@@ -27,8 +29,6 @@ from stagewise.ir.precision import autocast_for
 from stagewise.ir.random_streams import drawing
 from stagewise.passes.profile_shapes import quiet_fake_tensor_log
 
-Signature = tuple[tuple[str, tuple[int, ...], torch.dtype], ...]  # (graph input, sizes, dtype) of one microbatch
-ValueSpec = tuple[tuple[int, ...], torch.dtype]  # a sent value's sizes and dtype
 StateSpecs = dict[str, tuple[tuple[int, ...], tuple[int, ...], torch.dtype]]  # tensor name -> size, stride, dtype
 TransferSpecs = dict[tuple[str, int], ValueSpec]  # (value, microbatch) -> its sizes and dtype this step
 
@@ -46,6 +46,7 @@ class StepShapes:
         self.example = _example_signature(plan)
         self.user_names = dict(zip(plan.graph_inputs, plan.input_names + (plan.target_name or "target",), strict=False))
         self.cache: dict[Signature, dict[str, ValueSpec]] = {}
+        self.classes: dict[ClassKey, SizeClass | None] = {}  # None: the class cannot be propagated symbolically
 
     def of_step(self, pieces: Sequence[dict[str, torch.Tensor | None]]) -> TransferSpecs | None:
         """The transfers' sizes for these microbatches (graph input name -> tensor), or None where every
@@ -58,18 +59,42 @@ class StepShapes:
         for microbatch, signature in enumerate(signatures):
             values = self.cache.get(signature)
             if values is None:
-                values = self.cache[signature] = self._propagate(signature)
+                values = self.cache[signature] = self._values(signature)
             specs.update({(name, microbatch): values[name] for name in sent if name in values})
         return specs
+
+    def _values(self, signature: Signature) -> dict[str, ValueSpec]:
+        """Every value's sizes and dtype at this signature: from its size class where the class's
+        guards hold, else from a concrete propagation (which refuses sizes the code cannot take)."""
+        size_class = self.size_class(signature)
+        values = size_class.at(signature) if size_class is not None else None
+        if values is None:
+            mode = FakeTensorMode()
+            with mode:
+                env = {name: torch.empty(size, dtype=dtype) for name, size, dtype in signature}
+            values = _specs(self._propagate(mode, env, signature))
+        return values
+
+    def size_class(self, signature: Signature) -> SizeClass | None:
+        """The symbolic propagation of this signature's class (made once), at the example's sizes where
+        it has them; None where it cannot be made (the class's signatures then propagate concretely)."""
+        key = class_key(signature)
+        if key not in self.classes:
+            hints = self.example if class_key(self.example) == key else signature
+            try:
+                self.classes[key] = SizeClass.traced(hints, lambda mode, env: self._propagate(mode, env, hints))
+            except Exception:  # noqa: BLE001 - an op without symbolic sizes: concrete propagation still works
+                self.classes[key] = None
+        return self.classes[key]
 
     def _described(self, signature: Signature) -> str:
         """The microbatch's sizes under the model's input names."""
         return ", ".join(f"{self.user_names.get(name, name)} {list(size)}" for name, size, _ in signature)
 
-    def _propagate(self, signature: Signature) -> dict[str, ValueSpec]:
-        """Every stage output's sizes and dtype for one microbatch of these input sizes."""
-        with FakeTensorMode(), drawing(self.plan.seed, 0, 0, training=False), torch.no_grad():
-            env: dict[str, torch.Tensor] = {name: torch.empty(size, dtype=dtype) for name, size, dtype in signature}
+    def _propagate(self, mode: FakeTensorMode, env: dict[str, torch.Tensor], signature: Signature
+                   ) -> dict[str, torch.Tensor]:
+        """Every stage output for one microbatch whose inputs are `env` (fake tensors of `mode`)."""
+        with mode, drawing(self.plan.seed, 0, 0, training=False), torch.no_grad():
             for stage in _one_instance_per_position(self.plan.stages):
                 module, state = self.modules[stage.index], self.states[stage.index]
                 if module is None or state is None:
@@ -87,7 +112,11 @@ class StepShapes:
                         f"take ({type(error).__name__}: {_first_line(error)}); give sizes like the example's "
                         f"{self._described(self.example)}") from error
                 env.update(zip(stage.outputs, outputs, strict=True))
-        return {name: (tuple(value.shape), value.dtype) for name, value in env.items() if isinstance(value, torch.Tensor)}
+        return env
+
+
+def _specs(env: dict[str, torch.Tensor]) -> dict[str, ValueSpec]:
+    return {name: (tuple(value.shape), value.dtype) for name, value in env.items() if isinstance(value, torch.Tensor)}
 
 
 def _one_instance_per_position(stages: Sequence[Stage]) -> list[Stage]:

@@ -21,9 +21,16 @@ from stagewise.compiler.assembly.options import (
     CompileRequest,
     check_split_points,
 )
+from stagewise.compiler.assembly.shape_buckets import (
+    Padding,
+    ShapeBuckets,
+    parse_shape_buckets,
+    sequence_length,
+)
 from stagewise.compiler.compile.analysis import Analysis
 from stagewise.compiler.compile.context import CompileContext, after
 from stagewise.compiler.compile.model_graph import describe_model
+from stagewise.compiler.compile.padding_check import bucket_padding
 from stagewise.compiler.compile.phases import PHASES, analyse, run_phases
 from stagewise.compiler.compile.phases import plan as plan_phase
 from stagewise.compiler.pipeline.pipeline import Pipeline
@@ -68,6 +75,7 @@ def compile(  # noqa: A001 - the public name of the API
     seed: int | None = None,
     precision: str | LossScaling = "fp32",
     virtual_devices: int | None = None,
+    shape_buckets: int | tuple[int, ...] | list[int] | None = None,
 ) -> Pipeline:
     """Compile `model` into a pipeline over `devices` that trains exactly like eager training.
 
@@ -88,8 +96,8 @@ def compile(  # noqa: A001 - the public name of the API
         plan: sw.PlanOptions: microbatches, schedule, cost, split_points, replicas, stages,
             virtual_devices (documented there).
         memory: sw.MemoryOptions: swap, optimizer_on_host.
-        training: sw.TrainingOptions: clip_grad_norm, seed, precision.
-        microbatches ... virtual_devices: each option of the three groups may instead be given as
+        training: sw.TrainingOptions: clip_grad_norm, seed, precision, shape_buckets.
+        microbatches ... shape_buckets: each option of the three groups may instead be given as
             a keyword of its own (`microbatches=4`), the same value as in its group.
 
     Returns:
@@ -113,11 +121,12 @@ def compile(  # noqa: A001 - the public name of the API
     chosen = with_groups(dict(microbatches=microbatches, schedule=schedule, cost=cost, split_points=split_points,
                               replicas=replicas, stages=stages, virtual_devices=virtual_devices, swap=swap,
                               optimizer_on_host=optimizer_on_host, clip_grad_norm=clip_grad_norm, seed=seed,
-                              precision=precision), plan, memory, training)
+                              precision=precision, shape_buckets=shape_buckets), plan, memory, training)
     if chosen["cost"] is None:  # PlanOptions' default: compile's own
         chosen["cost"] = CostModel.PROFILE
     virtual = chosen.pop("virtual_devices")
-    _check_arguments(model, chosen["split_points"], example_inputs, loss_fn, loss_reduction)
+    buckets = parse_shape_buckets(chosen.pop("shape_buckets"))
+    _check_arguments(model, chosen["split_points"], example_inputs, loss_fn, loss_reduction, buckets)
     loss_reduction = loss_reduction or model_reduction(model, input_names(model, example_inputs)[0], loss_fn)
     devices = virtual_layout(devices, virtual)
     options = make_options(loss_fn=loss_fn, example_target=example_target, optimizer=optimizer, **chosen)
@@ -126,12 +135,15 @@ def compile(  # noqa: A001 - the public name of the API
     chosen_plan = after(ctx.plan, "plan")
     graph = after(ctx.analysis, "capture")
     model_graph = describe_model(model, graph.at(chosen_plan.microbatches), graph.tracer, options, virtual)
-    return pipeline_of(ctx, loss_reduction, model_graph)
+    padding = None if buckets is None else bucket_padding(graph.capture, buckets, graph.inputs, graph.target,
+                                                          loss_reduction)
+    return pipeline_of(ctx, loss_reduction, model_graph, padding)
 
 
-def pipeline_of(ctx: CompileContext, loss_reduction, model_graph: dict) -> Pipeline:
-    """The pipeline the phases made in `ctx`; `model_graph` what its checkpoints keep to plan again."""
-    compiled = Compiled(after(ctx.choice, "plan").sim_cost, ctx.seconds, loss_reduction, model_graph)
+def pipeline_of(ctx: CompileContext, loss_reduction, model_graph: dict, padding: Padding | None = None) -> Pipeline:
+    """The pipeline the phases made in `ctx`; `model_graph` what its checkpoints keep to plan again;
+    `padding` how its steps' sequences are padded (shape_buckets)."""
+    compiled = Compiled(after(ctx.choice, "plan").sim_cost, ctx.seconds, loss_reduction, model_graph, padding)
     described = after(ctx.plan, "plan")
     return Pipeline(described, after(ctx.runtime, "runtime"), compiled, unheld_state(ctx.request.model, described.stages))
 
@@ -192,6 +204,7 @@ def plan(
                               replicas=replicas, stages=stages, optimizer_on_host=optimizer_on_host,
                               precision=precision, cost=CostModel.ANALYTIC, virtual_devices=None, clip_grad_norm=None,
                               seed=0), plan, memory, training)
+    chosen.pop("shape_buckets", None)  # how steps are padded: nothing a plan holds
     if chosen.pop("virtual_devices") is not None:
         raise OptionError("virtual_devices= places a plan on this process's devices: give it to sw.compile; "
                           "sw.plan plans for the devices given")
@@ -254,15 +267,19 @@ def make_options(*, optimizer, split_points, precision, **given) -> CompileOptio
                           loss_scaling=precision if isinstance(precision, LossScaling) else None, **given)
 
 
-def _check_arguments(model: object, split_points: object, example_inputs, loss_fn: object, reduction: object) -> None:
+def _check_arguments(model: object, split_points: object, example_inputs, loss_fn: object, reduction: object,
+                     buckets: ShapeBuckets | None = None) -> None:
     """What CompileOptions cannot check: a module to compile, split points as a list of names (a
-    string would be read as one name per character), a loss reduction whose labels can be read
-    (before the phases run, not after a long compile)."""
+    string would be read as one name per character), a loss reduction whose labels can be read,
+    buckets that fit the example's sequence (before the phases run, not after a long compile)."""
     if not isinstance(model, torch.nn.Module):
         raise ExampleInputsError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     check_split_points(split_points)
     if reduction is not None:
         check_loss_reduction(reduction, loss_fn is not None, input_names(model, example_inputs)[0])
+    if buckets is not None:
+        first = input_names(model, example_inputs)[0][0]
+        sequence_length(buckets, first, example_inputs[first] if isinstance(example_inputs, dict) else example_inputs[0])
 
 
 def run_checked(ctx: CompileContext, phases=PHASES) -> None:

@@ -11,6 +11,7 @@ import torch
 
 from stagewise.compiler.assembly.loss_reduction import LossReduction
 from stagewise.compiler.assembly.runtime_setup import Runtime
+from stagewise.compiler.assembly.shape_buckets import Padding
 from stagewise.compiler.assembly.step_shapes import StepShapes, TransferSpecs
 from stagewise.compiler.pipeline.prediction import prediction_pieces
 from stagewise.compiler.pipeline.small_batches import GivenSamples, filled
@@ -25,9 +26,10 @@ from stagewise.runtime.precision import enclosing_autocast
 class Feeding:
     """The inputs of a pipeline's passes, checked against what its stage code takes."""
 
-    def __init__(self, plan: Plan, runtime: Runtime):
+    def __init__(self, plan: Plan, runtime: Runtime, padding: Padding | None = None):
         self.plan = plan
         self.runtime = runtime
+        self.padding = padding  # how step's and evaluate's sequences are padded (compile's shape_buckets)
         self.token_bounds = embedding_bounds(plan, [w.module for w in runtime.workers])  # ids each input may hold
         self.step_shapes = StepShapes(plan, runtime.stage_modules, runtime.stage_states,
                                       [pool.device for pool in runtime.pools])
@@ -52,7 +54,7 @@ class Feeding:
         call = "evaluate" if evaluating else "step"
         inputs = training_inputs(self.plan, args, target, kwargs, call)
         inputs = filled(self.plan, inputs) if evaluating else inputs
-        prepared = prepare_batch(self.plan, self.step_shapes, inputs, reduction, notices, call)
+        prepared = prepare_batch(self.plan, self.step_shapes, inputs, reduction, notices, call, self.padding)
         check_token_ids(inputs, self.token_bounds, call)
         return lambda: self.feed(prepared.pieces, prepared.weights, prepared.transfer_specs)
 

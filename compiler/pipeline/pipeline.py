@@ -49,7 +49,8 @@ class Pipeline(PipelineState):
                  unheld: dict[str, torch.Tensor] | None = None):
         super().__init__(plan, runtime, compiled, unheld)
         self._evaluation = Evaluation(plan, runtime.workers, runtime.pools, runtime.transport)
-        self._feeding = Feeding(plan, runtime)  # inputs checked, split and handed out
+        padding = compiled.padding if compiled is not None else None  # compile's shape_buckets
+        self._feeding = Feeding(plan, runtime, padding)  # inputs checked, padded, split and handed out
         self._loss_reduction: LossReduction | None = None
         self._saves = SaveSlot()  # the save in flight (compiler/checkpoint/async_save.py)
         self.loss_reduction = compiled.loss_reduction if compiled is not None else None  # checked

@@ -11,12 +11,13 @@ import torch.fx as fx
 
 from stagewise.compiler.assembly.loss_reduction import LossReduction
 from stagewise.compiler.assembly.runtime_setup import Runtime
+from stagewise.compiler.assembly.shape_buckets import Padding
 from stagewise.compiler.pipeline.step_notices import StepNotices
-from stagewise.ir.instructions import Stream
 from stagewise.ir.plan import Plan, SharedTensor
 from stagewise.ir.program import Program
 from stagewise.passes.costs import plan_charges
 from stagewise.passes.simulate import SimCost, SimResult, simulate
+from stagewise.runtime.device_time import DeviceTime, device_times, stats_columns
 from stagewise.runtime.distributed import DistributedTransport
 from stagewise.runtime.executor import DEFAULT_TIMEOUT_S, StreamExecutor
 from stagewise.runtime.launch import DistributedContext
@@ -33,6 +34,7 @@ class Compiled:
     phase_seconds: dict[str, float] = field(default_factory=dict)
     loss_reduction: LossReduction | None = None
     model_graph: dict | None = None  # what checkpoints keep to plan again (compiler/compile/model_graph.py)
+    padding: Padding | None = None  # how steps' sequences are padded (compile's shape_buckets)
 
 
 class PipelineReadings:
@@ -156,28 +158,26 @@ class PipelineReadings:
         """
         return self._executor.state.last_grad_norm
 
-    def time_breakdown(self) -> list[dict[str, float]]:
-        """Where the last step's time went, per device (before the first step, every device at zero).
+    def time_breakdown(self) -> list[DeviceTime]:
+        """Where the last step's time went, per device of this process (before the first step, all zero):
+        whether the model (compute) or the runtime (dispatch) took it, and what waited.
 
         Returns:
-            One dict per device: its index, the step's seconds, and the seconds each stream (compute,
-            p2p in and out, swap in and out) was busy.
+            One `DeviceTime` per device (runtime/device_time.py), in seconds: the step's wall time split
+            on the compute thread into compute, waiting on dependencies, host dispatch, swaps and p2p it ran inline
+            and idle (they add up to `step_s`), and the seconds of each swap and p2p stream beside it.
+            Each is also readable by name (`row["compute_s"]`).
 
         Example:
             >>> _ = pipe.step(x, target=y)
-            >>> [sorted(row) for row in pipe.time_breakdown()][0]
-            ['compute_s', 'device', 'p2p_in_s', 'p2p_out_s', 'step_s', 'swap_in_s', 'swap_out_s']
+            >>> row = pipe.time_breakdown()[0]
+            >>> row.device, row.compute_s > 0, row["compute_s"] == row.compute_s
+            (0, True, True)
+            >>> parts = row.compute_s + row.waiting_s + row.dispatch_s + row.inline_s + row.idle_s
+            >>> abs(parts - row.step_s) < 1e-9
+            True
         """
-        timeline = self._executor.state.step.timeline
-        step = max((end for *_, end in timeline), default=0.0)
-        rows = []
-        for program in self._executor.programs:
-            busy = dict.fromkeys(Stream, 0.0)
-            for device, stream, _, start, end in timeline:
-                if device == program.device:
-                    busy[stream] += end - start
-            rows.append({"device": program.device, "step_s": step, **{f"{s.value}_s": v for s, v in busy.items()}})
-        return rows
+        return device_times(self._executor.programs, self._executor.state.step.times)
 
     @property
     def timeout_s(self) -> float:
@@ -205,15 +205,17 @@ class PipelineReadings:
             transport.timeout_s = seconds
 
     @property
-    def stats(self) -> list[dict[str, int | None]]:
-        """Per device, from its memory pool: peak and current bytes (by kind), swap and p2p bytes.
-        (`pipe.stats[0]["peak_bytes"]`: device 0's peak.)
+    def stats(self) -> list[dict[str, int | float | None]]:
+        """Per device, from its memory pool: peak and current bytes (by kind), swap and p2p bytes;
+        and the last step's seconds from `time_breakdown` (`compute_s`, `waiting_s`, `dispatch_s`,
+        ...; None for a device another process runs). (`pipe.stats[0]["peak_bytes"]`: device 0's peak.)
 
         Example:
             >>> [(row["device"], row["peak_bytes"] > 0) for row in pipe.stats]
             [(0, True), (1, True)]
         """
-        return [pool.stats() for pool in self._runtime.pools]
+        times = {row.device: row for row in self.time_breakdown()}
+        return [{**pool.stats(), **stats_columns(times.get(pool.index))} for pool in self._runtime.pools]
 
     def simulate(self, peak_flops: float | None = None, bandwidth: float | None = None) -> SimResult:
         """The predicted timeline of one iteration of these programs, with the costs the plan's

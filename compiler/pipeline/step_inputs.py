@@ -18,6 +18,7 @@ import torch
 
 from stagewise.compiler.assembly.batches import check_step_tensors, split_batch
 from stagewise.compiler.assembly.loss_reduction import LossReduction, loss_weights
+from stagewise.compiler.assembly.shape_buckets import Padding
 from stagewise.compiler.assembly.step_shapes import StepShapes, TransferSpecs
 from stagewise.compiler.pipeline.step_notices import StepNotices
 from stagewise.ir.errors import ExampleInputsError
@@ -35,14 +36,17 @@ class PreparedBatch:
 
 
 def prepare_batch(plan: Plan, shapes: StepShapes, inputs: dict[str, torch.Tensor],
-                  reduction: LossReduction | None, notices: StepNotices, call: str = "step") -> PreparedBatch:
-    """`inputs` (model input name, then the target's, -> tensor) checked and split for a step (or
-    the `call` its errors name: evaluate)."""
+                  reduction: LossReduction | None, notices: StepNotices, call: str = "step",
+                  padding: Padding | None = None) -> PreparedBatch:
+    """`inputs` (model input name, then the target's, -> tensor) checked, padded (compile's
+    shape_buckets) and split for a step (or the `call` its errors name: evaluate)."""
     m = plan.microbatches
     batch = check_step_tensors(inputs, plan.input_specs, m, plan.microbatch_size,
                                plan.smallest_microbatch or plan.microbatch_size, call)
     if reduction is None:
-        notices.padding_uncounted(inputs, plan.target_name)
+        notices.padding_uncounted(inputs, plan.target_name)  # the user's padding, not the buckets'
+    if padding is not None:
+        inputs = padding.padded(inputs)
     node_names = dict(zip(plan.input_names + (plan.target_name,), plan.graph_inputs, strict=False))
     split = split_batch(inputs, m)
     if reduction is not None:

@@ -114,10 +114,11 @@ def resize(pipe: Pipeline, devices) -> None:
         saved = read_checkpoint(Path(folder) / "ck", None)
         runtime, unheld = reopen(saved, rebuild_checkpoint(saved, trusted).stages, plan, trusted, None)
     view, resumed, timeout, reduction = pipe._optimizer, pipe._resumed, pipe.timeout_s, pipe.loss_reduction
-    training = pipe.training
+    training, padding = pipe.training, pipe._feeding.padding
     pipe._executor.threads.close()
     pipe._rebuild(plan, runtime, unheld)
     pipe._resumed, pipe.timeout_s, pipe.loss_reduction = resumed, timeout, reduction
+    pipe._feeding.padding = padding
     if pipe.training != training:
         pipe.train(training)
     if view is not None:
