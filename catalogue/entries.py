@@ -128,7 +128,8 @@ class InstanceType:
     """A rentable machine: `accelerators` devices of `accelerator` (a catalogue name or alias).
     `intra_node_bandwidth` is what one device can send to the others of its instance (NVLink /
     NVSwitch, or PCIe where there is none), `inter_node_bandwidth` what the whole instance can send
-    to another instance; both bytes/s, one direction."""
+    to another instance; both bytes/s, one direction. `host_memory` is the instance's RAM in bytes,
+    which its devices share: what a plan keeps in host memory must fit in it."""
 
     name: str
     provider: str
@@ -139,10 +140,11 @@ class InstanceType:
     on_demand: Price | None = None
     spot: Price | None = None
     note: str = ""
+    host_memory: Figure | None = None
 
     def figures(self) -> tuple[Figure, ...]:
-        links = (self.intra_node_bandwidth, self.inter_node_bandwidth)
-        return tuple(f for f in links if f is not None)
+        optional = (self.intra_node_bandwidth, self.inter_node_bandwidth, self.host_memory)
+        return tuple(f for f in optional if f is not None)
 
     def prices(self) -> tuple[Price, ...]:
         return tuple(p for p in (self.on_demand, self.spot) if p is not None)

@@ -26,6 +26,7 @@ field, so a typo in a 200-line file is found at once. The schema, with TOML as t
     accelerator = "MY-GPU"
     accelerators = 8
     inter_node_bandwidth = { value = "25GB/s", sources = ["our-bench"] }
+    host_memory = { value = "1TiB", sources = ["our-bench"] }      # the instance's RAM, its devices share
     on_demand = { usd_per_hour = 12.5, region = "dc1", sources = ["our-bench"] }
 """
 
@@ -211,7 +212,7 @@ def _accelerator(name: str, table: Mapping[str, object], where: str,
 def _instance_type(name: str, table: Mapping[str, object], where: str,
                    sources: Mapping[str, Source]) -> InstanceType:
     _check_fields(table, where, required={"provider", "accelerator", "accelerators"},
-                  optional={"intra_node_bandwidth", "inter_node_bandwidth", "on_demand", "spot", "note"})
+                  optional={"intra_node_bandwidth", "inter_node_bandwidth", "host_memory", "on_demand", "spot", "note"})
     count = table["accelerators"]
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise DeviceError(f"{where}.accelerators: {count!r} is not a positive whole number of accelerators "
@@ -225,7 +226,9 @@ def _instance_type(name: str, table: Mapping[str, object], where: str,
                                      _bandwidth("inter_node_bandwidth"), sources),
         on_demand=_price(table.get("on_demand"), f"{where}.on_demand", sources),
         spot=_price(table.get("spot"), f"{where}.spot", sources),
-        note=_note(table, where))
+        note=_note(table, where),
+        host_memory=_figure(table.get("host_memory"), f"{where}.host_memory",
+                            functools.partial(parse_bytes, what="host_memory"), sources))
 
 
 def _figure(value: object, where: str, parse: _Parse, sources: Mapping[str, Source]) -> Figure | None:

@@ -46,6 +46,8 @@ class Cluster:
         nodes: per instance, the indices of its devices.
         intra_node_bandwidth: bytes/s within an instance, one direction.
         inter_node_bandwidth: bytes/s between instances, one direction.
+        fallback: empty, or how the precision is timed on an accelerator without its units
+            ('bf16 timed at the fp16 rate ...').
 
     Example:
         >>> cluster = sw.parse_device_request("2xp4d.24xlarge", precision="bf16")
@@ -60,6 +62,7 @@ class Cluster:
     nodes: tuple[tuple[int, ...], ...]
     intra_node_bandwidth: float | None
     inter_node_bandwidth: float | None
+    fallback: str = ""
 
     def node_of(self, device: int) -> int:
         """The instance that holds a device.
@@ -103,7 +106,9 @@ def parse_device_request(request: str, catalogue: Catalogue | None = None,
             'COUNTxINSTANCE_TYPE' ('2xp4d.24xlarge': whole instances).
         catalogue: where the names are looked up; None for the shipped catalogue.
         precision: which peak FLOP/s the devices get: 'fp32' the plain fp32 rate (not TF32),
-            'tf32', 'bf16' or 'fp16' that dtype's dense tensor-core rate.
+            'tf32', 'bf16' or 'fp16' that dtype's dense tensor-core rate. An accelerator without
+            bf16 units (T4, V100) gets its best rate instead, fp16's or else fp32's, and the
+            cluster's `fallback` says so.
 
     Returns:
         The `Cluster`: the devices with the accelerator's figures, and which share an instance.
@@ -130,17 +135,34 @@ def parse_device_request(request: str, catalogue: Catalogue | None = None,
 
 def _cluster(accelerator: Accelerator, instance: InstanceType | None, instances: int, per_instance: int,
              dtype: Dtype) -> Cluster:
-    flops = _peak_flops(accelerator, dtype)
+    timed_as = _timed_as(accelerator, dtype)
+    flops = _peak_flops(accelerator, timed_as)
+    host_memory = instance.host_memory if instance else None
     devices: list[Device] = []
     nodes = []
-    for _ in range(instances):
+    for node in range(instances):
         nodes.append(tuple(range(len(devices), len(devices) + per_instance)))
-        devices += [_device(accelerator, flops, local) for local in range(per_instance)]
+        devices += [_device(accelerator, flops, local, node, host_memory.value if host_memory else None)
+                    for local in range(per_instance)]
     intra = instance.intra_node_bandwidth if instance else None
     inter = instance.inter_node_bandwidth if instance else None
+    fallback = "" if timed_as is dtype else \
+        f"{dtype.value} timed at the {timed_as.value} rate: {accelerator.name} has no {dtype.value} units"
     return Cluster(accelerator=accelerator, instance_type=instance, precision=dtype, devices=tuple(devices),
                    nodes=tuple(nodes), intra_node_bandwidth=intra.value if intra else None,
-                   inter_node_bandwidth=inter.value if inter else None)
+                   inter_node_bandwidth=inter.value if inter else None, fallback=fallback)
+
+
+BF16_FALLBACKS = (Dtype.FP16, Dtype.FP32)  # a bf16 request on a part without bf16 units, best first
+
+
+def _timed_as(accelerator: Accelerator, dtype: Dtype) -> Dtype:
+    """The dtype whose rate a request is timed at: its own where the accelerator lists it; for bf16
+    on a part without bf16 units (Turing's T4, Volta's V100) its best supported rate, the fp16
+    tensor cores' if it has them, else fp32's (what the part runs a mixed-precision step at)."""
+    if dtype is not Dtype.BF16 or accelerator.peak_flops.figure(dtype) is not None:
+        return dtype
+    return next((d for d in BF16_FALLBACKS if accelerator.peak_flops.figure(d) is not None), dtype)
 
 
 def _peak_flops(accelerator: Accelerator, dtype: Dtype) -> float | None:
@@ -161,13 +183,16 @@ def _peak_flops(accelerator: Accelerator, dtype: Dtype) -> float | None:
         f"peak_flops.{dtype.value} = {{ value = '...TFLOPS', sources = ['...'] }}")
 
 
-def _device(accelerator: Accelerator, peak_flops: float | None, local_index: int) -> Device:
-    """Device number `local_index` of its instance, with the accelerator's figures."""
+def _device(accelerator: Accelerator, peak_flops: float | None, local_index: int, node: int,
+            host_memory: float | None) -> Device:
+    """Device number `local_index` of instance `node`, with the accelerator's figures and the
+    instance's RAM (which the devices of one instance share)."""
     name = f"cuda:{local_index}" if accelerator.kind is AcceleratorKind.CUDA else "cpu"
     memory, memory_bw, host_bw = accelerator.memory, accelerator.memory_bandwidth, accelerator.host_bandwidth
     return Device(name, memory=int(memory.value) if memory else None, peak_flops=peak_flops,
                   memory_bandwidth=memory_bw.value if memory_bw else None,
-                  host_bandwidth=host_bw.value if host_bw else None)
+                  host_bandwidth=host_bw.value if host_bw else None,
+                  host_memory=int(host_memory) if host_memory else None, host=node)
 
 
 def _split(request: str) -> tuple[int, str]:

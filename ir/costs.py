@@ -4,6 +4,14 @@ device holds per parameter byte, and what the runtime itself adds on the machine
 The training state of a parameter is its weights, its gradient (same dtype, same bytes) and the
 optimizer's state (SGD none, SGD with momentum one copy, Adam/AdamW two moments). Every pass that
 sizes training state from parameter bytes goes through the two functions here.
+
+With AdamW that is 16 bytes per fp32 parameter, in fp32 and in bf16 alike: precision="bf16" is
+autocast, which keeps fp32 weights (the masters), fp32 gradients and fp32 moments (4 + 4 + 8),
+where mixed-precision training with separate bf16 copies keeps 2 + 2 + 12 (fp32 masters and
+moments): the same 16 bytes (ZeRO, Rajbhandari et al. SC'20 §3.1: "2Ψ + 2Ψ + KΨ" with K = 12;
+Hugging Face accelerate `estimate-memory`: "Training using Adam" is 4x the fp32 model's size).
+DeepSpeed's ZeRO-2 estimator (`estimate_zero2_model_states_mem_needs`) adds fp32 gradient
+partitions, 4 + 16/N bytes per parameter on N GPUs. tests/test_host_memory.py checks the plans.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass
 
@@ -14,24 +15,34 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def parse_bytes(value: int | str | None) -> int | None:
+def parse_bytes(value: int | str | None, what: str = "memory") -> int | None:
     """'512MiB' -> 536870912. Accepts positive ints and strings with B/KB/MB/GB/KiB/MiB/GiB
-    (a pool of 0 bytes or fewer could hold nothing: refused here, not at the first step)."""
+    (a pool of 0 bytes or fewer could hold nothing: refused here, not at the first step);
+    `what` names the argument in the messages."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise DeviceError(f"memory={value!r} is a {type(value).__name__}; write it like memory='512MiB' or 1000000")
+        raise DeviceError(f"{what}={value!r} is a {type(value).__name__}; write it like {what}='512MiB' or 1000000")
     match = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
     if isinstance(value, int):
         number = value
     elif not match or match.group(2).lower() not in _UNITS:
-        raise DeviceError(f"cannot read memory size {value!r}; write it like 512MiB, 2GiB or 1000000")
+        raise DeviceError(f"cannot read {what} size {value!r}; write it like 512MiB, 2GiB or 1000000")
     else:
         number = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
     if number < 1:
-        raise DeviceError(f"memory={value!r} leaves no bytes for the pool; give a positive size such as "
-                          "memory='512MiB', or memory=None for no limit")
+        raise DeviceError(f"{what}={value!r} leaves no bytes; give a positive size such as "
+                          f"{what}='512MiB', or {what}=None for no limit")
     return number
+
+
+def machine_memory() -> int | None:
+    """This machine's physical memory in bytes (what its CPU devices and every host copy share);
+    None where the system does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 _PREFIX = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "p": 10**15}
@@ -99,6 +110,8 @@ class DeviceSpec:
     peak_flops: float | None = None  # FLOP/s in the plan's precision, for analytic costs (passes/analytic.py)
     memory_bandwidth: float | None = None  # bytes/s of the device's own memory (roofline)
     host_bandwidth: float | None = None  # bytes/s of the host <-> device link (swaps)
+    host_memory: int | None = None  # bytes of RAM of the device's host, shared with the devices on it
+    host: int = 0  # which host (instance) the device is on: devices with the same host share its RAM
 
 
 @dataclass(frozen=True)
@@ -122,14 +135,22 @@ class Device:
         peak_flops: dense FLOP/s in the plan's precision, a number or '989TFLOPS'.
         memory_bandwidth: device memory bandwidth, bytes/s or '3.35TB/s'.
         host_bandwidth: the host <-> device link, bytes/s or '25GB/s' (what swaps cross).
+        host_memory: the RAM of the device's host, bytes or '64GiB': what the plan keeps in host
+            memory (swapped state and stashes, a host optimizer's state, the undo copies of each
+            update) must fit in it, shared by every device of the same `host`. None: unbounded,
+            except a CPU device, whose host is this machine (its physical memory).
+        host: which host (instance) the device is on, from 0; devices with the same host share
+            its `host_memory` (the smallest any of them states).
 
     Raises:
         DeviceError: a name that is not a device, a size, rate or speed that does not parse or is
-            not positive.
+            not positive, a host that is not a whole number from 0.
 
     Example:
         >>> sw.Device("cpu", memory="512MiB", peak_flops="1TFLOPS")
-        Device(name='cpu', memory=536870912, speed=1.0, peak_flops=1000000000000.0, memory_bandwidth=None, host_bandwidth=None)
+        Device(name='cpu', memory=536870912, speed=1.0, peak_flops=1000000000000.0, memory_bandwidth=None, host_bandwidth=None, host_memory=None, host=0)
+        >>> sw.Device("cuda", memory="24GB", host_memory="16GiB").host_memory
+        17179869184
         >>> sw.Device("cpu", speed=0)
         Traceback (most recent call last):
         ...
@@ -142,9 +163,15 @@ class Device:
     peak_flops: float | str | None = None
     memory_bandwidth: float | str | None = None
     host_bandwidth: float | str | None = None
+    host_memory: int | str | None = None
+    host: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "memory", parse_bytes(self.memory))
+        object.__setattr__(self, "host_memory", parse_bytes(self.host_memory, "host_memory"))
+        if isinstance(self.host, bool) or not isinstance(self.host, int) or self.host < 0:
+            raise DeviceError(f"host={self.host!r}: give the index of the device's host, a whole number from 0 "
+                              "(devices with the same host share its host_memory)")
         object.__setattr__(self, "peak_flops", parse_flops(self.peak_flops))
         object.__setattr__(self, "memory_bandwidth", parse_bandwidth(self.memory_bandwidth, "memory_bandwidth"))
         object.__setattr__(self, "host_bandwidth", parse_bandwidth(self.host_bandwidth, "host_bandwidth"))
@@ -184,7 +211,16 @@ class Device:
             peak_flops=_parsed(self.peak_flops),
             memory_bandwidth=_parsed(self.memory_bandwidth),
             host_bandwidth=_parsed(self.host_bandwidth),
+            host_memory=self._host_memory(),
+            host=self.host,
         )
+
+    def _host_memory(self) -> int | None:
+        """The RAM stated, or for a CPU device this machine's: its pool is that RAM too."""
+        stated = _parsed(self.host_memory)
+        if stated is None and self.torch_device.type == "cpu":
+            return machine_memory()
+        return stated
 
 
 def _parsed(value: int | float | str | None):

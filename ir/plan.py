@@ -181,6 +181,7 @@ class Plan:
         predicted_iteration_s: the simulated time of one step.
         predicted_stage_s: per stage, forward + backward of one microbatch.
         predicted_peak_bytes: per device, its simulated peak memory.
+        predicted_host_bytes: per device, what the runtime keeps for it in host memory.
         predicted_split: where the predicted iteration's time goes, and its bound (ir/time_split.py).
         considered: the candidate plans the planner simulated, one line each.
         costs: what the predictions charged, so a loaded plan predicts the same.
@@ -220,6 +221,7 @@ class Plan:
     predicted_iteration_s: float | None = None
     predicted_stage_s: tuple[float, ...] = ()  # forward + backward of one microbatch, per stage
     predicted_peak_bytes: tuple[int, ...] = ()  # per device
+    predicted_host_bytes: tuple[int, ...] = ()  # per device, kept in host memory (passes/capacity.py)
     predicted_split: TimeSplit | None = None  # compute, bubble, swap, p2p, all-reduce; the bound
     considered: tuple[str, ...] = ()  # the candidate plans the planner simulated, one line each
     costs: PlanCosts | None = None  # what the predictions charged: a loaded plan predicts the same

@@ -95,8 +95,9 @@ class PackSearch:
             return simulate(size, starts).score
 
         def fits(size: int, starts: list[int]) -> bool:
-            unbuilt, over_memory, _ = simulate(size, starts).score
-            return unbuilt or not over_memory  # more packs cannot mend a plan that does not build
+            # more packs cannot mend a plan that does not build, nor one its hosts' RAM cannot hold
+            found = simulate(size, starts)
+            return found.score[0] or (isinstance(found.prediction, Prediction) and found.prediction.pools_fit)
 
         try:
             size, starts = search_packs(sorted(by_size), self.n_layers, self.costs_at, self.cuts, self.devices,
@@ -146,12 +147,15 @@ def choose_with_harmony(options: Sequence[Candidate], build: Callable[[Candidate
 def _simplest_within_margin(scored: Sequence[tuple[Candidate, Simulated]],
                             alg1: tuple[Candidate, Simulated]) -> tuple[Candidate, Simulated]:
     """Alg. 1's pick made stable as the planner's (`keep_simplest`): among the configurations it scored
-    that built and fit, the simplest within PLAN_MARGIN of the fastest; Alg. 1's own when none fits."""
-    fitting = [(option, found, found.built[0], found.prediction) for option, found in scored
-               if not isinstance(found.built, StagewiseError) and isinstance(found.prediction, Prediction)
-               and found.prediction.fits]
+    that built and fit, the simplest within PLAN_MARGIN of the fastest; when none fits, the fastest that
+    fits the devices' pools (only host memory is short: the planner's refusal names it), else Alg. 1's own."""
+    predicted = [(option, found, found.built[0], found.prediction) for option, found in scored
+                 if not isinstance(found.built, StagewiseError) and isinstance(found.prediction, Prediction)]
+    fitting = [row for row in predicted if row[3].fits]
     if not fitting:
-        return alg1
+        pooled = [row for row in predicted if row[3].pools_fit]
+        fastest = min(pooled, key=lambda row: row[3].iteration_s, default=None)
+        return alg1 if fastest is None else (fastest[0], fastest[1])
     kept, _ = keep_simplest([(simplicity(plan), prediction) for _, _, plan, prediction in fitting])
     return fitting[kept][0], fitting[kept][1]
 

@@ -24,8 +24,7 @@ import torch.fx as fx
 
 from stagewise.ir.choices import ActivationPolicy, Schedule
 from stagewise.ir.costs import NO_RUNTIME_COSTS, RuntimeCosts
-from stagewise.ir.devices import format_bytes
-from stagewise.ir.errors import CapacityError, PartitionError, PlanError, StagewiseError
+from stagewise.ir.errors import PartitionError, PlanError, StagewiseError
 from stagewise.ir.plan import (
     Cut,
     DeviceSpec,
@@ -40,6 +39,7 @@ from stagewise.ir.plan import (
 from stagewise.ir.time_split import TimeSplit
 from stagewise.ir.topology import Topology
 from stagewise.passes.activations import Policies, apply_policies, asked_policies, recorded_policies
+from stagewise.passes.capacity import HostOver, check_fit, host_bytes, nothing_fits
 from stagewise.passes.costs import stage_charges
 from stagewise.passes.cpsat import partition_and_bind
 from stagewise.passes.harmony_packing import split_balanced
@@ -74,6 +74,7 @@ class Assembled:
     swaps: SwapPlan
     programs: tuple[Program, ...]
     replica_devices: tuple[tuple[int, ...], ...] = ()  # per stage, its replicas' devices (replicated stages)
+    host_bytes: tuple[int, ...] = ()  # per device, what the runtime keeps in host memory (passes/capacity.py)
 
     @property
     def stage_replicas(self) -> tuple[int, ...]:
@@ -86,8 +87,10 @@ class Prediction:
     iteration_s: float
     stage_s: tuple[float, ...]  # forward + backward seconds of one microbatch, per stage instance
     peak_bytes: tuple[int, ...]  # per device
-    fits: bool
+    fits: bool  # every device's pool and every host's RAM
     split: TimeSplit | None = None  # where the iteration's time goes (passes/sim_split.py)
+    hosts_over: tuple[HostOver, ...] = ()  # the hosts whose RAM cannot hold what the plan keeps there
+    pools_fit: bool = True  # every device's pool (only the hosts' RAM may be short)
 
 
 def assemble(
@@ -96,11 +99,13 @@ def assemble(
     state_per_param_byte: float, optimizer_on_host: bool = False, stash_bytes: Sequence[float] = (),
     built: dict | None = None, replica_devices: Sequence[Sequence[int]] = (), grad_bytes: Sequence[float] | None = None,
     activations: ActivationPolicy | Policies = ActivationPolicy.AUTO,
+    host_optimizer_bytes: float = 0.0,
 ) -> Assembled:
     """Stages, replicas, shared tensors, swaps and programs of one plan (`stash_bytes`: what each
     layer stashes per microbatch at the plan's size, for deciding where stashed activations are
     swapped; `grad_bytes`: each layer's trainable parameter bytes, None where every parameter
-    trains). `traced_microbatch`: the microbatch size `gm`'s values have, which their bytes per
+    trains; `host_optimizer_bytes`: the optimizer's state per trainable byte where it steps on the
+    host, for the host memory the plan needs). `traced_microbatch`: the microbatch size `gm`'s values have, which their bytes per
     sample are counted at (a candidate of another size may be built on the same graph: the bytes
     per sample do not depend on the size). `built`: one compile's stages by graph, starts and
     devices, since its candidates share partitions (gpipe, 1f1b and varuna at a microbatch size).
@@ -124,8 +129,9 @@ def assemble(
                        stash_stages)
     programs = lower(stages, transfers, shared, tasks, clip, swaps, optimizer_on_host)
     stages = recorded_policies(stages, tasks, swaps)
+    on_host = host_bytes(stages, swaps, tasks, len(capacities), optimizer_on_host, host_optimizer_bytes)
     return Assembled(schedule, microbatches, tuple(starts), tuple(stage_devices), layout, stages, transfers, shared,
-                     swaps, programs, tuple(tuple(on) for on in replica_devices))
+                     swaps, programs, tuple(tuple(on) for on in replica_devices), on_host)
 
 
 def sim_cost(plan: Assembled, costs: Sequence[LayerCost], devices: Sequence[DeviceSpec], microbatch_size: int,
@@ -147,9 +153,10 @@ def predict(plan: Assembled, costs: Sequence[LayerCost], devices: Sequence[Devic
     cost = sim_cost(plan, costs, devices, microbatch_size, topology, runtime)
     result = simulate(plan.programs, cost)
     peaks = tuple(int(result.peak_bytes.get(d, 0)) for d in range(len(devices)))
-    fits = all(d.memory is None or peak <= d.memory for d, peak in zip(devices, peaks, strict=True))
+    fit = check_fit(devices, peaks, plan.host_bytes)
     stage_s = tuple(f + b for f, b in zip(cost.forward_s, cost.backward_s, strict=True))
-    return Prediction(result.iteration_time, stage_s, peaks, fits, time_split(result)), result
+    return Prediction(result.iteration_time, stage_s, peaks, fit.fits, time_split(result), fit.hosts_over,
+                      fit.pools_fit), result
 
 
 def partition(
@@ -378,22 +385,14 @@ def choose(
             raise failure(reasons[0])
         raise failure("no plan could be built: " + "; ".join(f"{c.describe().strip()}: {r}" for c, r in tried))
     if not any(prediction.fits for _, _, prediction in built):
-        _, plan, prediction = min(built, key=lambda b: (b[2].iteration_s, simplicity(b[1])))
-        raise _nothing_fits(plan, prediction, devices)
+        # the reason from the fastest candidate, among those that at least fit the devices' pools
+        pooled = [b for b in built if b[2].pools_fit]
+        _, plan, prediction = min(pooled or built, key=lambda b: (b[2].iteration_s, simplicity(b[1])))
+        raise nothing_fits(f"{plan.schedule}, {plan.microbatches} microbatches", prediction.peak_bytes,
+                           prediction.hosts_over, devices)
     kept, fastest = keep_simplest([(simplicity(plan), prediction) for _, plan, prediction in built])
     verdict = Verdict(built[kept][0], built[kept][2].iteration_s, built[fastest][0], built[fastest][2].iteration_s)
     return built[kept][1], built[kept][2], tried, verdict
-
-
-def _nothing_fits(plan: Assembled, prediction: Prediction, devices: Sequence[DeviceSpec]) -> CapacityError:
-    over = [(d, peak, spec.memory) for d, (peak, spec) in enumerate(zip(prediction.peak_bytes, devices, strict=True))
-            if spec.memory is not None and peak > spec.memory]
-    detail = ", ".join(f"device {d} would need {format_bytes(peak)} of its {format_bytes(cap)}" for d, peak, cap in over)
-    return CapacityError(
-        f"no plan fits the devices' memory even with swapping: the best ({plan.schedule}, {plan.microbatches} "
-        f"microbatches) predicts {detail}. Give the devices more memory, add devices, use a smaller batch or "
-        "more microbatches (smaller activations)."
-    )
 
 
 __all__ = ["PLAN_MARGIN", "Assembled", "Candidate", "Prediction", "RuntimeCosts", "Simplicity", "Verdict", "assemble",

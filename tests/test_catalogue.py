@@ -17,6 +17,7 @@ from stagewise.catalogue.files import SHIPPED_DATA, shipped_catalogue
 
 ROOT = Path(__file__).resolve().parents[1]
 READ_ON = date(2026, 11, 26)  # the day the shipped figures were read
+HOST_MEMORY_READ_ON = date(2026, 11, 27)  # the day the instance types' RAM was read
 
 ACCELERATORS = ["H100-SXM-80GB", "H100-PCIe-80GB", "H200-SXM-141GB", "A100-SXM-80GB", "A100-SXM-40GB",
                 "A10G-24GB", "L4-24GB", "T4-16GB", "V100-SXM2-16GB", "CPU"]
@@ -47,7 +48,7 @@ def test_every_shipped_figure_and_price_has_a_dated_source(shipped):
         assert entry.sources, entry
         for source in entry.sources:
             assert source.url.startswith(("https://", "http://")) and source.title.strip()
-            assert source.accessed == READ_ON and isinstance(source.kind, SourceKind)
+            assert READ_ON <= source.accessed <= HOST_MEMORY_READ_ON and isinstance(source.kind, SourceKind)
             assert source.published is None or source.published <= READ_ON
 
 
@@ -94,6 +95,34 @@ def test_instance_types_figures_and_prices(shipped):
     a2 = shipped.instance_type("a2-highgpu-8g")  # Google bills the GPUs apart from the VM
     assert a2.on_demand.usd_per_hour == pytest.approx(5.91582 + 23.47126)
     assert shipped.instance_type("g2-standard-96").inter_node_bandwidth.value == 12.5e9
+
+
+def test_every_instance_type_has_its_ram_with_sources(shipped):
+    """Host memory is a capacity: every shipped instance type states its RAM, read from its provider."""
+    assert all(i.host_memory is not None and i.host_memory in i.figures() for i in shipped.instance_types)
+    assert shipped.instance_type("g6.xlarge").host_memory.value == 16 * 2**30
+    assert shipped.instance_type("p4d.24xlarge").host_memory.value == 1152 * 2**30
+    assert shipped.instance_type("p3.2xlarge").host_memory.value == 61 * 2**30
+    a2 = shipped.instance_type("a2-highgpu-1g").host_memory
+    assert a2.value == 85e9 and "10^9" in a2.note  # Google's "GB", read as the smaller figure
+    assert {s.url for s in shipped.instance_type("g4dn.xlarge").host_memory.sources} >= {
+        "https://docs.aws.amazon.com/batch/latest/userguide/gpu-jobs.html"}
+
+
+def test_the_devices_of_an_instance_share_its_ram():
+    cluster = sw.parse_device_request("2xg4dn.12xlarge")
+    assert [d.host for d in cluster.devices] == [0] * 4 + [1] * 4
+    assert {d.host_memory for d in cluster.devices} == {192 * 2**30}
+    assert sw.parse_device_request("4xH100").devices[0].host_memory is None  # packaging unknown
+
+
+@pytest.mark.parametrize(("request_text", "tflops", "fallback"), [
+    ("g4dn.xlarge", 65.0, "fp16"), ("p3.2xlarge", 125.0, "fp16")])
+def test_bf16_on_a_part_without_bf16_runs_at_its_fp16_rate(request_text, tflops, fallback):
+    cluster = sw.parse_device_request(request_text, precision="bf16")
+    assert cluster.devices[0].peak_flops == pytest.approx(tflops * 1e12)
+    assert cluster.fallback == f"bf16 timed at the {fallback} rate: {cluster.accelerator.name} has no bf16 units"
+    assert sw.parse_device_request("p4d.24xlarge", precision="bf16").fallback == ""
 
 
 def test_the_data_ships_inside_the_package():
@@ -194,9 +223,9 @@ def test_unknown_precision():
 
 
 def test_precision_the_accelerator_lacks():
-    with pytest.raises(sw.DeviceError, match=r"no bf16 peak FLOP/s for T4-16GB \(it lists fp32, fp16; Turing.*"
-                                             r"peak_flops.bf16 = "):
-        sw.parse_device_request("g4dn.12xlarge", precision="bf16")
+    with pytest.raises(sw.DeviceError, match=r"no tf32 peak FLOP/s for T4-16GB \(it lists fp32, fp16; Turing.*"
+                                             r"peak_flops.tf32 = "):
+        sw.parse_device_request("g4dn.12xlarge", precision="tf32")
     with pytest.raises(sw.DeviceError, match=r"no fp32 peak FLOP/s for A10G-24GB \(it lists none; NVIDIA "
                                              r"publishes no A10G datasheet"):
         sw.parse_device_request("g5.xlarge")
@@ -227,6 +256,7 @@ provider = "onprem"
 accelerator = "MY-GPU"
 accelerators = 2
 intra_node_bandwidth = { value = "25GB/s", sources = ["our-bench"] }
+host_memory = { value = "64GiB", sources = ["our-bench"] }
 on_demand = { usd_per_hour = 3.5, region = "dc1", sources = ["our-bench"] }
 
 [instance_types."box.a100"]
@@ -254,6 +284,7 @@ def test_user_toml_overrides_and_adds(tmp_path):
     cluster = sw.parse_device_request("3xbox.2gpu", catalogue=catalogue)
     assert len(cluster.devices) == 6 and cluster.intra_node_bandwidth == 25e9
     assert cluster.devices[0].peak_flops == 90e12 and cluster.instance_type.on_demand.usd_per_hour == 3.5
+    assert [(d.host, d.host_memory) for d in cluster.devices[1:3]] == [(0, 64 * 2**30), (1, 64 * 2**30)]
     a100_box = catalogue.instance_type("box.a100")
     assert a100_box.intra_node_bandwidth.sources[0].url.startswith("https://glennklockwood.com")
     assert catalogue.instance_type("p5.48xlarge").accelerators == 8  # shipped entries stay
@@ -274,8 +305,10 @@ def test_user_json_adds(tmp_path):
     assert [d.name for d in cluster.devices] == ["cpu"] * 8 and cluster.devices[0].peak_flops == 2e12
     assert cluster.inter_node_bandwidth == 10e9
     assert catalogue.instance_type("lab.node").spot.sources[0].published == date(2026, 9, 30)
-    with pytest.raises(sw.DeviceError, match=r"no bf16 peak FLOP/s for LAB-CPU \(it lists fp32\)"):
-        sw.parse_device_request("lab.node", catalogue=catalogue, precision="bf16")
+    fallback = sw.parse_device_request("lab.node", catalogue=catalogue, precision="bf16")  # no fp16 either
+    assert fallback.devices[0].peak_flops == 2e12 and fallback.fallback.startswith("bf16 timed at the fp32 rate")
+    with pytest.raises(sw.DeviceError, match=r"no fp16 peak FLOP/s for LAB-CPU \(it lists fp32\)"):
+        sw.parse_device_request("lab.node", catalogue=catalogue, precision="fp16")
 
 
 GOOD_SOURCE = '[sources.s]\nurl = "https://x"\ntitle = "t"\naccessed = 2026-01-01\nkind = "vendor"\n'
@@ -299,6 +332,9 @@ GOOD_SOURCE = '[sources.s]\nurl = "https://x"\ntitle = "t"\naccessed = 2026-01-0
      r"accelerators 'H100-SXM-80GB' and 'G' both answer to 'H100'"),
     (GOOD_SOURCE + '[instance_types.box]\nprovider = "p"\naccelerator = "NOPE"\naccelerators = 2\n',
      r"instance type 'box' holds accelerator 'NOPE', which the catalogue lacks; known: A100-SXM-40GB"),
+    (GOOD_SOURCE + '[instance_types.box]\nprovider = "p"\naccelerator = "T4"\naccelerators = 1\n'
+                   'host_memory = { value = "lots", sources = ["s"] }\n',
+     r"instance_types.'box'.host_memory.value: cannot read host_memory size 'lots'"),
     (GOOD_SOURCE + '[instance_types.box]\nprovider = "p"\naccelerator = "T4"\naccelerators = 0\n',
      r"instance_types.'box'.accelerators: 0 is not a positive whole number"),
     (GOOD_SOURCE + '[instance_types.box]\nprovider = "p"\naccelerator = "T4"\naccelerators = 1\n'

@@ -44,6 +44,11 @@ class Mix:
                    for price, cluster in zip(prices, self.clusters, strict=True) if price is not None)
 
     @property
+    def fallback(self) -> str:
+        """How a precision is timed on parts without its units ('' when every part has them)."""
+        return "; ".join(dict.fromkeys(cluster.fallback for cluster in self.clusters if cluster.fallback))
+
+    @property
     def figures(self) -> str:
         return "measured" if any(cluster.accelerator.measured for cluster in self.clusters) else "datasheet"
 

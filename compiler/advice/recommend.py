@@ -127,7 +127,7 @@ def recommend(
             progress(done, len(requests), request)
         try:
             mix = mix_of(request, catalogue, precision)
-        except DeviceError as error:  # e.g. no bf16 figure for a T4: out, with the reason
+        except DeviceError as error:  # e.g. no tf32 figure for a T4: out, with the reason
             rows.append(Candidate(request, 0, 0, None).without_plan(Out.UNPLANNABLE, _first_clause(error)))
             continue
         row, analysis = _candidate(request, mix, model, example_inputs, options, analysis)
@@ -189,7 +189,8 @@ def _constraints(objective: str, steps: int, deadline_s: float | None, budget_us
 def _candidate(request: str, mix: Mix, model: torch.nn.Module, example_inputs, options: CompileOptions,
                analysis: Analysis | None) -> tuple[Candidate, Analysis | None]:
     """One device set planned (or why it cannot be), and the capture to hand to the next."""
-    row = Candidate(request, len(mix.devices), mix.instances, mix.usd_per_hour, figures=mix.figures)
+    row = Candidate(request, len(mix.devices), mix.instances, mix.usd_per_hour, figures=mix.figures,
+                    note=mix.fallback)
     try:
         made = CompileRequest.make(model, mix.devices, example_inputs, _with_topology(options, mix.topology()),
                                    runs_here=False)

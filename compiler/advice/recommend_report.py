@@ -47,6 +47,8 @@ class Candidate:
         why_not: why it is out, for the table.
         out: which constraint rules it out; None when it meets them all.
         figures: 'measured' or 'datasheet', where its figures come from.
+        note: what the row's prediction assumes beyond the figures ('bf16 timed at the fp16
+            rate: T4-16GB has no bf16 units'), shown beside the reason it is out.
 
     Example:
         >>> row = recommendation.best  # sw.recommend(model, (x,), ..., candidates=["1xg6.xlarge", "1xp4d.24xlarge"])
@@ -64,6 +66,7 @@ class Candidate:
     why_not: str = ""  # the reason, for the table
     out: Out | None = None
     figures: str = ""  # "measured" (sw.probe_accelerator, or the user's own) or "datasheet"
+    note: str = ""  # what the prediction assumes beyond the figures (a precision timed at another's rate)
 
     def with_plan(self, plan: Plan, peak_bytes: int, formatted: Callable[[float], str]) -> Candidate:
         """The row once planned (what `sw.recommend` does with each device set that fits).
@@ -224,15 +227,15 @@ class Recommendation:
     def __str__(self) -> str:
         table = Table(title=f"devices for {self.steps} steps, by {self.objective}" + _limits(self))
         for column in ("#", "devices", "n", "iteration", "$/hour", "$/step", "run", "run $", "peak memory",
-                       "plan", SPLIT_COLUMN, "bound", "figures", "out because"):
-            table.add_column(column, justify="left" if column in ("devices", "plan", "out because") else "right")
+                       "plan", SPLIT_COLUMN, "bound", "figures", "out because / note"):
+            table.add_column(column, justify="left" if column in ("devices", "plan", "out because / note") else "right")
         for index, row in enumerate(self.rows, 1):
             split = row.plan.predicted_split if row.plan is not None else None
             table.add_row(str(index) if row.meets else "-", row.request, str(row.devices), _ms(row.iteration_s),
                           _usd(row.usd_per_hour), _usd(row.run_usd(1), 4), _duration(row.run_s(self.steps)),
                           _usd(row.run_usd(self.steps)), row.peak_memory, _plan(row.plan),
                           "" if split is None else split.percentages(), "" if split is None else str(split.bound),
-                          row.figures, row.why_not)
+                          row.figures, "; ".join(part for part in (row.why_not, row.note) if part))
         buffer = io.StringIO()
         Console(file=buffer, width=200, force_terminal=False, color_system=None).print(table)
         verdict = f"no candidate meets every constraint: {self.unsatisfied}" if self.unsatisfied else \

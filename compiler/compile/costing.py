@@ -69,6 +69,7 @@ class Costs:
     runtime: RuntimeCosts
     topology: Topology  # bytes/s of a send between every pair of the devices, and of each one's host link
     optimizer_ratio: float  # bytes of optimizer state per weight byte on the devices
+    host_optimizer_ratio: float = 0.0  # the same in host memory, where the optimizer steps on the host
 
     @property
     def state_ratio(self) -> float:
@@ -83,20 +84,21 @@ def measure_costs(request: CompileRequest, analysis: Analysis) -> Costs:
     (compiler/compile/modelled_costs.py) unless `topology=` gives the links."""
     devices = request.devices
     options = request.options
-    # no optimizer state on the devices when the optimizer steps on the host
-    optimizer_ratio = 0.0 if options.optimizer_on_host else optimizer_state_ratio(options.optimizer)
+    # no optimizer state on the devices when the optimizer steps on the host: it is in host memory
+    state_ratio = optimizer_state_ratio(options.optimizer)
+    optimizer_ratio, host_ratio = (0.0, state_ratio) if options.optimizer_on_host else (state_ratio, 0.0)
     largest = MAX_MICROBATCH if options.microbatch_sizes is None else options.microbatch_sizes[1]
     layers = LayerCostModel(options.cost, analysis, devices[0], optimizer_ratio, options.precision, largest)
     layers.at(analysis.first.microbatch_size)
     if not request.runs_here:
         topology = with_host_links(options.topology or modelled_topology(devices), modelled_host_links(devices))
-        return Costs(layers, modelled_runtime_costs(request, analysis), topology, optimizer_ratio)
+        return Costs(layers, modelled_runtime_costs(request, analysis), topology, optimizer_ratio, host_ratio)
     context = request.distributed
     topology = options.topology or (local_topology(devices) if context is None
                                     else cluster_topology(devices, context.local_rank))
     host_links = [float(d.spec().host_bandwidth or calibrate(d).host_bandwidth) for d in devices]
     return Costs(layers, runtime_costs(request, analysis, layers), with_host_links(topology, host_links),
-                 optimizer_ratio)
+                 optimizer_ratio, host_ratio)
 
 
 def with_host_links(topology: Topology, host_links: Sequence[float]) -> Topology:

@@ -84,6 +84,7 @@ def plan(ctx: CompileContext) -> None:
         predicted_iteration_s=prediction.iteration_s,
         predicted_stage_s=prediction.stage_s,
         predicted_peak_bytes=prediction.peak_bytes,
+        predicted_host_bytes=chosen.host_bytes,
         predicted_split=prediction.split,
         considered=ctx.choice.considered,
         costs=recorded_costs(chosen, costs.layers.at(graph.microbatch_size), costs.topology, costs.runtime),

@@ -123,7 +123,8 @@ class PlanBuilder:
             assemble, graph.graph, graph.layers, graph.cuts, graph.microbatch_size, name, m, starts, stage_devices, layout,
             options.swap, request.capacities, options.reduces_grad_norm, self.costs.state_ratio,
             optimizer_on_host=options.optimizer_on_host, stash_bytes=[c.stash_bytes for c in layer_costs],
-            built=self.built, replica_devices=replica_devices, grad_bytes=[c.grad_bytes for c in layer_costs])
+            built=self.built, replica_devices=replica_devices, grad_bytes=[c.grad_bytes for c in layer_costs],
+            host_optimizer_bytes=self.costs.host_optimizer_ratio)
         return Built(self._with_activations(name, assembled, layer_costs, size, placement), layer_costs, size)
 
     def _with_activations(self, name: Schedule, assembled: Callable[..., Assembled], layer_costs: list[LayerCost],
@@ -265,7 +266,7 @@ def _describe(candidate: Candidate, result: Prediction | str) -> str:
     what = candidate.describe()
     if isinstance(result, str):
         return f"{what} not possible: {result}"
-    fits = "fits" if result.fits else "does not fit"
+    fits = "fits" if result.fits else "does not fit" + (" host memory" if result.hosts_over else "")
     return f"{what} {result.iteration_s * 1e3:9.2f} ms/iteration, {fits}"
 
 
