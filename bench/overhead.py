@@ -120,19 +120,25 @@ def eager_config(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Config:
 def accumulating_config(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Config:
     """Eager training over the pipelines' microbatches (gradient accumulation): the PyTorch per-op cost
     of running 16 small microbatches instead of one batch, which stagewise pays too, without its dispatch."""
+    return Config(f"eager, {MICROBATCHES} microbatches", accumulating_step(model, F.mse_loss, x, y, MICROBATCHES),
+                  instructions=0)
+
+
+def accumulating_step(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, microbatches: int):
+    """One SGD step of eager training that accumulates the gradients of `microbatches` chunks."""
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
 
     def step() -> float:
         optimizer.zero_grad()
         total = torch.zeros(())
-        for xs, ys in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES), strict=True):
-            loss = F.mse_loss(model(xs), ys) / MICROBATCHES
+        for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True):
+            loss = loss_fn(model(xs), ys) / microbatches
             loss.backward()
             total += loss.detach()
         optimizer.step()
         return total.item()
 
-    return Config(f"eager, {MICROBATCHES} microbatches", step, instructions=0)
+    return step
 
 
 def pipeline_config(model: nn.Module, devices: int, x: torch.Tensor, y: torch.Tensor) -> Config:
@@ -188,18 +194,7 @@ def gpt_configs() -> list[Config]:
     ids = torch.randint(0, GPT_VOCAB, (GPT_BATCH, GPT_TOKENS + 1))
     x, y = ids[:, :-1], ids[:, 1:]
     eager, pipeline = copy.deepcopy(model), copy.deepcopy(model)
-    optimizer = torch.optim.SGD(eager.parameters(), lr=LEARNING_RATE)
-
-    def eager_step() -> float:
-        optimizer.zero_grad()
-        total = torch.zeros(())
-        for xs, ys in zip(x.chunk(GPT_MICROBATCHES), y.chunk(GPT_MICROBATCHES), strict=True):
-            loss = gpt.lm_loss(eager(xs), ys) / GPT_MICROBATCHES
-            loss.backward()
-            total += loss.detach()
-        optimizer.step()
-        return total.item()
-
+    eager_step = accumulating_step(eager, gpt.lm_loss, x, y, GPT_MICROBATCHES)
     pipe = sw.compile(pipeline, 1, (x,), loss_fn=gpt.lm_loss, example_target=y, microbatches=GPT_MICROBATCHES,
                       schedule="1f1b", cost="analytic")
     instructions = sum(len(program.instructions) for program in pipe.programs)
