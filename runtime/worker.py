@@ -107,7 +107,7 @@ class StageWorker(CheckpointAccess):
         microbatch's inputs (received transfer buffers, counted as such, or the caller's tensors)."""
         inputs = self.inputs.get(microbatch, _NO_INPUTS)  # a stage may take no input (rotary embeddings)
         args = [inputs[name] for name in self.stage.inputs]
-        key = (stash, *[a.shape for a in args if isinstance(a, torch.Tensor)])  # per input sizes
+        key = (stash, tuple([a.shape for a in args if isinstance(a, torch.Tensor)]))  # per input sizes
         size = self.stash_size.get(key)
         if size is not None and microbatch not in self.swapped_stashes:
             # saved_tensors_hooks call Python for every tensor autograd saves (a GPT block's forward
@@ -127,7 +127,7 @@ class StageWorker(CheckpointAccess):
         self.outputs[microbatch] = outputs
         self.pool.allocate("stash", self.keys.stash(microbatch), size, instruction)
         if self.is_last:
-            self.losses[microbatch] = outputs[0]
+            self.losses[microbatch] = outputs[0].detach()  # the graph goes with `outputs`, on this thread
         if stash and not any(isinstance(o, torch.Tensor) and o.requires_grad for o in outputs):
             self._release_inputs(microbatch)
 
