@@ -60,16 +60,27 @@ _thread = _ThreadState()
 _global_generators = threading.Lock()  # one keyed draw at a time may seed the global generators
 
 
-@contextlib.contextmanager
-def drawing(seed: int, step: int, microbatch: int, training: bool = True) -> Iterator[DrawKey]:
+class _Drawing:
+    """`drawing`'s context: a plain object, not a generator's (entered around every forward)."""
+
+    __slots__ = ("key", "previous")
+
+    def __init__(self, key: DrawKey):
+        self.key = key
+        self.previous: DrawKey | None = None
+
+    def __enter__(self) -> DrawKey:
+        self.previous, _thread.key = _thread.key, self.key
+        return self.key
+
+    def __exit__(self, *exc: object) -> None:
+        _thread.key = self.previous
+
+
+def drawing(seed: int, step: int, microbatch: int, training: bool = True) -> _Drawing:
     """Random ops this thread runs inside draw from the streams of (seed, step, op, microbatch);
     dropout draws only while `training`."""
-    previous = _thread.key
-    _thread.key = DrawKey(seed, step, microbatch, training)
-    try:
-        yield _thread.key
-    finally:
-        _thread.key = previous
+    return _Drawing(DrawKey(seed, step, microbatch, training))
 
 
 def current_key() -> DrawKey | None:

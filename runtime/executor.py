@@ -186,7 +186,7 @@ class StreamExecutor:
         losses = {}
         for worker in self.state.workers.values():
             if worker.is_last:
-                losses.update({mb: loss.detach() for mb, loss in worker.losses.items()})
+                losses.update(worker.losses)  # detached by the forward
                 worker.losses.clear()
         return self.state.loss_weights.total(losses, self.state.step.microbatches)
 

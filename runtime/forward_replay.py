@@ -27,44 +27,39 @@ class ForwardReplay:
         self.seed = seed
         self.written: dict[int, set[str]] = {}  # stage -> names of the buffers its forward writes
 
-    @contextlib.contextmanager
     def running(self, stage: int, module: torch.nn.Module, microbatch: int, step: int,
-                recompute: bool) -> Iterator[None]:
-        """Around one forward (or, `recompute`, its replay) of `stage`'s `module` on `microbatch`."""
-        with drawing(self.seed, step, microbatch, module.training):
-            if recompute:
-                with self._buffers_kept(stage, module):
-                    yield
-            else:
-                with self._learning_writes(stage, module):
-                    yield
+                recompute: bool) -> contextlib.AbstractContextManager:
+        """Around one forward (or, `recompute`, its replay) of `stage`'s `module` on `microbatch`: the
+        draws' key alone, once the stage's writes are known (every forward but the stage's first)."""
+        draws = drawing(self.seed, step, microbatch, module.training)
+        if recompute:
+            return self._replaying(draws, stage, module) if self.written.get(stage) else draws
+        if stage in self.written or not module.training:
+            return draws
+        return self._learning(draws, stage, module)
 
     @contextlib.contextmanager
-    def _learning_writes(self, stage: int, module: torch.nn.Module) -> Iterator[None]:
-        """At the stage's first forward (later ones cost nothing): versions tell an exported graph's
-        `copy_`, values BatchNorm's kernel, which updates the running statistics in place without
-        bumping their version. A forward in eval mode writes none (BatchNorm reads its running
-        statistics), so it teaches nothing about the training forwards."""
-        if stage in self.written or not module.training:
-            yield
-            return
+    def _learning(self, draws: contextlib.AbstractContextManager, stage: int, module: torch.nn.Module) -> Iterator[None]:
+        """The stage's first training forward: versions tell an exported graph's `copy_`, values
+        BatchNorm's kernel, which updates the running statistics in place without bumping their
+        version. (A forward in eval mode writes none: BatchNorm reads its running statistics, so
+        it teaches nothing about the training forwards.)"""
         buffers = dict(module.named_buffers())
         versions = {name: b._version for name, b in buffers.items()}
         values = {name: b.detach().clone() for name, b in buffers.items()}
-        yield
+        with draws:
+            yield
         self.written[stage] = {name for name, b in buffers.items()
                                if b._version != versions[name] or not torch.equal(b, values[name])}
 
     @contextlib.contextmanager
-    def _buffers_kept(self, stage: int, module: torch.nn.Module) -> Iterator[None]:
-        names = self.written.get(stage)
-        if not names:
-            yield
-            return
+    def _replaying(self, draws: contextlib.AbstractContextManager, stage: int, module: torch.nn.Module) -> Iterator[None]:
+        """A recompute of a stage whose forward writes buffers: those are put back after it."""
         buffers = dict(module.named_buffers())
-        kept = {name: buffers[name].detach().clone() for name in names}
+        kept = {name: buffers[name].detach().clone() for name in self.written[stage]}
         try:
-            yield
+            with draws:
+                yield
         finally:
             for name, value in kept.items():
                 # through .data: the recompute's autograd graph saved BatchNorm's running statistics

@@ -64,10 +64,12 @@ class InstructionHandlers(Interpreter):
     def _bind_forward(self, device: int, index: int, ins: Forward | Recompute) -> Callable[[], None]:
         state, worker, label = self.state, self.state.workers[ins.stage], self.state.tables[device].labels[index]
         stage, microbatch, recompute, stash = ins.stage, ins.microbatch, isinstance(ins, Recompute), stashes(ins)
+        autocast = autocast_for(state.precision, worker.device)  # entered by one forward at a time (torch.autocast
+        # keeps what it replaces on itself until it exits): made once, not per call
 
         def forward() -> None:  # the worker's module is read each time: predict swaps it for a step
             replayed = state.replay.running(stage, worker.module, microbatch, state.iteration, recompute)
-            with autocast_for(state.precision, worker.device), replayed:
+            with autocast, replayed:
                 worker.forward(microbatch, label, stash=stash)
         return forward
 

@@ -59,7 +59,10 @@ class MemoryPool:
 
     def allocate(self, kind: str, key: tuple, nbytes: int, instruction: str) -> None:
         with self.lock:
-            if key in self.held:
+            held = self.held.get(key)
+            if held is not None:
+                if held[1] == nbytes and held[0] == kind:
+                    return  # unchanged (a stage's gradients after every backward but the first): nothing moves
                 self._release(key)
             if self.capacity is not None and self.current + nbytes > self.capacity:
                 raise CapacityError(

@@ -25,8 +25,12 @@ from stagewise.ir.errors import PlanError
 from stagewise.ir.plan import Stage
 from stagewise.runtime.checkpoint_access import CheckpointAccess
 from stagewise.runtime.grad_bytes import GradBytes
+from stagewise.runtime.host_step import host_step
 from stagewise.runtime.pool import MemoryPool, nbytes
+from stagewise.runtime.stage_keys import StageKeys
 from stagewise.runtime.stash import HostBuffers, Stash, storage_of, unpack
+
+_NO_INPUTS: dict[str, torch.Tensor] = {}  # a microbatch given no input (never written)
 
 
 class StageWorker(CheckpointAccess):
@@ -44,6 +48,7 @@ class StageWorker(CheckpointAccess):
         swapped_stashes: frozenset[int] = frozenset(),
     ):
         self.stage = stage
+        self.keys = StageKeys(stage.index, stage.outputs)
         self.swapped_stashes = swapped_stashes  # microbatches whose stash the program moves to host memory
         self.pool = pool
         self.device = pool.device
@@ -100,15 +105,18 @@ class StageWorker(CheckpointAccess):
         that happens for the microbatches the program swaps, and once to measure the stash size.
         The stash counted in the pool is that and the outputs, less the stage's state and the
         microbatch's inputs (received transfer buffers, counted as such, or the caller's tensors)."""
-        inputs = self.inputs.get(microbatch, {})  # a stage may take no input (rotary embeddings)
+        inputs = self.inputs.get(microbatch, _NO_INPUTS)  # a stage may take no input (rotary embeddings)
         args = [inputs[name] for name in self.stage.inputs]
-        key = (stash, tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor)))  # per input sizes
+        key = (stash, tuple([a.shape for a in args if isinstance(a, torch.Tensor)]))  # per input sizes
         size = self.stash_size.get(key)
         if size is not None and microbatch not in self.swapped_stashes:
             # saved_tensors_hooks call Python for every tensor autograd saves (a GPT block's forward
             # took 1.6x as long): a stash that stays on the device is the size the first one measured
-            with torch.set_grad_enabled(stash):
+            if torch.is_grad_enabled() == stash:  # a stream thread's mode: no context to enter
                 outputs = self.module(*args)
+            else:
+                with torch.set_grad_enabled(stash):
+                    outputs = self.module(*args)
         else:
             kept = self.resident | {storage_of(t) for t in inputs.values() if isinstance(t, torch.Tensor)}
             saved = self.stashes[microbatch] = Stash(self.device, kept)  # held before a failing forward fills it
@@ -117,14 +125,14 @@ class StageWorker(CheckpointAccess):
             saved.add_outputs(outputs)
             size = self.stash_size[key] = saved.nbytes()
         self.outputs[microbatch] = outputs
-        self.pool.allocate("stash", ("stash", self.stage.index, microbatch), size, instruction)
+        self.pool.allocate("stash", self.keys.stash(microbatch), size, instruction)
         if self.is_last:
-            self.losses[microbatch] = outputs[0]
+            self.losses[microbatch] = outputs[0].detach()  # the graph goes with `outputs`, on this thread
         if stash and not any(isinstance(o, torch.Tensor) and o.requires_grad for o in outputs):
             self._release_inputs(microbatch)
 
     def output(self, microbatch: int, name: str) -> torch.Tensor:
-        return self.outputs[microbatch][self.stage.outputs.index(name)]
+        return self.outputs[microbatch][self.keys.output_index[name]]
 
     def add_output_grad(self, microbatch: int, name: str, grad: torch.Tensor, buffer_key: tuple) -> None:
         self.buffers.setdefault(microbatch, []).append((grad, buffer_key))
@@ -136,28 +144,32 @@ class StageWorker(CheckpointAccess):
         if stash is not None and stash.on_host:
             raise PlanError(f"`{instruction}` runs while microbatch {microbatch}'s stash of stage {self.stage.index} is "
                             "in host memory: the program lacks its `stash-in`")
-        tensors, grads = [], []
         outputs = self.outputs.pop(microbatch)
-        for name, grad in self.output_grads.pop(microbatch, {}).items():
-            tensors.append(outputs[self.stage.outputs.index(name)])
-            grads.append(grad)
-        if self.is_last and loss_scale:  # a loss of weight 0 (no counted item) is left out: its mean is 0 / 0
-            loss = outputs[0]
-            tensors.append(loss)
-            grads.append(torch.full_like(loss, loss_scale))
-        pairs = [(t, g) for t, g in zip(tensors, grads, strict=True) if t.requires_grad]
-        if pairs:
-            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        tensors, grads = [], []
+        output_grads = self.output_grads.pop(microbatch, None)
+        if output_grads is not None:
+            index = self.keys.output_index
+            for name, grad in output_grads.items():
+                tensor = outputs[index[name]]
+                if tensor.requires_grad:
+                    tensors.append(tensor)
+                    grads.append(grad)
+        if self.is_last and loss_scale and outputs[0].requires_grad:  # a loss of weight 0 (no counted item) is
+            tensors.append(outputs[0])                                 # left out: its mean is 0 / 0
+            grads.append(torch.full_like(outputs[0], loss_scale))
+        if tensors:
+            torch.autograd.backward(tensors, grads)
         if stash is not None:
             stash.release()  # what no backward reached stays saved otherwise (runtime/stash.py)
-        self.pool.allocate("grads", ("grads", self.stage.index), self.grad_bytes.count(), instruction)
-        inputs = self.inputs.get(microbatch, {})
-        self.input_grads[microbatch] = {
-            name: input_grad.clone() if (input_grad := inputs[name].grad) is not None else torch.zeros_like(inputs[name])
-            for name in self.grad_inputs
-            if name in inputs
-        }
-        self.pool.release(("stash", self.stage.index, microbatch))
+        self.pool.allocate("grads", self.keys.grads, self.grad_bytes.count(), instruction)
+        if self.grad_inputs:
+            inputs = self.inputs.get(microbatch, _NO_INPUTS)
+            self.input_grads[microbatch] = {
+                name: input_grad.clone() if (input_grad := inputs[name].grad) is not None else torch.zeros_like(inputs[name])
+                for name in self.grad_inputs
+                if name in inputs
+            }
+        self.pool.release(self.keys.stash(microbatch))
         self._release_inputs(microbatch)
 
     def _release_inputs(self, microbatch: int) -> None:
@@ -326,75 +338,11 @@ class StageWorker(CheckpointAccess):
         if self.optimizer is None:
             return
         if on_host:
-            self._host_step(self.optimizer, coefficient)
+            host_step(self, self.optimizer, coefficient)
             return
         if coefficient is not None:
             self.scale_grads(coefficient)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.pool.release(("grads", self.stage.index))
+        self.pool.release(self.keys.grads)
         self.pool.allocate("optimizer", ("optimizer", self.stage.index), nbytes(self.tensors("optimizer").values()), instruction)
-
-    # ---- the optimizer on the host (Harmony's CPU update, ZeRO-Offload) ------------------------
-    def _host_step(self, optimizer: torch.optim.Optimizer, coefficient: float | None) -> None:
-        """Step the fp32 host masters with the host gradients; the state the optimizer makes lives
-        beside them. The device copies are refreshed by the program's next swap-in (or, swapped,
-        by the next use's)."""
-        masters = self._host_masters(optimizer)
-        device_data = {}
-        with torch.no_grad():
-            for name, param in self.params.items():
-                grad = self.host.pop(("grads", name), None)
-                device_data[name] = param.data
-                param.grad = None
-                param.data = masters[name]
-                if grad is not None:
-                    param.grad = grad.to(masters[name].dtype)
-                    if coefficient is not None:
-                        param.grad.mul_(coefficient)
-        try:
-            optimizer.step()
-        finally:
-            optimizer.zero_grad(set_to_none=True)
-            for name, param in self.params.items():
-                param.data = device_data[name]
-                self.versions[name] = param._version
-        self.pool.release(("grads", self.stage.index))
-
-    def _host_masters(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-        """Each parameter's fp32 master in host memory (`host["weights", name]`, which a swap-in
-        copies to the device). Made at the first host step from the current copy: the host copy of
-        a swapped-out parameter, else the device's. A device copy written since (load_state_dict)
-        is current again, and so is copied over its master."""
-        masters = {}
-        for name, param in self.params.items():
-            host = self.host.get(("weights", name))
-            resident = param.data.numel() > 0
-            if host is None or (resident and self.on_host and param._version != self.versions.get(name)):
-                host = self._to_host(param.data, torch.float32, copy=True)
-            elif host.dtype != torch.float32:
-                host = self._to_host(host, torch.float32, copy=True)
-            elif not self.on_host and resident:
-                host.copy_(param.data)  # before the first host step the device copy is the current one
-            self.host[("weights", name)] = masters[name] = host
-        if not self.on_host:
-            self.on_host = True
-            self._state_to_host(optimizer)
-        return masters
-
-    def _state_to_host(self, optimizer: torch.optim.Optimizer) -> None:
-        """Optimizer state that sits elsewhere (loaded from a checkpoint onto the device, or parked
-        in `host` by it) joins the masters in host memory."""
-        names = {id(p): n for n, p in self.params.items()}
-        for param, state in optimizer.state.items():
-            for key, value in state.items():
-                parked = self.host.pop(("optimizer", f"{names[id(param)]}.{key}"), None)
-                if parked is not None:
-                    value = parked
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    state[key] = self._to_host(value, value.dtype, copy=False)
-
-    def _to_host(self, tensor: torch.Tensor, dtype: torch.dtype, copy: bool) -> torch.Tensor:
-        """`tensor` in host memory (pinned on CUDA), as a tensor of its own when `copy`."""
-        host = tensor.detach().to("cpu", dtype, copy=copy)
-        return host.pin_memory() if self.device.type == "cuda" and not host.is_pinned() else host

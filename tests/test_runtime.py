@@ -133,3 +133,19 @@ def _renumber(program: Program, removed: int) -> Program:
         waits = tuple(j - (j > removed) for j in ins.waits if j != removed)
         fixed.append(replace(ins, waits=waits))
     return Program(program.device, tuple(fixed))
+
+
+def test_gradient_bytes_drop_when_a_counted_gradient_is_dropped():
+    """The pool's gradient bytes after a backward that left a parameter's (counted, since freed)
+    gradient None: its dead reference gives None too, and once matched that, keeping the old count."""
+    from stagewise.runtime.grad_bytes import GradBytes
+
+    params = {name: torch.nn.Parameter(torch.zeros(4)) for name in ("a", "b")}
+    for param in params.values():
+        param.grad = torch.ones(4)
+    counter = GradBytes(params)
+    assert counter.count() == 32
+    params["a"].grad = None
+    assert counter.count() == 16
+    params["a"].grad = torch.ones(4)
+    assert counter.count() == 32
