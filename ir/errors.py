@@ -149,6 +149,13 @@ class AssumedFiguresWarning(UserWarning):
     assumed rate; give `sw.Device(..., peak_flops=)` or a catalogue request ('8xH100')."""
 
 
+class DoesNotFitWarning(UserWarning):
+    """Warned by `compile` and `sw.plan` when the plan asked for (schedule and microbatches given,
+    nothing searched) is predicted to need more memory than a device or host has: its first step
+    will fail with a CapacityError. Let the planner search (`schedule="auto"`), swap, recompute
+    (`activations=`) or add devices."""
+
+
 class PrecisionError(StagewiseError):
     """Raised by `compile` for a precision it cannot train in (an unknown name, weights that are not
     fp32 masters) and by `step` under `torch.autocast`: pass `precision=` to compile instead."""

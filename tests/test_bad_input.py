@@ -333,6 +333,27 @@ def test_more_devices_than_the_plan_warn_that_some_stay_idle(pipe, tmp_path):
     assert torch.isfinite(loaded.step(X, target=Y))
 
 
+def test_a_plan_asked_for_that_does_not_fit_warns_before_its_first_step():
+    """Schedule, microbatches and split given: nothing is searched, so the plan is kept as asked, but
+    its predicted peak (about 180 KB a device) is far over 20 kB: said at plan time, naming the device
+    and what would fit instead. The same plan on devices that hold it is not warned about."""
+    x, y = torch.randn(256, 8), torch.randint(0, 5, (256,))
+    asked = {"microbatches": 8, "schedule": "1f1b", "split_points": ["8"], "swap": "off"}
+
+    def planned(memory: int) -> sw.Plan:
+        device = sw.Device("cuda", memory=memory, peak_flops="1TFLOPS", memory_bandwidth="1TB/s")
+        return sw.plan(mlp(width=64, depth=8), [device, device], (x,), loss_fn=F.cross_entropy, example_target=y,
+                       **asked)
+
+    with pytest.warns(sw.DoesNotFitWarning, match=r"does not fit: device 0 would need [\d.]+ KiB of its 19.5 KiB.*"
+                                                   r"CapacityError.*schedule='auto'"):
+        plan = planned(20_000)
+    assert max(plan.predicted_peak_bytes) > 20_000
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sw.DoesNotFitWarning)
+        planned(2**30)
+
+
 def test_plan_for_a_gpu_without_peak_flops_warns():
     gpus = [sw.Device("cuda", memory="80GiB")] * 2
     with pytest.warns(sw.AssumedFiguresWarning, match="cuda has no peak_flops.*peak_flops='989TFLOPS'"):

@@ -15,7 +15,8 @@ from stagewise.compiler.assembly.options import CompileRequest
 from stagewise.compiler.compile.analysis import Analysed, Analysis
 from stagewise.compiler.compile.costing import Costs
 from stagewise.ir.choices import ActivationPolicy, Schedule
-from stagewise.ir.errors import AssumedFiguresWarning, OptionError, PartitionError
+from stagewise.ir.devices import format_bytes
+from stagewise.ir.errors import AssumedFiguresWarning, DoesNotFitWarning, OptionError, PartitionError
 from stagewise.ir.plan import LayerCost
 from stagewise.passes.activations import PER_STAGE_SCHEDULES, Policies, Scored, choose_policies
 from stagewise.passes.analytic import DEFAULT_PEAK_FLOPS
@@ -202,10 +203,25 @@ def choose_plan(request: CompileRequest, analysis: Analysis, costs: Costs) -> Ch
         prediction, _ = predict(built.plan, built.layer_costs, request.specs, built.microbatch_size, costs.topology,
                                 costs.runtime)
         found, considered = built.plan, ()
+        if not prediction.fits:
+            _warn_does_not_fit(prediction, request)
     chosen = _exactly(_agree_across_ranks(found, builder), builder, analysis)
     size = request.batch // chosen.microbatches
     cost = sim_cost(chosen, costs.layers.at(size), request.specs, size, costs.topology, costs.runtime)
     return Choice(chosen, prediction, considered, cost)
+
+
+def _warn_does_not_fit(prediction: Prediction, request: CompileRequest) -> None:
+    """The plan asked for is kept as asked, but its first step would fail for memory: say so now,
+    with what would fit instead (the planner's search refuses such a candidate: passes/planner.py)."""
+    over = [f"device {d} would need {format_bytes(peak)} of its {format_bytes(spec.memory)}"
+            for d, (peak, spec) in enumerate(zip(prediction.peak_bytes, request.specs, strict=True))
+            if spec.memory is not None and peak > spec.memory]
+    over += [host.describe() for host in prediction.hosts_over]
+    warnings.warn(DoesNotFitWarning(
+        f"the plan asked for does not fit: {'; '.join(over)}. Its first step will fail with a CapacityError; "
+        "let the planner choose (schedule='auto'), swap or recompute activations (swap='on', activations='auto'), "
+        "or add devices"), stacklevel=2)
 
 
 def _warn_assumed_rates(request: CompileRequest) -> None:
