@@ -126,15 +126,20 @@ def check_fit(devices: Sequence[DeviceSpec], peaks: Sequence[int], held: Sequenc
     return Fit(pools and not over, pools, over)
 
 
+def shortfalls(peaks: Sequence[int], over_hosts: Sequence[HostOver], devices: Sequence[DeviceSpec]) -> list[str]:
+    """Each device whose predicted peak exceeds its memory, then each host over its RAM, in words."""
+    return ([f"device {d} would need {format_bytes(peak)} of its {format_bytes(spec.memory)}"
+             for d, (peak, spec) in enumerate(zip(peaks, devices, strict=True))
+             if spec.memory is not None and peak > spec.memory]
+            + [host.describe() for host in over_hosts])
+
+
 def nothing_fits(plan: str, peaks: Sequence[int], over_hosts: Sequence[HostOver],
                  devices: Sequence[DeviceSpec]) -> CapacityError:
     """The error when no candidate fits, from the best one (`plan` describes it): which devices'
     pools or which hosts' RAM it exceeds, and what to change."""
-    over = [(d, peak, spec.memory) for d, (peak, spec) in enumerate(zip(peaks, devices, strict=True))
-            if spec.memory is not None and peak > spec.memory]
-    detail = ", ".join([f"device {d} would need {format_bytes(peak)} of its {format_bytes(cap)}" for d, peak, cap in over]
-                       + [host.describe() for host in over_hosts])
-    if over_hosts and not over:
+    detail = ", ".join(shortfalls(peaks, over_hosts, devices))
+    if over_hosts and pools_fit(devices, peaks):
         return CapacityError(
             f"no plan fits the host memory: {detail}; the best plan ({plan}) keeps there its swapped state and "
             "stashes, a host optimizer's state and the undo copy of each update. Use hosts with more RAM "

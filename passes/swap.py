@@ -223,35 +223,14 @@ def plan_swaps(mode: SwapMode | str, stages: Sequence[Stage], layers: Sequence[L
     # the weights, and per trainable byte its gradient and optimizer state
     state = {k: weights[k] + grads[k] * (state_per_param_byte - 1) for k in weights}
     stash = {s.index: round(sum(stash_bytes[i] for i in s.layers if i < len(stash_bytes))) for s in stages}
-    if requested == SwapMode.AUTO:
-        heavy = set()
-        for device, capacity in enumerate(capacities):
-            mine = [s.index for s in stages if s.device == device]
-            if capacity is not None and sum(state[s] for s in mine) > capacity:
-                heavy |= set(mine)
-        kind, chosen = (StateSwap.HARMONY, frozenset(heavy)) if heavy else (StateSwap.OFF, frozenset())
-    elif requested in (SwapMode.ON, SwapMode.ALL):
-        kind, chosen = StateSwap.HARMONY, frozenset(weights)
-    elif requested == SwapMode.PER_DEVICE:
-        kind, chosen = StateSwap.PER_DEVICE, frozenset(weights)
-    else:
-        kind, chosen = StateSwap.OFF, frozenset()
+    kind, chosen = _state_swap(requested, stages, state, capacities)
     largest = max((state[s] for s in chosen), default=0)
     # double buffering needs two packs' state, and activations need room beside them
     tight = any(c is not None and 4 * largest > c for c in capacities)
     depth = 1 if tight else 2
     device_of = {s.index: s.device for s in stages}
     resident = [_resident_state(state, chosen, depth, [s for s in state if device_of[s] == d]) for d in range(len(capacities))]
-    if stash_stages is not None:
-        swapped_stash = frozenset(s for s in stash_stages if stash.get(s, 0) > 0)
-    elif requested == SwapMode.ALL:
-        swapped_stash = frozenset(s for s, b in stash.items() if b > 0)
-    elif requested == SwapMode.OFF:
-        swapped_stash = frozenset()
-    else:
-        swapped_stash = frozenset().union(*(
-            _stashes_to_swap(tasks[d] if d < len(tasks) else (), stash, resident[d], capacity)
-            for d, capacity in enumerate(capacities) if capacity is not None))
+    swapped_stash = _swapped_stashes(requested, stash_stages, stash, tasks, resident, capacities)
     stash_depth = 2
     for d, capacity in enumerate(capacities):
         mine = [stash[s] for s in swapped_stash if device_of[s] == d]
@@ -268,6 +247,40 @@ def plan_swaps(mode: SwapMode | str, stages: Sequence[Stage], layers: Sequence[L
         stash_bytes=stash,
         stash_depth=stash_depth,
     )
+
+
+def _state_swap(requested: SwapMode, stages: Sequence[Stage], state: dict[int, float],
+                capacities: list[int | None]) -> tuple[StateSwap, frozenset[int]]:
+    """How state moves and which stages' state moves: "auto" only the stages of devices whose state
+    exceeds their capacity, "on" and "all" every stage Harmony-style, "per-device" every stage."""
+    if requested == SwapMode.AUTO:
+        heavy: set[int] = set()
+        for device, capacity in enumerate(capacities):
+            mine = [s.index for s in stages if s.device == device]
+            if capacity is not None and sum(state[s] for s in mine) > capacity:
+                heavy |= set(mine)
+        return (StateSwap.HARMONY, frozenset(heavy)) if heavy else (StateSwap.OFF, frozenset())
+    if requested in (SwapMode.ON, SwapMode.ALL):
+        return StateSwap.HARMONY, frozenset(state)
+    if requested == SwapMode.PER_DEVICE:
+        return StateSwap.PER_DEVICE, frozenset(state)
+    return StateSwap.OFF, frozenset()
+
+
+def _swapped_stashes(requested: SwapMode, stash_stages: AbstractSet[int] | None, stash: dict[int, int],
+                     tasks: Sequence[Sequence[Task]], resident: list[float],
+                     capacities: list[int | None]) -> frozenset[int]:
+    """The stages whose stashes go to host memory: those chosen per stage, every stashing one under
+    "all", none under "off", else where a device's stashes in flight do not fit beside its state."""
+    if stash_stages is not None:
+        return frozenset(s for s in stash_stages if stash.get(s, 0) > 0)
+    if requested == SwapMode.ALL:
+        return frozenset(s for s, b in stash.items() if b > 0)
+    if requested == SwapMode.OFF:
+        return frozenset()
+    return frozenset().union(*(
+        _stashes_to_swap(tasks[d] if d < len(tasks) else (), stash, resident[d], capacity)
+        for d, capacity in enumerate(capacities) if capacity is not None))
 
 
 def _resident_state(state: dict[int, float], swapped: frozenset[int], depth: int, mine: list[int]) -> float:

@@ -15,11 +15,11 @@ from stagewise.compiler.assembly.options import CompileRequest
 from stagewise.compiler.compile.analysis import Analysed, Analysis
 from stagewise.compiler.compile.costing import Costs
 from stagewise.ir.choices import ActivationPolicy, Schedule
-from stagewise.ir.devices import format_bytes
 from stagewise.ir.errors import AssumedFiguresWarning, DoesNotFitWarning, OptionError, PartitionError
 from stagewise.ir.plan import LayerCost
 from stagewise.passes.activations import PER_STAGE_SCHEDULES, Policies, Scored, choose_policies
 from stagewise.passes.analytic import DEFAULT_PEAK_FLOPS
+from stagewise.passes.capacity import shortfalls
 from stagewise.passes.harmony_plan import HARMONY
 from stagewise.passes.harmony_search import PackSearch, choose_with_harmony
 from stagewise.passes.layout import choose_layout
@@ -214,10 +214,7 @@ def choose_plan(request: CompileRequest, analysis: Analysis, costs: Costs) -> Ch
 def _warn_does_not_fit(prediction: Prediction, request: CompileRequest) -> None:
     """The plan asked for is kept as asked, but its first step would fail for memory: say so now,
     with what would fit instead (the planner's search refuses such a candidate: passes/planner.py)."""
-    over = [f"device {d} would need {format_bytes(peak)} of its {format_bytes(spec.memory)}"
-            for d, (peak, spec) in enumerate(zip(prediction.peak_bytes, request.specs, strict=True))
-            if spec.memory is not None and peak > spec.memory]
-    over += [host.describe() for host in prediction.hosts_over]
+    over = shortfalls(prediction.peak_bytes, prediction.hosts_over, request.specs)
     warnings.warn(DoesNotFitWarning(
         f"the plan asked for does not fit: {'; '.join(over)}. Its first step will fail with a CapacityError; "
         "let the planner choose (schedule='auto'), swap or recompute activations (swap='on', activations='auto'), "
