@@ -28,8 +28,10 @@ def parse_bytes(value: int | str | None, what: str = "memory") -> int | None:
         number = value
     elif not match or match.group(2).lower() not in _UNITS:
         raise DeviceError(f"cannot read {what} size {value!r}; write it like 512MiB, 2GiB or 1000000")
+    elif not math.isfinite(scaled := float(match.group(1)) * _UNITS[match.group(2).lower()]):
+        raise DeviceError(f"{what}={value!r} is no finite size; write it like {what}='512MiB' or 1000000")
     else:
-        number = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+        number = int(scaled)
     if number < 1:
         raise DeviceError(f"{what}={value!r} leaves no bytes; give a positive size such as "
                           f"{what}='512MiB', or {what}=None for no limit")

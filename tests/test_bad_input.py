@@ -109,6 +109,7 @@ DEVICE_CASES = {
     "host-memory-zero": (dict(host_memory=0), "host_memory=0 leaves no bytes"),
     "host-memory-word": (dict(host_memory="lots"), "cannot read host_memory size 'lots'; write it like 512MiB"),
     "host-memory-bool": (dict(host_memory=True), "host_memory=True is a bool"),
+    "host-memory-overflowing": (dict(host_memory="1e400GiB"), "host_memory='1e400GiB' is no finite size"),
     "host-negative": (dict(host=-1), r"host=-1: give the index of the device's host, a whole number from 0"),
     "host-bool": (dict(host=True), "host=True: give the index"),
     "host-string": (dict(host="node0"), "host='node0': give the index"),
