@@ -177,18 +177,19 @@ def busy_ms(step: Callable[[], float], activity: ProfilerActivity = ProfilerActi
     """How long the device worked in one `step`: the union of its events' spans in a torch.profiler
     trace (kernels overlapping on several streams counted once); None where the trace holds none.
     The CPU's own ops (activity CPU, device type CPU) go the same way, which is how it is tested."""
-    with torch.profiler.profile(activities=[ProfilerActivity.CPU, activity]) as profile:
+    with torch.profiler.profile(activities={ProfilerActivity.CPU, activity}) as profile:
         step()
-    spans = sorted((e.time_range.start, e.time_range.end) for e in profile.events() if e.device_type == device_type)
-    if not spans:
-        return None
-    total, (start, end) = 0.0, spans[0]
-    for begin, finish in spans[1:]:
-        if begin > end:
-            total, start, end = total + end - start, begin, finish
-        else:
-            end = max(end, finish)
-    return (total + end - start) / 1e3
+    spans = [(e.time_range.start, e.time_range.end) for e in profile.events() if e.device_type == device_type]
+    return covered_us(spans) / 1e3 if spans else None
+
+
+def covered_us(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of (start, end) spans: overlapping and nested ones count once."""
+    total, end = 0.0, float("-inf")
+    for begin, finish in sorted(spans):
+        total += max(0.0, finish - max(begin, end))
+        end = max(end, finish)
+    return total
 
 
 def build(args: argparse.Namespace, console) -> list[Measured]:
