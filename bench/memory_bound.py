@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     rows.append(fsdp2_row(args, data, None if args.no_eager else rows[0]))
     phase("FSDP2: done")
     print_table(rows)
-    print(_common.machine_note() if args.device == "cpu" else f"load average: {os.getloadavg()}")
+    print(f"load average (1, 5, 15 min): {os.getloadavg()}")
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "need_gib": need,
                                          "cap_gib": cap, "rows": [dataclasses.asdict(r) for r in rows]}, indent=1))
