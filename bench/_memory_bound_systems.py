@@ -169,10 +169,15 @@ def world_of_one(device: str) -> None:
     dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", store=store, rank=0, world_size=1)
 
 
-def fsdp2(model: GPT2LMHeadModel, device: str) -> GPT2LMHeadModel:
+def fsdp2(model: GPT2LMHeadModel, device: str, checkpointing: bool) -> GPT2LMHeadModel:
     """fully_shard with CPUOffloadPolicy (sharded fp32 weights, gradients and AdamW state on the host,
     the update there too), bf16 compute, fp32 reduce: each block, then the root, as FSDP2's docs say.
-    On the CPU the policy does not pin (pinning needs a GPU)."""
+    On the CPU the policy does not pin (pinning needs a GPU). With `checkpointing` each block
+    recomputes its activations in the backward (Hugging Face's gradient checkpointing), as FSDP2 must
+    where the cap cannot hold a whole batch's."""
+    if checkpointing:
+        model.config.use_cache = False
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415 - only with a process group
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard  # noqa: PLC0415
 

@@ -22,7 +22,10 @@ Rows, in one run (each timed over --steps steps after one warm-up step, the medi
    (--headroom-gib) is what stagewise's pool does not count (cuBLAS workspaces, the allocator's
    rounding). --optimizer-on-host adds a row with `optimizer_on_host=True` (ZeRO-Offload's split).
 4. FSDP2: `fully_shard` on each block and the root, `CPUOffloadPolicy()`, `MixedPrecisionPolicy(bf16
-   params, fp32 reduce)`, world size 1 (NCCL over a file store), AdamW over the host shards.
+   params, fp32 reduce)`, world size 1 (NCCL over a file store), AdamW over the host shards. FSDP2
+   keeps a whole batch's activations as eager does: where they would take more than half the cap it
+   recomputes them per block (Hugging Face's gradient checkpointing; --fsdp-checkpointing on / off
+   decides instead), and the row says so.
 
 Per row: tokens/s, step ms, peak GPU memory, last loss; then per system what bounds it: stagewise's
 measured split (`pipe.time_breakdown()`), its host<->device bytes (`pipe.stats`) and the plan's
@@ -72,10 +75,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
     p.add_argument("--steps", type=int, default=3, help="timed steps per system, after one warm-up step")
     p.add_argument("--cap-gib", type=float, default=None, help="the GPU memory cap; default half of eager's need")
-    p.add_argument("--headroom-gib", type=float, default=1.0,
+    p.add_argument("--headroom-gib", type=float, default=2.0,
                    help="stagewise's device capacity is the cap less this (what its pool does not count)")
     p.add_argument("--no-eager", action="store_true", help="skip the uncapped eager row (its need is then counted)")
     p.add_argument("--optimizer-on-host", action="store_true", help="add a stagewise row with optimizer_on_host=True")
+    p.add_argument("--fsdp-checkpointing", choices=("auto", "on", "off"), default="auto",
+                   help="FSDP2 recomputes activations per block; auto: where a batch's exceed half the cap")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     return p.parse_args(argv)
@@ -142,11 +147,19 @@ def stagewise_row(args: argparse.Namespace, data, cap: float, on_host: bool) -> 
     return guarded(Row("stagewise, swap=auto" + (", optimizer_on_host" if on_host else "")), run)
 
 
-def fsdp2_row(args: argparse.Namespace, data, eager: Row | None) -> Row:
+def fsdp2_checkpointing(args: argparse.Namespace, need: dict[str, float], cap: float) -> bool:
+    """Whether FSDP2 recomputes activations: asked for, or (auto) where a whole batch's would take
+    more than half the cap (or are unknown: no eager row counted them)."""
+    if args.fsdp_checkpointing != "auto":
+        return args.fsdp_checkpointing == "on"
+    return need.get("activations_gib", float("inf")) > cap / 2
+
+
+def fsdp2_row(args: argparse.Namespace, data, eager: Row | None, checkpointing: bool) -> Row:
     def run(row: Row) -> None:
         systems.world_of_one(args.device)
         try:
-            model = systems.fsdp2(model_on(args, args.device), args.device)
+            model = systems.fsdp2(model_on(args, args.device), args.device, checkpointing)
             optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
             parameters = sum(p.numel() for p in model.parameters())
             split: dict[str, float] = {}
@@ -156,7 +169,7 @@ def fsdp2_row(args: argparse.Namespace, data, eager: Row | None) -> Row:
         finally:
             torch.distributed.destroy_process_group()
 
-    return guarded(Row("FSDP2, CPUOffloadPolicy"), run)
+    return guarded(Row("FSDP2, CPUOffloadPolicy" + (", checkpointing" if checkpointing else "")), run)
 
 
 def gpu_catalogue_name(device: str) -> str | None:
@@ -221,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     for on_host in (False, True) if args.optimizer_on_host else (False,):
         rows.append(stagewise_row(args, data, cap, on_host))
         phase(f"{rows[-1].system}: done")
-    rows.append(fsdp2_row(args, data, None if args.no_eager else rows[0]))
+    rows.append(fsdp2_row(args, data, None if args.no_eager else rows[0], fsdp2_checkpointing(args, need, cap)))
     phase("FSDP2: done")
     print_table(rows)
     print(f"load average (1, 5, 15 min): {os.getloadavg()}")

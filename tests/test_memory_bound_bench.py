@@ -17,13 +17,14 @@ import memory_bound  # noqa: E402 - bench/ is no package: on sys.path first
 def figures(tmp_path_factory):
     out = tmp_path_factory.mktemp("membound") / "figures.json"
     memory_bound.main(["--device", "cpu", "--layers", "2", "--dim", "32", "--heads", "4", "--vocab", "128",
-                       "--seq", "16", "--batch", "4", "--steps", "1", "--headroom-gib", "0", "--json", str(out)])
+                       "--seq", "16", "--batch", "4", "--steps", "1", "--headroom-gib", "0", "--fsdp-checkpointing", "on",
+                       "--json", str(out)])
     return json.loads(out.read_text())
 
 
 def test_every_system_trains_the_same_losses(figures):
     rows = {row["system"].split(",")[0]: row for row in figures["rows"]}
-    assert set(rows) == {"eager", "stagewise", "FSDP2"}
+    assert set(rows) == {"eager", "stagewise", "FSDP2"} and rows["FSDP2"]["system"].endswith("checkpointing")
     assert [row["error"] for row in rows.values()] == ["", "", ""]
     for row in rows.values():
         assert row["tokens_per_s"] > 0 and math.isfinite(row["last_loss"])
