@@ -105,7 +105,7 @@ def eager_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return float(loss)
+        return loss.detach().item()
 
     return step
 
@@ -203,7 +203,7 @@ def fsdp2_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         split.update(forward_backward_s=middle - start, optimizer_s=time.perf_counter() - middle)
-        return float(loss)
+        return loss.detach().item()
 
     return step
 
@@ -219,7 +219,7 @@ def fsdp2_bound(split: dict[str, float], parameters: int, eager_step_s: float | 
     if host > forward_backward:
         bound = "host optimizer"
     elif exposed is not None and exposed > eager_step_s:
-        bound = "PCIe (weight copies)"
+        bound = "weight copies in and gradients out (PCIe on a GPU)"
     else:
         bound = "compute" if exposed is not None else "forward+backward (no eager row to split it)"
     above = f", {exposed:.2f} s above eager's whole step" if exposed is not None else ""
