@@ -14,8 +14,9 @@ Rows, in one run (each timed over --steps steps after one warm-up step, the medi
 1. eager, uncapped (--no-eager skips it): autocast bf16, the whole batch at once. Its measured peak
    (torch.cuda.max_memory_allocated) is eager training's need; beside it the need as counted
    (weights + gradients + AdamW's two moments, 16 B per parameter, + the activations autograd keeps).
-2. the cap: `torch.cuda.set_per_process_memory_fraction` to --cap-gib (default: half of eager's need),
-   which must be below that need. From here on every allocation of this process is capped.
+2. the cap: `torch.cuda.set_per_process_memory_fraction` to --cap-gib, which must be below that need
+   (default: 3/4 of the training state, 14.3 GiB for the default model, so that the state itself must
+   be swapped). From here on every allocation of this process is capped.
 3. stagewise on `sw.Device("cuda:0", memory=cap - headroom)` with the catalogue's figures for this
    GPU (H100 / H200; analytic costs need its FLOP/s and PCIe rate), swap="auto", precision="bf16":
    the planner chooses how to swap state and stashes through host memory. The headroom
@@ -74,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="sequences per step")
     p.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
     p.add_argument("--steps", type=int, default=3, help="timed steps per system, after one warm-up step")
-    p.add_argument("--cap-gib", type=float, default=None, help="the GPU memory cap; default half of eager's need")
+    p.add_argument("--cap-gib", type=float, default=None, help="the GPU memory cap; default 3/4 of the training state")
     p.add_argument("--headroom-gib", type=float, default=2.0,
                    help="stagewise's device capacity is the cap less this (what its pool does not count)")
     p.add_argument("--no-eager", action="store_true", help="skip the uncapped eager row (its need is then counted)")
@@ -181,8 +182,11 @@ def gpu_catalogue_name(device: str) -> str | None:
     return next((known for known in ("H200", "H100") if known in name), None)
 
 
-def choose_cap(args: argparse.Namespace, need_gib: float) -> float:
-    cap = args.cap_gib if args.cap_gib is not None else need_gib / 2
+def choose_cap(args: argparse.Namespace, need_gib: float, state_gib: float) -> float:
+    """--cap-gib, by default 3/4 of the training state: below eager's need, and low enough that the
+    state itself must go through host memory (with half of eager's need, 32 GiB for the default
+    model, stagewise's planner keeps the state on the device and recomputes activations instead)."""
+    cap = args.cap_gib if args.cap_gib is not None else 0.75 * state_gib
     if cap >= need_gib:
         sys.exit(f"--cap-gib {cap:.1f} is not below eager's need of {need_gib:.1f} GiB: nothing would be memory-bound; "
                  "give a smaller cap")
@@ -228,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     need_gib = max(counted, need.get("eager_peak_gib", 0.0))
     phase(f"eager's need: counted {counted:.3g} GiB (state {need['state_gib']:.3g} + activations "
           f"{need.get('activations_gib', float('nan')):.3g}), measured peak {need.get('eager_peak_gib', float('nan')):.3g} GiB")
-    cap = choose_cap(args, need_gib)
+    cap = choose_cap(args, need_gib, need["state_gib"])
     phase(f"cap: {cap:.3g} GiB" + (" (set_per_process_memory_fraction)" if args.device.startswith("cuda")
                                    else " (stagewise's device only: nothing caps the CPU)"))
     for on_host in (False, True) if args.optimizer_on_host else (False,):
