@@ -177,7 +177,11 @@ def fsdp2(model: GPT2LMHeadModel, device: str, checkpointing: bool) -> GPT2LMHea
     where the cap cannot hold a whole batch's."""
     if checkpointing:
         model.config.use_cache = False
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        recompute_kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # its name from transformers 5.x on
+            model.activation_checkpointing_enable(recompute_kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=recompute_kwargs)
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415 - only with a process group
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard  # noqa: PLC0415
 
