@@ -38,3 +38,18 @@ def test_stagewise_swaps_under_a_cap_below_eager_need(figures):
     assert stagewise["extra"]["pcie_gb_per_step"] > 0  # state moved through host memory every step
     assert stagewise["extra"]["pool_peak_gib"] <= figures["cap_gib"]
     assert "bound" in stagewise["bound"]
+
+
+def test_the_gpu_device_is_the_catalogue_s_with_the_cap():
+    """The GPU run's sw.Device, built here (a device need not exist until a runtime uses it)."""
+    import _memory_bound_systems as systems
+
+    device = systems.stagewise_device("cuda:0", 12 * 2**30, "H200")
+    assert (device.name, device.memory, device.host_memory) == ("cuda:0", 12 * 2**30, None)
+    assert device.peak_flops > 5e14 and device.host_bandwidth > 1e10  # bf16 tensor cores, PCIe
+
+
+def test_a_cap_not_below_eager_need_is_refused():
+    args = memory_bound.parse_args(["--device", "cpu", "--cap-gib", "20"])
+    with pytest.raises(SystemExit, match="not below eager's need"):
+        memory_bound.choose_cap(args, need_gib=19.0, state_gib=10.0)
