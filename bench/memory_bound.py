@@ -17,16 +17,17 @@ Rows, in one run (each timed over --steps steps after one warm-up step, the medi
 2. the cap: `torch.cuda.set_per_process_memory_fraction` to --cap-gib, which must be below that need
    (default: 3/4 of the training state, 14.3 GiB for the default model, so that the state itself must
    be swapped). From here on every allocation of this process is capped.
-3. stagewise on `sw.Device("cuda:0", memory=cap - headroom)` with the catalogue's figures for this
-   GPU (H100 / H200; analytic costs need its FLOP/s and PCIe rate), swap="auto", precision="bf16":
-   the planner chooses how to swap state and stashes through host memory. The headroom
-   (--headroom-gib) is what stagewise's pool does not count (cuBLAS workspaces, the allocator's
-   rounding). --optimizer-on-host adds a row with `optimizer_on_host=True` (ZeRO-Offload's split).
-4. FSDP2: `fully_shard` on each block and the root, `CPUOffloadPolicy()`, `MixedPrecisionPolicy(bf16
+3. FSDP2: `fully_shard` on each block and the root, `CPUOffloadPolicy()`, `MixedPrecisionPolicy(bf16
    params, fp32 reduce)`, world size 1 (NCCL over a file store), AdamW over the host shards. FSDP2
    keeps a whole batch's activations as eager does: where they would take more than half the cap it
    recomputes them per block (Hugging Face's gradient checkpointing; --fsdp-checkpointing on / off
    decides instead), and the row says so.
+4. stagewise on `sw.Device("cuda:0", memory=cap - headroom)` with the catalogue's figures for this
+   GPU (H100 / H200; analytic costs need its FLOP/s and PCIe rate), swap="auto", precision="bf16":
+   the planner chooses how to swap state and stashes through host memory. The headroom
+   (--headroom-gib) is what stagewise's pool does not count (cuBLAS workspaces, the allocator's
+   rounding). --optimizer-on-host adds a row with `optimizer_on_host=True` (ZeRO-Offload's split).
+   It runs after FSDP2: torch keeps freed pinned host memory cached, and stagewise pins more.
 
 Per row: tokens/s, step ms, peak GPU memory, last loss; then per system what bounds it: stagewise's
 measured split (`pipe.time_breakdown()`), its host<->device bytes (`pipe.stats`) and the plan's
@@ -235,11 +236,13 @@ def main(argv: list[str] | None = None) -> None:
     cap = choose_cap(args, need_gib, need["state_gib"])
     phase(f"cap: {cap:.3g} GiB" + (" (set_per_process_memory_fraction)" if args.device.startswith("cuda")
                                    else " (stagewise's device only: nothing caps the CPU)"))
+    # FSDP2 before stagewise: torch keeps freed pinned host memory cached, and stagewise's (state,
+    # stashes, undo copies) is the larger, so the host holds the smaller set beside the larger.
+    rows.append(fsdp2_row(args, data, None if args.no_eager else rows[0], fsdp2_checkpointing(args, need, cap)))
+    phase("FSDP2: done")
     for on_host in (False, True) if args.optimizer_on_host else (False,):
         rows.append(stagewise_row(args, data, cap, on_host))
         phase(f"{rows[-1].system}: done")
-    rows.append(fsdp2_row(args, data, None if args.no_eager else rows[0], fsdp2_checkpointing(args, need, cap)))
-    phase("FSDP2: done")
     print_table(rows)
     print(f"load average (1, 5, 15 min): {os.getloadavg()}")
     if args.json:
