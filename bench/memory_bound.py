@@ -11,23 +11,25 @@ tokens (default 8 x 1024) of random ids, AdamW (lr 1e-4), bf16 compute with fp32
 
 Rows, in one run (each timed over --steps steps after one warm-up step, the median):
 
-1. eager, uncapped (--no-eager skips it): autocast bf16, the whole batch at once. Its measured peak
-   (torch.cuda.max_memory_allocated) is eager training's need; beside it the need as counted
-   (weights + gradients + AdamW's two moments, 16 B per parameter, + the activations autograd keeps).
-2. the cap: `torch.cuda.set_per_process_memory_fraction` to --cap-gib, which must be below that need
-   (default: 3/4 of the training state, 14.3 GiB for the default model, so that the state itself must
-   be swapped). From here on every allocation of this process is capped.
-3. FSDP2: `fully_shard` on each block and the root, `CPUOffloadPolicy()`, `MixedPrecisionPolicy(bf16
+1. the cap: `torch.cuda.set_per_process_memory_fraction` to --cap-gib, which must be below eager's
+   need (default: 3/4 of the training state, weights + gradients + AdamW's two moments at 16 B per
+   parameter, 14.3 GiB for the default model, so that the state itself must be swapped). Every
+   allocation of this process is capped until the eager row.
+2. FSDP2: `fully_shard` on each block and the root, `CPUOffloadPolicy()`, `MixedPrecisionPolicy(bf16
    params, fp32 reduce)`, world size 1 (NCCL over a file store), AdamW over the host shards. FSDP2
    keeps a whole batch's activations as eager does: where they would take more than half the cap it
    recomputes them per block (Hugging Face's gradient checkpointing; --fsdp-checkpointing on / off
    decides instead), and the row says so.
-4. stagewise on `sw.Device("cuda:0", memory=cap - headroom)` with the catalogue's figures for this
+3. stagewise on `sw.Device("cuda:0", memory=cap - headroom)` with the catalogue's figures for this
    GPU (H100 / H200; analytic costs need its FLOP/s and PCIe rate), swap="auto", precision="bf16":
    the planner chooses how to swap state and stashes through host memory. The headroom
    (--headroom-gib) is what stagewise's pool does not count (cuBLAS workspaces, the allocator's
    rounding). --optimizer-on-host adds a row with `optimizer_on_host=True` (ZeRO-Offload's split).
    It runs after FSDP2: torch keeps freed pinned host memory cached, and stagewise pins more.
+4. eager, uncapped, last (--no-eager skips it): autocast bf16, the whole batch at once. Its measured
+   peak (torch.cuda.max_memory_allocated) is eager training's need; beside it the activations autograd
+   keeps, counted. Last, because on the H200 the memory eager left allocated failed the capped rows
+   run after it.
 
 Per row: tokens/s, step ms, peak GPU memory, last loss; then per system what bounds it: stagewise's
 measured split (`pipe.time_breakdown()`), its host<->device bytes (`pipe.stats`) and the plan's
@@ -50,6 +52,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from math import nan
 from pathlib import Path
 
 import _common
@@ -174,6 +177,11 @@ def fsdp2_row(args: argparse.Namespace, data, eager: Row | None, checkpointing: 
     return guarded(Row("FSDP2, CPUOffloadPolicy" + (", checkpointing" if checkpointing else "")), run)
 
 
+def lift_cap(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.set_per_process_memory_fraction(1.0, torch.device(device))
+
+
 def gpu_catalogue_name(device: str) -> str | None:
     """H100 or H200 (the catalogue's names) for this GPU, None on the CPU or another GPU (its
     figures are then assumed, and stagewise says so)."""
@@ -228,21 +236,22 @@ def main(argv: list[str] | None = None) -> None:
     need: dict[str, float] = {"state_gib": 16 * parameters / GiB}
     phase(f"model: GPT-2 {args.layers} x {args.dim}, {args.heads} heads, vocabulary {args.vocab}, tied head, "
           f"{parameters / 1e9:.3f} B parameters; batch {args.batch} x {args.seq} tokens; AdamW; bf16 compute")
-    rows = [] if args.no_eager else [eager_row(args, data, need)]
-    counted = need["state_gib"] + need.get("activations_gib", 0.0)
-    need_gib = max(counted, need.get("eager_peak_gib", 0.0))
-    phase(f"eager's need: counted {counted:.3g} GiB (state {need['state_gib']:.3g} + activations "
-          f"{need.get('activations_gib', float('nan')):.3g}), measured peak {need.get('eager_peak_gib', float('nan')):.3g} GiB")
-    cap = choose_cap(args, need_gib, need["state_gib"])
+    counted = need["state_gib"]
+    cap = choose_cap(args, counted, need["state_gib"])
     phase(f"cap: {cap:.3g} GiB" + (" (set_per_process_memory_fraction)" if args.device.startswith("cuda")
                                    else " (stagewise's device only: nothing caps the CPU)"))
     # FSDP2 before stagewise: torch keeps freed pinned host memory cached, and stagewise's (state,
     # stashes, undo copies) is the larger, so the host holds the smaller set beside the larger.
-    rows.append(fsdp2_row(args, data, None if args.no_eager else rows[0], fsdp2_checkpointing(args, need, cap)))
+    rows = [fsdp2_row(args, data, None, fsdp2_checkpointing(args, need, cap))]
     phase("FSDP2: done")
     for on_host in (False, True) if args.optimizer_on_host else (False,):
         rows.append(stagewise_row(args, data, cap, on_host))
         phase(f"{rows[-1].system}: done")
+    if not args.no_eager:  # last, uncapped: on the H200 what eager left allocated failed the capped rows after it
+        lift_cap(args.device)
+        rows.insert(0, eager_row(args, data, need))
+        phase(f"eager's need: state {need['state_gib']:.3g} GiB + activations {need.get('activations_gib', nan):.3g}"
+              f", measured peak {need.get('eager_peak_gib', nan):.3g} GiB (the cap was {cap:.3g} GiB)")
     print_table(rows)
     print(f"load average (1, 5, 15 min): {os.getloadavg()}")
     if args.json:
