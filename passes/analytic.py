@@ -161,13 +161,18 @@ def compute_bound(cost: LayerCost, flops: float, peak_flops: float) -> LayerCost
 
 
 def dispatches(node: fx.Node) -> bool:
-    """Whether running `node` dispatches an op: modules, methods and functions, but not Python's own
-    operators (getitem, size arithmetic) nor ATen's size queries and checks."""
+    """Whether running `node` dispatches an op: modules, methods and functions, and Python's operators
+    on a tensor (a torch.fx trace writes `x + y` and `w[:n]` as operator.add / getitem), but not those
+    on sizes or tuples (size arithmetic, taking an output of a split), Python's builtins and math
+    (getattr of .shape) nor ATen's size queries and checks."""
     if node.op not in RUNNING_OPS:
         return False
     if node.op != "call_function":
         return True
-    if getattr(node.target, "__module__", None) in ("_operator", "operator", "math", "builtins"):
+    module = getattr(node.target, "__module__", None)
+    if module in ("_operator", "operator"):
+        return any(isinstance(arg.meta.get("val"), torch.Tensor) for arg in node.all_input_nodes)
+    if module in ("math", "builtins"):
         return False
     name = getattr(node.target, "__name__", "")
     return not any(name.startswith(prefix) for prefix in NOT_DISPATCHED)

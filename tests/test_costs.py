@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 import stagewise as sw
@@ -352,6 +353,28 @@ def test_each_op_costs_its_dispatch_added_on_a_cpu_and_overlapped_on_cuda(mlp_gr
         kernels, both = (analytic_layers(gm, layers, 8, spec, op_dispatch_s=s)[0].cost(8) for s in (0.0, 1e-3))
         want = kernels.fwd_s if bound == "kernels" else ops * 1e-3
         assert both.fwd_s == pytest.approx(want) and both.fwd_s == pytest.approx(max(kernels.fwd_s, ops * 1e-3))
+
+
+class _PythonOperators(nn.Module):
+    """Tensor ops a torch.fx trace writes as Python operators, beside operators on sizes and tuples."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        first, _ = x.split(4, dim=1)  # getitem of split's tuple: no op
+        half = x.shape[1] // 2  # getattr, getitem and floordiv on sizes: no op
+        return ((x @ self.w + x)[:, :half] * first).sum()
+
+
+def test_python_operators_on_tensors_are_charged_their_dispatch():
+    """operator.matmul / add / getitem / mul on tensors run an op each (their dispatch was missed:
+    an fx-traced residual add or weight slice cost nothing); on sizes and tuples they run none."""
+    traced = trace(_PythonOperators(), (torch.randn(2, 8),), None, None)
+    assert traced.tracer == "fx"
+    charged = {n.name for n in traced.graph_module.graph.nodes if dispatches(n)}
+    assert charged == {"split", "matmul", "add", "getitem_6", "mul", "sum_2"}
 
 
 # ---- devices, calibration, topology ---------------------------------------------------------------------
