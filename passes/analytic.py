@@ -10,10 +10,12 @@ and fits the same `LayerProfile` the profiler fills (Srifty §3's model shape, e
 Backward costs twice the forward (two matmuls per forward matmul; Narayanan §4.2); a
 recompute costs one forward. Each op also costs the host a fixed dispatch time in eager PyTorch
 (Python, the dispatcher, autograd's bookkeeping), which the roofline does not see and which decides
-small layers: OP_DISPATCH_S per forward op, BACKWARD_OP_RATIO times that for its backward (measured
-on a 2-core CPU, 2026-11-27: 5.0 us per forward op and 8.4 us for its backward, the least of 30 runs
-of 100 tiny matmul + gelu + add). A CPU runs its kernels on the dispatching thread, so the two add; a
-CUDA device runs them while the host dispatches the next, so a layer takes the larger of the two. The stash is what autograd saves for the backward, counted on a
+small layers: OP_DISPATCH_S per forward op, BACKWARD_OP_RATIO times that for its backward, as
+bench/op_dispatch.py measures them on a model's blocks (this 2-core CPU, 2026-11-27: about 12 us
+forward and 12 us backward per op of the test zoo's GPT blocks, traced by torch.export or torch.fx;
+a chain of the cheapest ops, matmul + gelu + add, 5 and 9 us). A CPU runs its kernels on the
+dispatching thread, so the two add; a CUDA device runs them while the host dispatches the next, so a
+layer takes the larger of the two. The stash is what autograd saves for the backward, counted on a
 fake-tensor run of the whole graph (no memory allocated); where that run is impossible,
 every floating-point value the layer makes, an upper bound.
 
@@ -51,8 +53,8 @@ DEFAULT_PEAK_FLOPS = {"cpu": 5e10, "cuda": 1e14}
 DEFAULT_MEMORY_BANDWIDTH = {"cpu": 2e10, "cuda": 1e12}
 BACKWARD_PER_FORWARD = 2.0  # a backward computes two matmuls per forward matmul (Narayanan §4.2)
 LOW_PRECISION_SPEEDUP = {"cpu": 1.0, "cuda": 2.0}  # bf16 / fp16 peak over fp32's (module docstring)
-OP_DISPATCH_S = 5e-6  # host seconds per forward op in eager PyTorch (module docstring)
-BACKWARD_OP_RATIO = 1.7  # a forward op's backward dispatch over its own (8.4 us / 5.0 us measured)
+OP_DISPATCH_S = 12e-6  # host seconds per forward op in eager PyTorch (bench/op_dispatch.py, module docstring)
+BACKWARD_OP_RATIO = 1.0  # a forward op's backward dispatch over its own (bench/op_dispatch.py)
 RUNNING_OPS = ("call_function", "call_method", "call_module")
 # ATen ops on sizes or checks (no kernel, no autograd node), and export's copy of a constant the
 # forward makes (torch.tensor(0.5)): there only where the model was traced with real weights, so a

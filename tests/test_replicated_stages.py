@@ -93,7 +93,7 @@ def heavy_then_wide() -> nn.Sequential:
 def fixed_machine(monkeypatch):
     """Four cores at full speed and 50 MB/s links: the planner's inputs that are measured otherwise.
     The links are slow enough that the table's all-reduce (1 MiB, about 28 ms over a 3-way ring)
-    costs more than a third replica saves (one microbatch of the front's 512 ops, about 7 ms with
+    costs more than a third replica saves (one microbatch of the front's 512 ops, about 12 ms with
     each op's dispatch charged): at 2 GB/s (0.7 ms) replicating the whole model 3 ways is rightly
     the fastest."""
     monkeypatch.setattr("stagewise.compiler.assembly.options.computes_at_full_speed", lambda: 4.0)
