@@ -46,21 +46,22 @@ class MatmulGeluAdd(nn.Module):
     def forward(self, x):
         for w in self.weights:
             x = F.gelu(x @ w) + x
-        return x.sum()
+        return x
 
 
-def matmul_chain(blocks: int) -> tuple[nn.Module, tuple, torch.Tensor | None, object]:
-    return MatmulGeluAdd(blocks), (torch.randn(ROWS, WIDTH),), None, None
+def matmul_chain(blocks: int) -> _common.Case:
+    return _common.Case("chain", "matmul + gelu + add", MatmulGeluAdd(blocks), (torch.randn(ROWS, WIDTH),),
+                        torch.randn(ROWS, WIDTH), F.mse_loss)
 
 
-def tiny_gpt(blocks: int, model=None) -> tuple[nn.Module, tuple, torch.Tensor | None, object]:
+def tiny_gpt(blocks: int, model=None) -> _common.Case:
     """The test zoo's GPT (d=32, 4 heads, 16 tokens): its blocks' op mix as a model has it."""
     gpt = _common.tests_models()
-    ids = torch.randint(0, 64, (2, 16))
-    return (model or gpt.TinyGPT)(layers=blocks), (ids,), torch.randint(0, 64, (2, 16)), gpt.lm_loss
+    ids, target = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    return _common.Case("gpt", "TinyGPT", (model or gpt.TinyGPT)(layers=blocks), (ids,), target, gpt.lm_loss)
 
 
-def dropout_gpt(blocks: int) -> tuple[nn.Module, tuple, torch.Tensor | None, object]:
+def dropout_gpt(blocks: int) -> _common.Case:
     """The same blocks written for torch.fx (the residual adds are Python operators)."""
     _common.tests_models()
     from tests.models.dropout import DropoutGPT  # noqa: PLC0415 - needs the repository root on sys.path first
@@ -81,10 +82,10 @@ def least_seconds(stmt: str, scope: dict, repeats: int) -> float:
 def case_seconds(case, blocks: int, repeats: int) -> tuple[str, int, float, float]:
     """The tracer, the ops `dispatches` counts in the traced graph (what the analytic model charges),
     and the graph's forward and backward seconds."""
-    model, inputs, target, loss_fn = case(blocks)
-    traced = trace(model, inputs, target, loss_fn)
+    problem = case(blocks)
+    traced = trace(problem.model, problem.inputs, problem.target, problem.loss_fn)
     ops = sum(map(dispatches, traced.graph_module.graph.nodes))
-    scope = {"graph": traced.graph_module, "args": (*inputs, *([] if target is None else [target]))}
+    scope = {"graph": traced.graph_module, "args": (*problem.inputs, problem.target)}
     forward = least_seconds("graph(*args)", scope, repeats)
     both = least_seconds("graph(*args).backward()", scope, repeats)
     return traced.tracer, ops, forward, both - forward
