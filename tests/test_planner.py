@@ -49,7 +49,7 @@ def test_large_vocabulary_head_gets_its_own_share():
     """A 16k-vocabulary head costs more than a block: the DP gives it fewer blocks' company than a
     uniform split does, and predicts a shorter bottleneck stage. On devices slow enough that FLOPs,
     not each op's dispatch, decide a layer's time (per microbatch the head's matmul is 17 MFLOP: 3.4 ms
-    at 5 GFLOP/s, over 10x a block's ~40 ops at 5 us; at a CPU's default 50 GFLOP/s the two are alike)."""
+    at 5 GFLOP/s, over 10x a block's 26 ops at 12 us; at a CPU's default 50 GFLOP/s the two are alike)."""
     x, y = _gpt_batch(vocab=16384)
     model = TinyGPT(vocab=16384, layers=6, tie=False)
     devices = [sw.Device("cpu", peak_flops=5e9)] * 3
