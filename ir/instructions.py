@@ -33,12 +33,21 @@ class Stream(enum.Enum):
 
 
 class Phase(enum.Enum):
-    """What a compute does with a stage: forward, recompute (Varuna §3.2), backward, update."""
+    """What a compute does with a stage: forward, recompute (Varuna §3.2), backward, update; or the
+    backward split in two (zero bubble, Qi et al. §2): its input gradient, then its weight gradient."""
 
     FORWARD = "F"
     RECOMPUTE = "R"
     BACKWARD = "B"
     UPDATE = "U"
+    INPUT_GRAD = "Bi"
+    WEIGHT_GRAD = "W"
+
+    @property
+    def ends_stash(self) -> bool:
+        """Whether this pass frees its microbatch's stash: a whole backward, or the weight gradient
+        (its input gradient keeps the autograd graph, and so the stash, for it)."""
+        return self in (Phase.BACKWARD, Phase.WEIGHT_GRAD)
 
 
 class Carried(enum.Enum):
@@ -119,6 +128,30 @@ class Backward(Instruction):
     opcode = "B"
     facts = Facts(Activity.BACKWARD, needs_state=True, stash=StashUse.READS, consumes=Carried.GRADIENTS,
                   makes=Carried.GRADIENTS)
+    microbatch: int
+
+
+@dataclass(frozen=True)
+class InputGrad(Instruction):
+    """The first half of a split backward (zero bubble's B): the gradient of the stage's inputs only,
+    sent on at once; the autograd graph and the stash stay for the microbatch's `WeightGrad`."""
+
+    stream = Stream.COMPUTE
+    opcode = "Bi"
+    facts = Facts(Activity.INPUT_GRAD, needs_state=True, stash=StashUse.READS, consumes=Carried.GRADIENTS,
+                  makes=Carried.GRADIENTS)
+    microbatch: int
+
+
+@dataclass(frozen=True)
+class WeightGrad(Instruction):
+    """The second half (zero bubble's W): the gradient of the stage's weights, accumulated as a whole
+    backward accumulates it; it frees the microbatch's stash. It follows its `InputGrad` on the same
+    device (ir/program.py validates the pairing) and may wait as long as the schedule likes."""
+
+    stream = Stream.COMPUTE
+    opcode = "W"
+    facts = Facts(Activity.WEIGHT_GRAD, needs_state=True, stash=StashUse.READS)
     microbatch: int
 
 
@@ -268,10 +301,11 @@ class HostUpdate(Instruction):
 
 
 KINDS: tuple[type[Instruction], ...] = (
-    Forward, Recompute, Backward, Update, GradNormPart, AllReduceShared, AllReduceGradNorm,
+    Forward, Recompute, Backward, InputGrad, WeightGrad, Update, GradNormPart, AllReduceShared, AllReduceGradNorm,
     Send, Recv, SwapIn, SwapOut, Free, StashOut, StashIn, HostUpdate,
 )
-COMPUTES = (Forward, Recompute, Backward, Update)
+COMPUTES = (Forward, Recompute, Backward, InputGrad, WeightGrad, Update)
+BACKWARD_PARTS = (Backward, InputGrad)  # what receives a microbatch's output gradients and sends its input's
 ALL_REDUCES = (AllReduceShared, AllReduceGradNorm)
 _BY_OPCODE: dict[str, type[Instruction]] = {kind.opcode: kind for kind in KINDS}
 _SHORT = {"microbatch": "mb"}
