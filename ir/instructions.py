@@ -45,8 +45,7 @@ class Phase(enum.Enum):
 
     @property
     def ends_stash(self) -> bool:
-        """Whether this pass frees its microbatch's stash: a whole backward, or the weight gradient
-        (its input gradient keeps the autograd graph, and so the stash, for it)."""
+        """Whether this pass frees its microbatch's stash: a whole backward, or a split one's W."""
         return self in (Phase.BACKWARD, Phase.WEIGHT_GRAD)
 
 
@@ -133,8 +132,8 @@ class Backward(Instruction):
 
 @dataclass(frozen=True)
 class InputGrad(Instruction):
-    """The first half of a split backward (zero bubble's B): the gradient of the stage's inputs only,
-    sent on at once; the autograd graph and the stash stay for the microbatch's `WeightGrad`."""
+    """A split backward's first half (zero bubble's B): the gradient of the stage's inputs only, sent
+    on at once; the autograd graph and the stash stay for the `WeightGrad`."""
 
     stream = Stream.COMPUTE
     opcode = "Bi"
@@ -145,9 +144,8 @@ class InputGrad(Instruction):
 
 @dataclass(frozen=True)
 class WeightGrad(Instruction):
-    """The second half (zero bubble's W): the gradient of the stage's weights, accumulated as a whole
-    backward accumulates it; it frees the microbatch's stash. It follows its `InputGrad` on the same
-    device (ir/program.py validates the pairing) and may wait as long as the schedule likes."""
+    """Its second half (W): the weights' gradient, added as a whole backward adds it; it frees the
+    stash. It follows its `InputGrad` on the device (ir/program.py validates the pairing)."""
 
     stream = Stream.COMPUTE
     opcode = "W"
@@ -305,7 +303,6 @@ KINDS: tuple[type[Instruction], ...] = (
     Send, Recv, SwapIn, SwapOut, Free, StashOut, StashIn, HostUpdate,
 )
 COMPUTES = (Forward, Recompute, Backward, InputGrad, WeightGrad, Update)
-BACKWARD_PARTS = (Backward, InputGrad)  # what receives a microbatch's output gradients and sends its input's
 ALL_REDUCES = (AllReduceShared, AllReduceGradNorm)
 _BY_OPCODE: dict[str, type[Instruction]] = {kind.opcode: kind for kind in KINDS}
 _SHORT = {"microbatch": "mb"}

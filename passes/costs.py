@@ -44,6 +44,7 @@ def stage_charges(stages: Sequence[Stage], transfers: Sequence[Transfer], swappe
         state.append(0 if stage.index in swapped else sum(c.state_bytes for c in mine))
     return SimCost(
         forward_s=tuple(forward), backward_s=tuple(backward), update_s=tuple(update), stash_bytes=tuple(stash),
+        input_grad_share=input_grad_shares(stages, transfers),
         state_bytes=tuple(state), value_bytes=transfer_bytes(transfers, microbatch_size),
         tensor_bytes={t.fqn: float(t.nbytes) for t in shared if t.summed},
         bandwidth=topology.slowest_link, links=topology.links(),
@@ -54,6 +55,14 @@ def stage_charges(stages: Sequence[Stage], transfers: Sequence[Transfer], swappe
         wake_s=runtime.wake_s, update_concurrency=runtime.update_concurrency,
         shared_devices=frozenset(d for d, spec in enumerate(devices) if spec.kind == "cpu"),
     )
+
+
+def input_grad_shares(stages: Sequence[Stage], transfers: Sequence[Transfer]) -> tuple[float, ...]:
+    """Per stage, the share of its backward a split backward's input gradient (B) takes: none for a
+    stage no gradient leaves (the first: W does the whole backward), else half (B and W each one
+    matmul per forward matmul, Qi et al. §2; not measured apart)."""
+    sends_grads = {t.dst for t in transfers if t.requires_grad}
+    return tuple(0.5 if s.index in sends_grads else 0.0 for s in sorted(stages, key=lambda s: s.index))
 
 
 def plan_charges(plan: Plan, peak_flops: float | None = None, bandwidth: float | None = None) -> SimCost:

@@ -61,7 +61,7 @@ class SimCost:
     shared_devices: frozenset[int] = frozenset()  # devices whose compute shares the host
     wake_s: float = 0.0  # added to a shared device's compute after its compute stream sat idle
     update_concurrency: tuple[float, ...] = ()  # as `concurrency`, for updates (U); else `concurrency`
-    input_grad_s: tuple[float, ...] = ()  # of backward_s, a split backward's input gradient (Bi); else half
+    input_grad_share: tuple[float, ...] = ()  # of backward_s, a split backward's input gradient (Bi); else half
 
     @classmethod
     def uniform(cls, n_stages: int, forward_s: float, backward_s: float, **kwargs) -> SimCost:
@@ -77,9 +77,8 @@ class SimCost:
         if activity is Activity.BACKWARD:
             return _at(self.backward_s, ins.stage)
         if activity in (Activity.INPUT_GRAD, Activity.WEIGHT_GRAD):
-            whole = _at(self.backward_s, ins.stage)
-            part = self.input_grad_s[ins.stage] if ins.stage < len(self.input_grad_s) else whole / 2
-            return part if activity is Activity.INPUT_GRAD else whole - part
+            share = self.input_grad_share[ins.stage] if ins.stage < len(self.input_grad_share) else 0.5
+            return _at(self.backward_s, ins.stage) * (share if activity is Activity.INPUT_GRAD else 1 - share)
         return _at(self.update_s, ins.stage)
 
     def speed_with(self, computing: int, update: bool = False) -> float:

@@ -13,7 +13,7 @@ Rules, one per instruction kind:
 - `compute` F of a microbatch waits for that microbatch's activation receives; B waits for its
   F and its gradient receives; U waits for everything before it in the program. A split backward
   (zero bubble) charges its input gradient `Bi` and its weight gradient `W` their parts of B's
-  seconds (`SimCost.input_grad_s`); what B does to memory, W does (the stash lives until then).
+  seconds (`SimCost.input_grad_share`); what B does to memory, W does (the stash lives until then).
 - `send` waits for the compute that produced its values and occupies p2p_out until the data
   has arrived (a blocking send, as an NCCL kernel on a stream). The data starts moving at
   once: the runtime's mailbox buffers it, so the receiver need not have posted its `recv`.

@@ -37,7 +37,7 @@ CASES = (
     [("mlp", "gpipe", "off"), ("mlp", "1f1b", "one-stage")]
     + [("tied-gpt", schedule, mode) for schedule in SCHEDULES for mode in ("on", "off")]
     + [("tied-gpt", "gpipe", "all"), ("tied-gpt", "1f1b", "all"), ("tied-gpt", "harmony-pp", "all"),
-       ("tied-gpt", "1f1b", "host"), ("tied-gpt", "harmony-pp", "host")]
+       ("tied-gpt", "1f1b", "host"), ("tied-gpt", "harmony-pp", "host"), ("tied-gpt", "zb-h1", "off")]
     + [("hf-gpt2", "1f1b", "off"), ("hf-gpt2", "interleaved", "on"), ("hf-gpt2", "varuna", "on"),
        ("hf-gpt2", "harmony-pp", "on"), ("hf-gpt2", "harmony-dp", "off"), ("hf-gpt2", "gpipe", "all")]
 )
