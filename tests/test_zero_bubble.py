@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import stagewise as sw
 from stagewise.ir.errors import PlanError
@@ -19,6 +20,7 @@ from stagewise.passes.simulate import SimCost, simulate
 from stagewise.runtime.split_backward import input_grads
 from tests.harness.stages import chain
 from tests.models.gpt import TinyGPT, lm_loss
+from tests.models.mlp import mlp
 from tests.reference import (
     ADAMW,
     ATOL,
@@ -154,3 +156,32 @@ def test_zb_h1_is_1f1b_bitwise_on_three_devices_with_frozen_weights() -> None:
     want = torch.stack(eager_train(model, batches, loss_fn=lm_loss, optimizer=SGD, microbatches=4))
     torch.testing.assert_close(losses[1], want, rtol=RTOL, atol=ATOL)
     assert_state_equal(states[1], model.state_dict())
+
+
+def test_a_step_failing_between_b_and_w_leaves_nothing_behind(monkeypatch) -> None:
+    """A W that raises: the step is rolled back, no microbatch's weight pass (and the autograd graph
+    and stash it holds) stays on a worker, and the step then runs again as eager training's."""
+    torch.manual_seed(2)
+    model, x, y = mlp(), torch.randn(8, 8), torch.randint(0, 5, (8,))
+    pipe = sw.compile(copy.deepcopy(model), 2, (x,), loss_fn=F.cross_entropy, example_target=y, optimizer=SGD,
+                      microbatches=4, schedule="zb-h1", cost="analytic")
+    before = {name: tensor.clone() for name, tensor in pipe.state_dict().items()}
+    worker, calls = pipe._workers[1], []
+    real = worker.backward_weight
+
+    def failing(microbatch: int, instruction: str) -> None:
+        calls.append(microbatch)
+        if len(calls) == 2:
+            raise RuntimeError("injected weight-gradient failure")
+        real(microbatch, instruction)
+
+    monkeypatch.setattr(worker, "backward_weight", failing)
+    with pytest.raises(RuntimeError, match="injected weight-gradient failure"):
+        pipe.step(x, target=y)
+    assert all(not w.weight_passes for w in pipe._workers)
+    assert_state_equal(pipe.state_dict(), before)
+    monkeypatch.undo()
+    got = pipe.step(x, target=y)
+    want = eager_train(model, [((x,), y)], loss_fn=F.cross_entropy, microbatches=4)
+    torch.testing.assert_close(got, want[0], rtol=RTOL, atol=ATOL)
+    assert_state_equal(pipe.state_dict(), model.state_dict())
