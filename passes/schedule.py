@@ -83,9 +83,9 @@ def alternate(stage: int, microbatches: Sequence[int], warmup: int) -> list[Task
 def zb_h1(n_stages: int, microbatches: int) -> list[list[Task]]:
     """ZB-H1: stage s runs 1F1B's warm-up (p - s - 1 forwards), then 1F1B with every backward split
     into its input gradient (B) and weight gradient (W); W of microbatch k runs after B of k + s,
-    the W passes left at the end in microbatch order. So stage s holds p microbatches in flight at
-    most, as 1F1B's first stage does (the peak activation memory of 1F1B), and its last s W passes
-    fill the cool-down bubble. Both halves keep microbatch order, so gradients sum as under 1F1B."""
+    the W passes left at the end in microbatch order. So every stage holds p microbatches in flight
+    at most (F to W), as 1F1B's first stage does: 1F1B's peak where stages stash alike (a later
+    stage's own peak grows: 1F1B's is p - s), and its last s W passes fill the cool-down bubble. Both halves keep microbatch order, so gradients sum as under 1F1B."""
     return [_zb_h1_stage(s, n_stages, microbatches) + [Task(Phase.UPDATE, s)] for s in range(n_stages)]
 
 
