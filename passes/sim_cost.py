@@ -62,6 +62,7 @@ class SimCost:
     wake_s: float = 0.0  # added to a shared device's compute after its compute stream sat idle
     update_concurrency: tuple[float, ...] = ()  # as `concurrency`, for updates (U); else `concurrency`
     input_grad_share: tuple[float, ...] = ()  # of backward_s, a split backward's input gradient (Bi); else half
+    recorded_bytes: tuple[float, ...] = ()  # held from a split backward's Bi to its W beside the stash
 
     @classmethod
     def uniform(cls, n_stages: int, forward_s: float, backward_s: float, **kwargs) -> SimCost:

@@ -44,6 +44,12 @@ class WeightPass:
 
     groups: list[_Group]
 
+    def held_bytes(self) -> int:
+        """The bytes of the gradients B recorded for W (the stash they lead into is counted apart)."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for group in self.groups for grads in group.recorded.values() for t in grads if t is not None}
+        return sum(storages.values())
+
     def run(self) -> None:
         """Accumulate each weight's gradient into `.grad`, as one backward would."""
         for group in self.groups:

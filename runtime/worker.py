@@ -85,6 +85,7 @@ class StageWorker(CheckpointAccess):
         self.losses: dict[int, torch.Tensor] = {}
         self.stashes: dict[int, Stash] = {}  # per microbatch, from its forward to its backward
         self.weight_passes: dict[int, WeightPass] = {}  # per microbatch, from its input gradient to its weight's
+        self.recorded_bytes = 0  # the gradients the last input gradient recorded for its weight gradient
         self.stash_size: dict[tuple, int] = {}  # bytes one forward stashes, by (autograd on, its input sizes)
         self.host_bytes = HostBuffers(self.device)  # recycled host memory for stashes
 
@@ -151,13 +152,16 @@ class StageWorker(CheckpointAccess):
 
     def backward_input(self, microbatch: int, loss_scale: float, instruction: str) -> None:
         """Zero bubble's B: the gradients of the inputs only, for the sends that follow; the autograd
-        graph, the stash and the inputs stay for the microbatch's `backward_weight`."""
+        graph, the stash and the inputs stay for the microbatch's `backward_weight`, and so do the
+        gradients recorded at the weights' layers (counted in the pool as stash until W)."""
         self._stash_for(microbatch, instruction, keep=True)
         tensors, grads = self._seeds(microbatch, loss_scale)
         inputs = self.inputs.get(microbatch, _NO_INPUTS)
         leaves = [name for name in self.grad_inputs if name in inputs and inputs[name].requires_grad]
-        found, self.weight_passes[microbatch] = input_grads(
-            tensors, grads, [inputs[name] for name in leaves], self.params.values())
+        found, weight_pass = input_grads(tensors, grads, [inputs[name] for name in leaves], self.params.values())
+        self.weight_passes[microbatch] = weight_pass
+        self.recorded_bytes = weight_pass.held_bytes()  # held to W beside the stash (the last B's: measured)
+        self.pool.allocate("stash", self.keys.weight_grad_inputs(microbatch), self.recorded_bytes, instruction)
         by_name = dict(zip(leaves, found, strict=True))
         self._keep_input_grads(microbatch, lambda name, value: by_name.get(name))
 
@@ -170,6 +174,7 @@ class StageWorker(CheckpointAccess):
                             f"microbatch {microbatch}: the program lacks its `Bi`")
         stash = self._stash_for(microbatch, instruction, keep=False)
         weight_pass.run()
+        self.pool.release(self.keys.weight_grad_inputs(microbatch))
         self._backward_done(microbatch, stash, instruction)
 
     def _stash_for(self, microbatch: int, instruction: str, keep: bool) -> Stash | None:

@@ -72,6 +72,16 @@ def test_simulated_bubble_is_a_third_of_1f1b(p: int, m: int) -> None:
     assert all(peak <= STATE + min(p, m) * ACT for peak in zb.peak_bytes.values())
 
 
+def test_the_gradients_b_records_for_w_are_held_until_w() -> None:
+    """2 stages, 4 microbatches: stage 1 runs F0 Bi0 F1 Bi1 W0 F2 Bi2 W1 ..., so it holds two stashes and
+    the gradients two Bi recorded at once; stage 0 records none (its W runs the whole backward)."""
+    recorded = 300.0
+    cost = SimCost.uniform(2, 1.0, 2.0, stash_bytes=(ACT,) * 2, state_bytes=(STATE,) * 2, recorded_bytes=(0.0, recorded))
+    result = simulate(_programs("zb-h1", 2, 4), cost)
+    assert result.peak_bytes == {0: STATE + 2 * ACT, 1: STATE + 2 * ACT + 2 * recorded}
+    assert result.memory[1][-1][1] == STATE  # all of it released by the end of the step
+
+
 def test_halves_pair_up_in_every_program() -> None:
     """A W without its B, a second B before the first's W, or an update before a W is refused."""
     body = ["compute  F stage=0 mb=0", "compute  Bi stage=0 mb=0", "compute  W stage=0 mb=0", "compute  U stage=0"]
@@ -132,6 +142,7 @@ def test_zb_h1_trains_like_eager_with_swap_and_clipping() -> None:
     before the update, as under the other schedules) and every stage's state swapped."""
     pipe = check_equal_training(TinyGPT(), token_batches(), 2, loss_fn=lm_loss, optimizer=ADAMW, microbatches=4,
                                 clip_grad_norm=0.5, schedule="zb-h1", swap="on", cost="analytic")
+    assert pipe._workers[1].recorded_bytes > 0 == pipe._workers[0].recorded_bytes  # counted in the pool till W
     kinds = {type(ins) for program in pipe.plan.programs for ins in program.instructions}
     assert {InputGrad, WeightGrad} <= kinds
     assert "weight gradient (W)" in str(pipe.plan) and "dev1: F0 Bi0 F1 Bi1" in str(pipe.plan)

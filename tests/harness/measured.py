@@ -36,7 +36,11 @@ def measured_cost(pipe: sw.Pipeline) -> SimCost:
         stash[worker.stage.index] = float(max((v for (grad, _), v in worker.stash_size.items() if grad), default=0))
     forward, backward, update, input_grad = measured_seconds(pipe)
     share = tuple(b and g / b for b, g in zip(backward, input_grad, strict=True))
+    recorded = [0.0] * len(stages)
+    for worker in pipe._workers:
+        recorded[worker.stage.index] = float(worker.recorded_bytes)
     return SimCost(forward_s=forward, backward_s=backward, update_s=update, input_grad_share=share,
+                   recorded_bytes=tuple(recorded),
                    state_bytes=tuple(state),
                    grad_bytes=tuple(grads), stash_bytes=tuple(stash),
                    value_bytes=transfer_bytes(pipe.plan.transfers, pipe.plan.microbatch_size))
