@@ -172,7 +172,7 @@ def _assert_time_split(stats: dict, idle: bool, swapped: bool) -> None:
     assert (stats["swap_in_s"] + stats["swap_out_s"] > 0) == swapped, stats
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "varuna"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "interleaved", "varuna"])
 def test_every_link_sends_in_the_order_its_receiver_expects(schedule):
     """NCCL pairs sends with receives by order, not tag: the transport refuses plans where they differ."""
     model, batches, options = problem("tied-gpt")
