@@ -116,9 +116,9 @@ def _weight_grads(group: _Group) -> None:
         for weight, grad in zip(group.weights, found, strict=True):
             if grad is None:
                 continue
-            if weight.grad is None:
-                weight.grad = grad
-            else:
+            if weight.grad is None:  # a copy of its own in the weight's layout, as autograd's accumulation
+                weight.grad = torch.empty_like(weight).copy_(grad)  # makes one: autograd may hand one
+            else:                                                   # tensor to several weights (x + a + b)
                 weight.grad += grad
 
 

@@ -96,16 +96,18 @@ def test_halves_pair_up_in_every_program() -> None:
 
 # ---- the split backward ----------------------------------------------------------------------------
 class _Odd(torch.nn.Module):
-    """A weight used twice (in a layer and directly), an output that depends on no input."""
+    """A weight used twice (in a layer and directly), an output that depends on no input, and two
+    weights that autograd hands one gradient tensor (added as they are: the same tensor for both)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.norm, self.up, self.down = torch.nn.LayerNorm(8), torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
         self.scale, self.table = torch.nn.Parameter(torch.randn(8)), torch.nn.Parameter(torch.randn(3, 8))
+        self.shift, self.tilt = torch.nn.Parameter(torch.randn(4, 8)), torch.nn.Parameter(torch.randn(4, 8))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         h = x + self.down(torch.relu(self.up(self.norm(x)))) * self.scale
-        return h, self.up.weight.sum() * 0.1 + h.mean(), self.table * 2
+        return h + self.shift + self.tilt, self.up.weight.sum() * 0.1 + h.mean(), self.table * 2
 
 
 @pytest.mark.parametrize("input_grad", [True, False])
