@@ -5,16 +5,17 @@ graph): autograd then skips every branch that leads to weights alone. Prehooks o
 (the nodes B runs that also lead to a weight: a Linear's addmm, a LayerNorm) record the gradient
 flowing into each. W runs autograd again from the frontier (`torch.autograd.graph.GradientEdge`)
 to the weights, one group of weights at a time (those reached through the same frontier nodes), so
-the branches B skipped run once and what B ran does not run again. Each node computes what it
+the branches B skipped run once and what B ran does not run again (but where a frontier node lies
+below another of its group, or an output depends on no input: W then runs through some of B's
+nodes again, each frontier node's gradient clamped to what B recorded). Each node computes what it
 computes in one backward, from the same incoming gradient, so each weight's gradient is one
-backward's bit for bit, added to `.grad` as autograd's accumulation adds it (the equality tests,
-tests/test_zero_bubble.py, check this against 1F1B and eager).
+backward's bit for bit, added to `.grad` as autograd's accumulation adds it, a copy of its own the
+first time (tests/test_zero_bubble.py checks odd graphs, and training against 1F1B and eager).
 
 This is torch.distributed.pipelining's `stage_backward_input` / `stage_backward_weight` (a private
 module) over torch's public autograd graph API, with the case it leaves out: outputs that do not
 depend on a stage input (every output of the first stage, whose inputs take no gradient). Their
-weights are reached from those outputs in W, with every weight and frontier node in one call, each
-frontier node's recorded gradient standing for whatever flows into it there (as torch does).
+weights are reached from those outputs in W, with every weight and frontier node in one call.
 """
 
 from __future__ import annotations
