@@ -29,6 +29,7 @@ class Schedule(enum.StrEnum):
     AUTO = "auto"
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
+    ZB_H1 = "zb-h1"
     INTERLEAVED = "interleaved"
     VARUNA = "varuna"
     HARMONY_PP = "harmony-pp"

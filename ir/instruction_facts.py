@@ -24,6 +24,8 @@ class Activity(enum.Enum):
     FORWARD = "forward"
     RECOMPUTE = "recompute"
     BACKWARD = "backward"
+    INPUT_GRAD = "input gradient"  # a split backward's first half (zero bubble's B)
+    WEIGHT_GRAD = "weight gradient"  # its second half (zero bubble's W)
     UPDATE = "update"
     NORM_PART = "norm part"
     ALL_REDUCE = "all-reduce"

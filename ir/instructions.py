@@ -33,12 +33,20 @@ class Stream(enum.Enum):
 
 
 class Phase(enum.Enum):
-    """What a compute does with a stage: forward, recompute (Varuna §3.2), backward, update."""
+    """What a compute does with a stage: forward, recompute (Varuna §3.2), backward, update; or the
+    backward split in two (zero bubble, Qi et al. §2): its input gradient, then its weight gradient."""
 
     FORWARD = "F"
     RECOMPUTE = "R"
     BACKWARD = "B"
     UPDATE = "U"
+    INPUT_GRAD = "Bi"
+    WEIGHT_GRAD = "W"
+
+    @property
+    def ends_stash(self) -> bool:
+        """Whether this pass frees its microbatch's stash: a whole backward, or a split one's W."""
+        return self in (Phase.BACKWARD, Phase.WEIGHT_GRAD)
 
 
 class Carried(enum.Enum):
@@ -119,6 +127,29 @@ class Backward(Instruction):
     opcode = "B"
     facts = Facts(Activity.BACKWARD, needs_state=True, stash=StashUse.READS, consumes=Carried.GRADIENTS,
                   makes=Carried.GRADIENTS)
+    microbatch: int
+
+
+@dataclass(frozen=True)
+class InputGrad(Instruction):
+    """A split backward's first half (zero bubble's B): the gradient of the stage's inputs only, sent
+    on at once; the autograd graph and the stash stay for the `WeightGrad`."""
+
+    stream = Stream.COMPUTE
+    opcode = "Bi"
+    facts = Facts(Activity.INPUT_GRAD, needs_state=True, stash=StashUse.READS, consumes=Carried.GRADIENTS,
+                  makes=Carried.GRADIENTS)
+    microbatch: int
+
+
+@dataclass(frozen=True)
+class WeightGrad(Instruction):
+    """Its second half (W): the weights' gradient, added as a whole backward adds it; it frees the
+    stash. It follows its `InputGrad` on the device (ir/program.py validates the pairing)."""
+
+    stream = Stream.COMPUTE
+    opcode = "W"
+    facts = Facts(Activity.WEIGHT_GRAD, needs_state=True, stash=StashUse.READS)
     microbatch: int
 
 
@@ -268,10 +299,10 @@ class HostUpdate(Instruction):
 
 
 KINDS: tuple[type[Instruction], ...] = (
-    Forward, Recompute, Backward, Update, GradNormPart, AllReduceShared, AllReduceGradNorm,
+    Forward, Recompute, Backward, InputGrad, WeightGrad, Update, GradNormPart, AllReduceShared, AllReduceGradNorm,
     Send, Recv, SwapIn, SwapOut, Free, StashOut, StashIn, HostUpdate,
 )
-COMPUTES = (Forward, Recompute, Backward, Update)
+COMPUTES = (Forward, Recompute, Backward, InputGrad, WeightGrad, Update)
 ALL_REDUCES = (AllReduceShared, AllReduceGradNorm)
 _BY_OPCODE: dict[str, type[Instruction]] = {kind.opcode: kind for kind in KINDS}
 _SHORT = {"microbatch": "mb"}

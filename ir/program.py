@@ -18,9 +18,14 @@ from stagewise.ir.instructions import (
     KINDS,
     AllReduceGradNorm,
     AllReduceShared,
+    GradNormPart,
+    HostUpdate,
+    InputGrad,
     Instruction,
     Recv,
     Send,
+    Update,
+    WeightGrad,
     message_keys,
     parse_instruction,
 )
@@ -82,7 +87,7 @@ def validate(programs: tuple[Program, ...]) -> None:
     or to the wrong device), and all-reduces that some member device does not join as often."""
     problems: list[str] = []
     for program in programs:
-        problems += _events(program)
+        problems += _events(program) + _unpaired_halves(program)
     problems += _unmatched_messages(programs)
     problems += _unjoined_all_reduces(programs)
     if problems:
@@ -99,6 +104,35 @@ def _events(program: Program) -> list[str]:
         problems += [f"dev{program.device} #{i} {ins}: waits for #{j}, not an earlier instruction"
                      for j in ins.waits if not 0 <= j < i]
     return problems
+
+
+def _unpaired_halves(program: Program) -> list[str]:
+    """A split backward's halves pair up on one device: each `WeightGrad` after the `InputGrad` of its
+    stage and microbatch, once, and before that stage's update (which reads the gradient it adds)."""
+    problems, open_halves = [], set()
+    for i, ins in enumerate(program.instructions):
+        unit = (ins.stage, getattr(ins, "microbatch", None))
+        where = f"dev{program.device} #{i} {ins}"
+        if isinstance(ins, InputGrad):
+            if unit in open_halves:
+                problems.append(f"{where}: a second input gradient before the weight gradient of the first")
+            open_halves.add(unit)
+        elif isinstance(ins, WeightGrad):
+            if unit not in open_halves:
+                problems.append(f"{where}: no input gradient of stage {ins.stage} microbatch {unit[1]} before it")
+            open_halves.discard(unit)
+        elif late := sorted({stage for stage, _ in open_halves} & _reads_grads_of(ins)):
+            problems.append(f"{where}: reads the gradients of stage(s) {late} before their weight gradients")
+    problems += [f"dev{program.device}: stage {stage} microbatch {mb}'s input gradient has no weight gradient"
+                 for stage, mb in sorted(open_halves)]
+    return problems
+
+
+def _reads_grads_of(ins: Instruction) -> set[int]:
+    """The stages whose parameter gradients an instruction reads (updates, norms, all-reduces)."""
+    if isinstance(ins, ALL_REDUCES):
+        return set(ins.group)
+    return {ins.stage} if isinstance(ins, (Update, HostUpdate, GradNormPart)) else set()
 
 
 def _unmatched_messages(programs: tuple[Program, ...]) -> list[str]:

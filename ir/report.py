@@ -9,6 +9,9 @@ from rich.table import Table
 from rich.text import Text
 
 from stagewise.ir.devices import format_bytes
+from stagewise.ir.instructions import COMPUTES, WeightGrad, microbatch_of
+
+_ORDER_SHOWN = 24  # compute instructions shown per device where backwards are split
 
 
 def render_plan(plan) -> str:
@@ -57,6 +60,8 @@ def plan_parts(plan) -> list[Table | str]:
     if plan.predicted_split is not None:
         split = plan.predicted_split
         parts.append(f"where the time goes (dev{split.device}, the busiest): {split}")
+    if any(isinstance(ins, WeightGrad) for program in plan.programs for ins in program.instructions):
+        parts.append(_split_order(plan))
     if plan.precision != "fp32":
         parts.append(f"precision: {plan.precision} (forwards under torch.autocast; fp32 weights, gradients, optimizer)")
     if plan.considered:
@@ -71,6 +76,17 @@ def plan_parts(plan) -> list[Table | str]:
             shared.add_row(tensor.fqn, ", ".join(tensor.names[1:]) or "-", ",".join(map(str, tensor.stages)), kind)
         parts.append(shared)
     return parts
+
+
+def _split_order(plan) -> str:
+    """Where backwards are split (zero bubble): each device's compute order, B (`Bi`) and W apart."""
+    lines = ["backwards split into input gradient (Bi) and weight gradient (W); compute order per device:"]
+    for program in plan.programs:
+        order = [ins.opcode if (mb := microbatch_of(ins)) is None else f"{ins.opcode}{mb}"
+                 for ins in program.instructions if isinstance(ins, COMPUTES)]
+        more = " ..." if len(order) > _ORDER_SHOWN else ""
+        lines.append(f"  dev{program.device}: {' '.join(order[:_ORDER_SHOWN])}{more}")
+    return "\n".join(lines)
 
 
 def _transfers(transfers, microbatch_size: int, side: str) -> str:

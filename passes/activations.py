@@ -26,7 +26,7 @@ from stagewise.passes.swap import SwapPlan
 if TYPE_CHECKING:
     from stagewise.passes.planner import Assembled
 
-PER_STAGE_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED)  # the schedules that take a policy
+PER_STAGE_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.ZB_H1, Schedule.INTERLEAVED)  # the schedules that take a policy
 Policies = Mapping[int, ActivationPolicy]  # per stage instance; a stage not named keeps its stashes
 
 

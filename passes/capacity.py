@@ -79,7 +79,7 @@ def _most_in_flight(tasks: Sequence[Task], stage: int) -> int:
             continue
         if task.phase is Phase.RECOMPUTE or (task.phase is Phase.FORWARD and task.stash):
             live += 1
-        elif task.phase is Phase.BACKWARD:
+        elif task.phase.ends_stash:
             live -= 1
         most = max(most, live)
     return most

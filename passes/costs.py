@@ -42,8 +42,13 @@ def stage_charges(stages: Sequence[Stage], transfers: Sequence[Transfer], swappe
         update.append(sum(runtime.update_s[i] for i in stage.layers if i < len(runtime.update_s)) / speed)
         stash.append(sum(c.stash_bytes for c in mine))
         state.append(0 if stage.index in swapped else sum(c.state_bytes for c in mine))
+    shares = input_grad_shares(stages, transfers)
+    # a split backward's B records the gradients at the weights' layers for W: about an activation per
+    # layer, estimated as the stage's stash (measured on bench/zero_bubble.py's GPT: 9.0 of a 13.5 MiB stash)
+    recorded = tuple(b if share else 0.0 for b, share in zip(stash, shares, strict=True))
     return SimCost(
         forward_s=tuple(forward), backward_s=tuple(backward), update_s=tuple(update), stash_bytes=tuple(stash),
+        input_grad_share=shares, recorded_bytes=recorded,
         state_bytes=tuple(state), value_bytes=transfer_bytes(transfers, microbatch_size),
         tensor_bytes={t.fqn: float(t.nbytes) for t in shared if t.summed},
         bandwidth=topology.slowest_link, links=topology.links(),
@@ -54,6 +59,14 @@ def stage_charges(stages: Sequence[Stage], transfers: Sequence[Transfer], swappe
         wake_s=runtime.wake_s, update_concurrency=runtime.update_concurrency,
         shared_devices=frozenset(d for d, spec in enumerate(devices) if spec.kind == "cpu"),
     )
+
+
+def input_grad_shares(stages: Sequence[Stage], transfers: Sequence[Transfer]) -> tuple[float, ...]:
+    """Per stage, the share of its backward a split backward's input gradient (B) takes: none for a
+    stage no gradient leaves (the first: W does the whole backward), else half (B and W each one
+    matmul per forward matmul, Qi et al. §2; not measured apart)."""
+    sends_grads = {t.dst for t in transfers if t.requires_grad}
+    return tuple(0.5 if s.index in sends_grads else 0.0 for s in sorted(stages, key=lambda s: s.index))
 
 
 def plan_charges(plan: Plan, peak_flops: float | None = None, bandwidth: float | None = None) -> SimCost:

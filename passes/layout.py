@@ -34,10 +34,10 @@ class Layout:
 
 
 def choose_layout(schedule: Schedule, n_devices: int, replicas: int, legal_cuts: int, stages: int | None = None) -> Layout:
-    """`stages`: the pipeline depth P of gpipe / 1f1b / varuna (default N / D)."""
+    """`stages`: the pipeline depth P of gpipe / 1f1b / zb-h1 / varuna (default N / D)."""
     n, d = n_devices, replicas
-    if stages is not None and schedule not in (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.VARUNA):
-        raise PartitionError(f"stages= sets the depth of a gpipe, 1f1b or varuna pipeline; {schedule} places its own")
+    if stages is not None and schedule not in (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.ZB_H1, Schedule.VARUNA):
+        raise PartitionError(f"stages= sets the depth of a gpipe, 1f1b, zb-h1 or varuna pipeline; {schedule} places its own")
     if schedule in (Schedule.HARMONY_PP, Schedule.HARMONY_DP):
         if d != 1:
             raise PartitionError(f"{schedule} chooses its own data parallelism; drop replicas={d}")

@@ -19,6 +19,10 @@ stage's gradients to host memory (`SwapOut` of the gradients), steps the host ma
 (`HostUpdate`, on the swap-out stream: the device computes on meanwhile) and copies them
 back (`SwapIn` of the weights) to a stage that keeps its weights on the device.
 
+A split backward (zero bubble's B and W) lowers as the backward it halves: its input gradient
+`InputGrad` with the receives and sends, its weight gradient `WeightGrad` alone; the stash stays
+on the device from B to W, and W is what brings the stage's gradients in.
+
 A stage whose stashed activations are swapped (Harmony's sX, passes/swap.py) writes each
 microbatch's stash out after its forward (`StashOut`, after the sends that read its
 outputs) and reads it back before the backward (`StashIn`); the stash-in depends only on
@@ -40,6 +44,7 @@ from stagewise.ir.instructions import (
     Forward,
     GradNormPart,
     HostUpdate,
+    InputGrad,
     Instruction,
     Phase,
     Recompute,
@@ -47,6 +52,7 @@ from stagewise.ir.instructions import (
     Send,
     State,
     Update,
+    WeightGrad,
 )
 from stagewise.ir.plan import SharedTensor, Stage, Task, Transfer
 from stagewise.ir.program import Program, validate
@@ -159,17 +165,19 @@ def _lower_work(task: Task, wiring: _Wiring, residency: Residency, code: list, a
     residency.need(s, State.WEIGHTS)
     stashes = task.phase is Phase.RECOMPUTE or (task.phase is Phase.FORWARD and task.stash)
     waits = residency.stash_arrives(s, mb) if stashes else ()
-    if task.phase is Phase.BACKWARD:
+    writes_grads = task.phase in (Phase.BACKWARD, Phase.WEIGHT_GRAD)  # a split backward's W adds them
+    if writes_grads:
         residency.need(s, State.GRADS)
+    if task.phase in (Phase.BACKWARD, Phase.INPUT_GRAD):
         residency.stash_in(s, mb)
     compute = _emit_task(task, code, wiring, waits)
-    if task.phase is Phase.BACKWARD:
+    if task.phase.ends_stash:
         residency.stash_ends_at(s, mb, compute)
     elif task.phase is Phase.FORWARD and stashes and wiring.swap.swaps_stash(s) and (s, mb) not in adjacent:
         residency.stash_out(s, mb)
     if wiring.swap.mode == StateSwap.PER_DEVICE:
         residency.evict(s, State.WEIGHTS, write=True)
-        if task.phase is Phase.BACKWARD:
+        if writes_grads:
             residency.evict(s, State.GRADS, write=True)
 
 
@@ -185,7 +193,7 @@ def _deferred_updates(deferred: list[int], wiring: _Wiring, residency: Residency
 
 
 def _emit_task(task: Task, code: list, wiring: _Wiring, waits: tuple[int, ...] = ()) -> int:
-    """A forward, recompute or backward with its receives before and its sends after; returns the
+    """A forward, recompute or backward (or half of one) with its receives before and its sends after; returns the
     compute's index (`waits`: events the compute waits for beyond its receives)."""
     s, mb = task.stage, task.microbatch
     assert mb is not None, task
@@ -198,10 +206,13 @@ def _emit_task(task: Task, code: list, wiring: _Wiring, waits: tuple[int, ...] =
     elif task.phase is Phase.RECOMPUTE:
         code.append(Recompute(s, mb, waits=waits))
         compute = len(code) - 1
+    elif task.phase is Phase.WEIGHT_GRAD:  # nothing to receive or send: its input gradient did both
+        code.append(WeightGrad(s, mb, waits=waits))
+        compute = len(code) - 1
     else:
         grads_in = _with_grad(outgoing, wiring.transfers, s, "src")
         code += [_p2p(Recv, s, mb, Carried.GRADIENTS, dst, wiring, values) for dst, values in grads_in.items()]
-        code.append(Backward(s, mb, waits=waits))
+        code.append((InputGrad if task.phase is Phase.INPUT_GRAD else Backward)(s, mb, waits=waits))
         compute = len(code) - 1
         grads_out = _with_grad(incoming, wiring.transfers, s, "dst")
         code += [_p2p(Send, s, mb, Carried.GRADIENTS, src, wiring, values) for src, values in grads_out.items()]
@@ -231,7 +242,7 @@ def _end_of_run(run: list[Task], residency: Residency, updated: bool) -> None:
     """Harmony: after a pack's run, write back what changed and free what did not (the weights
     changed only if the run updated them on the device: a deferred or host update leaves them)."""
     s = run[0].stage
-    if any(t.phase is Phase.BACKWARD for t in run) and not any(t.phase is Phase.UPDATE for t in run):
+    if any(t.phase in (Phase.BACKWARD, Phase.WEIGHT_GRAD) for t in run) and not any(t.phase is Phase.UPDATE for t in run):
         residency.evict(s, State.GRADS, write=True)  # the update comes later (deferred)
     residency.evict(s, State.WEIGHTS, write=updated)
     residency.evict(s, State.OPTIMIZER, write=True)

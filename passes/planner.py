@@ -58,7 +58,7 @@ from stagewise.passes.stages import build_stages
 from stagewise.passes.swap import SwapPlan, plan_swaps
 
 CPSAT_MAX_LAYERS = 160  # exact partition-and-binding: 52 layers on 4 devices solve in 0.1 s
-REPLICATING = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.VARUNA)  # schedules whose pipelines replicate (P x D)
+REPLICATING = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.ZB_H1, Schedule.VARUNA)  # schedules whose pipelines replicate (P x D)
 
 
 @dataclass(frozen=True)

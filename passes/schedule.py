@@ -12,6 +12,10 @@ statistics take the microbatches in one order (tests/test_gradient_order.py).
 - GPipe (Huang et al.; the baseline of Harmony and Varuna): all forwards, then all backwards.
 - 1F1B (PipeDream-Flush, Narayanan §4.2.2, Fig. 4.4 top): same bubble (p - 1)/m, but after a
   warm-up each stage alternates one forward and one backward: p stashes instead of m.
+- ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", §2.1, Fig. 3 top): 1F1B with each
+  backward split into B (input gradient, on the critical path) and W (weight gradient, which can
+  wait); stage s holds back its first s W passes, so every stage has p microbatches in flight and
+  the W passes fill the cool-down: with equal F, B and W the bubble is (p - 1)/3m.
 - Interleaved 1F1B (Megatron, Narayanan §4.2.2, Fig. 4.4 bottom): v model chunks per device,
   stage s on device s mod p; the bubble shrinks to (1/v)(p - 1)/m.
 - Varuna (Varuna §3.2, Fig. 4): recompute instead of stash on every stage but the last, with
@@ -74,6 +78,28 @@ def alternate(stage: int, microbatches: Sequence[int], warmup: int) -> list[Task
     for i in range(len(mbs) - warmup):
         order += [Task(Phase.FORWARD, stage, mbs[warmup + i]), Task(Phase.BACKWARD, stage, mbs[i])]
     return order + [Task(Phase.BACKWARD, stage, mb) for mb in mbs[len(mbs) - warmup:]]
+
+
+def zb_h1(n_stages: int, microbatches: int) -> list[list[Task]]:
+    """ZB-H1: stage s runs 1F1B's warm-up (p - s - 1 forwards), then 1F1B with every backward split
+    into its input gradient (B) and weight gradient (W); W of microbatch k runs after B of k + s,
+    the W passes left at the end in microbatch order. So every stage holds p microbatches in flight
+    at most (F to W), as 1F1B's first stage does: 1F1B's peak where stages stash alike (a later
+    stage's own peak grows: 1F1B's is p - s), and its last s W passes fill the cool-down bubble. Both halves keep microbatch order, so gradients sum as under 1F1B."""
+    return [_zb_h1_stage(s, n_stages, microbatches) + [Task(Phase.UPDATE, s)] for s in range(n_stages)]
+
+
+def _zb_h1_stage(stage: int, n_stages: int, microbatches: int) -> list[Task]:
+    weights = iter(range(microbatches))  # the W passes, in microbatch order
+    order: list[Task] = []
+    for task in alternate(stage, range(microbatches), n_stages - stage - 1):
+        if task.phase is Phase.FORWARD:
+            order.append(task)
+            continue
+        order.append(Task(Phase.INPUT_GRAD, stage, task.microbatch))
+        if task.microbatch is not None and task.microbatch >= stage:
+            order.append(Task(Phase.WEIGHT_GRAD, stage, next(weights)))
+    return order + [Task(Phase.WEIGHT_GRAD, stage, mb) for mb in weights]
 
 
 def interleaved(n_devices: int, chunks: int, microbatches: int) -> list[list[Task]]:
@@ -194,6 +220,8 @@ def lane_tasks(name: Schedule, n_stages: int, microbatches: int, n_devices: int,
         return gpipe(n_stages, microbatches)
     if name == Schedule.ONE_F_ONE_B:
         return one_f_one_b(n_stages, microbatches)
+    if name == Schedule.ZB_H1:
+        return zb_h1(n_stages, microbatches)
     if name == Schedule.INTERLEAVED:
         return interleaved(n_devices, n_stages // n_devices, microbatches)
     if name == Schedule.VARUNA:
@@ -250,8 +278,10 @@ def with_recompute(tasks: Sequence[Sequence[Task]], stages: AbstractSet[int]) ->
             return [task]
         if task.phase is Phase.FORWARD:
             return [Task(Phase.FORWARD, task.stage, task.microbatch, stash=False)]
-        if task.phase is Phase.BACKWARD:
+        if task.phase in (Phase.BACKWARD, Phase.INPUT_GRAD):
             return [Task(Phase.RECOMPUTE, task.stage, task.microbatch), task]
+        if task.phase is Phase.WEIGHT_GRAD:
+            return [task]
         raise PlanError(f"stage {task.stage} already recomputes ({task}); give recompute stages a schedule that stashes")
     return [[new for task in device_tasks for new in recomputed(task)] for device_tasks in tasks]
 

@@ -61,6 +61,8 @@ class SimCost:
     shared_devices: frozenset[int] = frozenset()  # devices whose compute shares the host
     wake_s: float = 0.0  # added to a shared device's compute after its compute stream sat idle
     update_concurrency: tuple[float, ...] = ()  # as `concurrency`, for updates (U); else `concurrency`
+    input_grad_share: tuple[float, ...] = ()  # of backward_s, a split backward's input gradient (Bi); else half
+    recorded_bytes: tuple[float, ...] = ()  # held from a split backward's Bi to its W beside the stash
 
     @classmethod
     def uniform(cls, n_stages: int, forward_s: float, backward_s: float, **kwargs) -> SimCost:
@@ -68,13 +70,16 @@ class SimCost:
         return cls((forward_s,) * n_stages, (backward_s,) * n_stages, **kwargs)
 
     def compute_s(self, ins: Instruction) -> float:
-        """Seconds of a forward, recompute, backward or update (on the device or the host): a
-        recompute costs its forward's seconds."""
+        """Seconds of a forward, recompute, backward (or either half of one) or update (on the device or
+        the host): a recompute costs its forward's seconds."""
         activity = ins.facts.activity
         if activity in (Activity.FORWARD, Activity.RECOMPUTE):
             return _at(self.forward_s, ins.stage)
         if activity is Activity.BACKWARD:
             return _at(self.backward_s, ins.stage)
+        if activity in (Activity.INPUT_GRAD, Activity.WEIGHT_GRAD):
+            share = self.input_grad_share[ins.stage] if ins.stage < len(self.input_grad_share) else 0.5
+            return _at(self.backward_s, ins.stage) * (share if activity is Activity.INPUT_GRAD else 1 - share)
         return _at(self.update_s, ins.stage)
 
     def speed_with(self, computing: int, update: bool = False) -> float:

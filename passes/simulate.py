@@ -11,7 +11,10 @@ Rules, one per instruction kind:
 - Instructions on one stream run in program order; an instruction starts once its stream is
   free and the instructions it depends on have finished.
 - `compute` F of a microbatch waits for that microbatch's activation receives; B waits for its
-  F and its gradient receives; U waits for everything before it in the program.
+  F and its gradient receives; U waits for everything before it in the program. A split backward
+  (zero bubble) charges its input gradient `Bi` and its weight gradient `W` their parts of B's
+  seconds (`SimCost.input_grad_share`); what B does to memory, W does (the stash lives until then),
+  and from Bi to W the gradients Bi recorded for W are held too (`SimCost.recorded_bytes`).
 - `send` waits for the compute that produced its values and occupies p2p_out until the data
   has arrived (a blocking send, as an NCCL kernel on a stream). The data starts moving at
   once: the runtime's mailbox buffers it, so the receiver need not have posted its `recv`.
@@ -62,6 +65,8 @@ from stagewise.ir.instructions import (
     Free,
     GradNormPart,
     HostUpdate,
+    InputGrad,
+    Instruction,
     MessageKey,
     Recompute,
     Recv,
@@ -73,6 +78,7 @@ from stagewise.ir.instructions import (
     SwapIn,
     SwapOut,
     Update,
+    WeightGrad,
     message_keys,
 )
 from stagewise.ir.interpreter import Interpreter, stashes
@@ -84,6 +90,9 @@ from stagewise.passes.sim_varuna import VarunaDeviation
 
 __all__ = ["SimCost", "SimResult", "Span", "simulate", "transfer_bytes"]
 
+# what a whole backward does to memory, a split one does at its weight gradient (its input gradient keeps
+# the graph): gradients come, the stash and the microbatch's received buffers go
+_WHOLE_BACKWARD = (Backward, WeightGrad)
 WAKE_IDLE_S = 1e-3  # a compute stream idle this long pays SimCost.wake_s at its next compute
 
 
@@ -102,7 +111,7 @@ class _Simulation(FairShareClock, VarunaDeviation, Interpreter):
 
     handlers = {
         Forward: "_start_compute", Recompute: "_start_compute", Backward: "_start_compute",
-        Update: "_start_compute", HostUpdate: "_start_compute", GradNormPart: "_count_norm_part",
+        InputGrad: "_start_compute", WeightGrad: "_start_compute", Update: "_start_compute", HostUpdate: "_start_compute", GradNormPart: "_count_norm_part",
         AllReduceShared: "_join_allreduce", AllReduceGradNorm: "_join_allreduce",
         Send: "_start_send", Recv: "_post_recv",
         SwapIn: "_start_swap", SwapOut: "_start_swap", Free: "_start_swap",
@@ -223,11 +232,11 @@ class _Simulation(FairShareClock, VarunaDeviation, Interpreter):
         self.flows.append(Flow(type(ins), link, self.cost.host_link(device), self.cost.bytes_of(ins), self.now,
                                (device, index)))
 
-    def _start_compute(self, device: int, index: int, ins: Forward | Recompute | Backward | Update | HostUpdate) -> None:
+    def _start_compute(self, device: int, index: int, ins: Instruction) -> None:
         op = (device, index)
         if stashes(ins):
             self.memory[device].append((self.now, _at(self.cost.stash_bytes, ins.stage)))
-        if isinstance(ins, Backward) and self.cost.grad_bytes:
+        if isinstance(ins, _WHOLE_BACKWARD) and self.cost.grad_bytes:
             self._hold_grads(device, ins.stage, held=True)
         seconds = self.cost.compute_s(ins) + self.cost.instruction_s
         shared = device in self.cost.shared_devices
@@ -294,9 +303,12 @@ class _Simulation(FairShareClock, VarunaDeviation, Interpreter):
             self.computed_until[device] = self.now
         if isinstance(ins, (Update, HostUpdate)) and self.cost.grad_bytes:
             self._hold_grads(device, ins.stage, held=False)
-        if isinstance(ins, (Backward, StashOut)):
+        if isinstance(ins, (*_WHOLE_BACKWARD, StashOut)):
             self.memory[device].append((self.now, -_at(self.cost.stash_bytes, ins.stage)))
-        if isinstance(ins, Backward):
+        if isinstance(ins, (InputGrad, WeightGrad)):  # the gradients B records for W
+            held = _at(self.cost.recorded_bytes, ins.stage)
+            self.memory[device].append((self.now, held if isinstance(ins, InputGrad) else -held))
+        if isinstance(ins, _WHOLE_BACKWARD):
             self.memory[device].append((self.now, -self.buffers.pop((device, ins.stage, ins.microbatch), 0.0)))
 
     def _dequeue(self, device: int, stream: Stream, index: int) -> None:

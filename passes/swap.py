@@ -300,7 +300,7 @@ def _stash_in_flight(tasks: Sequence[Task], stash: dict[int, int], swapped: Abst
     for task in tasks:
         if task.phase is Phase.RECOMPUTE or (task.phase is Phase.FORWARD and task.stash):
             live[task.stage] = live.get(task.stage, 0) + 1
-        elif task.phase is Phase.BACKWARD:
+        elif task.phase.ends_stash:
             live[task.stage] = live.get(task.stage, 0) - 1
         most = max(most, sum(n * stash.get(s, 0) for s, n in live.items() if s not in swapped))
     window = depth * max((stash.get(s, 0) for s in swapped), default=0)

@@ -28,6 +28,8 @@ STYLE: dict[Activity, tuple[str, str]] = {
     Activity.FORWARD: ("forward", "#4285f4"),
     Activity.RECOMPUTE: ("recompute", "#8ab4f8"),
     Activity.BACKWARD: ("backward", "#34a853"),
+    Activity.INPUT_GRAD: ("input gradient (B)", "#34a853"),
+    Activity.WEIGHT_GRAD: ("weight gradient (W)", "#81c995"),
     Activity.UPDATE: ("update", "#fb8c00"),
     Activity.SEND: ("send", "#ab47bc"),
     Activity.RECEIVE: ("receive", "#e91e63"),
@@ -36,7 +38,8 @@ STYLE: dict[Activity, tuple[str, str]] = {
     Activity.SWAP_IN: ("swap in", "#00acc1"),
     Activity.SWAP_OUT: ("swap out", "#00897b"),
 }
-_PHASES = (Activity.FORWARD, Activity.RECOMPUTE, Activity.BACKWARD, Activity.UPDATE)
+_PHASES = (Activity.FORWARD, Activity.RECOMPUTE, Activity.BACKWARD, Activity.INPUT_GRAD, Activity.WEIGHT_GRAD,
+           Activity.UPDATE)
 
 
 def _style(ins: Instruction) -> tuple[str, str]:

@@ -23,6 +23,7 @@ from stagewise.ir.instructions import (
     Free,
     GradNormPart,
     HostUpdate,
+    InputGrad,
     Instruction,
     Recompute,
     Recv,
@@ -33,6 +34,7 @@ from stagewise.ir.instructions import (
     SwapIn,
     SwapOut,
     Update,
+    WeightGrad,
 )
 from stagewise.ir.interpreter import Interpreter, stashes
 from stagewise.runtime.executor_state import ExecutorState
@@ -43,7 +45,8 @@ class InstructionHandlers(Interpreter):
     """One method per instruction kind, named in `handlers`; `dispatch` runs an instruction with its type's."""
 
     handlers = {
-        Forward: "_forward", Recompute: "_forward", Backward: "_backward", Update: "_update",
+        Forward: "_forward", Recompute: "_forward", Backward: "_backward", InputGrad: "_backward",
+        WeightGrad: "_weight_grad", Update: "_update",
         HostUpdate: "_update", GradNormPart: "_count_norm_part", AllReduceShared: "_all_reduce_shared",
         AllReduceGradNorm: "_all_reduce_norm", Send: "_send", Recv: "_recv",
         SwapIn: "_swap_in", StashIn: "_swap_in", SwapOut: "_swap_out", Free: "_swap_out", StashOut: "_swap_out",
@@ -73,19 +76,25 @@ class InstructionHandlers(Interpreter):
                 worker.forward(microbatch, label, stash=stash)
         return forward
 
-    def _backward(self, device: int, index: int, ins: Backward) -> None:
+    def _backward(self, device: int, index: int, ins: Backward | InputGrad) -> None:
         self._bind_backward(device, index, ins)()
 
-    def _bind_backward(self, device: int, index: int, ins: Backward) -> Callable[[], None]:
+    def _bind_backward(self, device: int, index: int, ins: Backward | InputGrad) -> Callable[[], None]:
+        """A whole backward, or (InputGrad) its input-gradient half: both seed the loss alike."""
         state, worker, label = self.state, self.state.workers[ins.stage], self.state.tables[device].labels[index]
         microbatch = ins.microbatch
+        run = worker.backward_input if isinstance(ins, InputGrad) else worker.backward
 
         def backward() -> None:
             seed = state.loss_weights.seed(microbatch, state.step.microbatches)
             if state.scaler is not None:  # fp16: the seed scaled, so the gradients stay in fp16's range
                 seed *= state.scaler.scale
-            worker.backward(microbatch, seed, label)
+            run(microbatch, seed, label)
         return backward
+
+    def _weight_grad(self, device: int, index: int, ins: WeightGrad) -> None:
+        """A split backward's weight-gradient half (runtime/split_backward.py)."""
+        self.state.workers[ins.stage].backward_weight(ins.microbatch, self.state.tables[device].labels[index])
 
     def _update(self, device: int, index: int, ins: Update | HostUpdate) -> None:
         """The optimizer step on the device or (HostUpdate) on host masters; `clip` scales first.
@@ -195,7 +204,8 @@ class InstructionHandlers(Interpreter):
 
     # the kinds on every microbatch's path, bound with what their handler looks up resolved (`bind`)
     binders: ClassVar[dict[type[Instruction], Callable[..., Callable[[], None]]]] = {
-        Forward: _bind_forward, Recompute: _bind_forward, Backward: _bind_backward, Send: _bind_send, Recv: _bind_recv,
+        Forward: _bind_forward, Recompute: _bind_forward, Backward: _bind_backward, InputGrad: _bind_backward,
+        Send: _bind_send, Recv: _bind_recv,
     }
 
 

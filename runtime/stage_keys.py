@@ -16,10 +16,18 @@ class StageKeys:
         self.grads = ("grads", stage)
         self.output_index = {name: position for position, name in reversed(list(enumerate(outputs)))}  # the first
         self.stashes: dict[int, tuple[str, int, int]] = {}
+        self.recorded: dict[int, tuple[str, int, int]] = {}
 
     def stash(self, microbatch: int) -> tuple[str, int, int]:
         """The key of `microbatch`'s stash: the same tuple every step."""
         key = self.stashes.get(microbatch)
         if key is None:
             key = self.stashes[microbatch] = ("stash", self.stage, microbatch)
+        return key
+
+    def weight_grad_inputs(self, microbatch: int) -> tuple[str, int, int]:
+        """The key of the gradients a split backward's B recorded for `microbatch`'s W."""
+        key = self.recorded.get(microbatch)
+        if key is None:
+            key = self.recorded[microbatch] = ("weight-grad-inputs", self.stage, microbatch)
         return key

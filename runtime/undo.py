@@ -121,14 +121,15 @@ def _host_like(tensor: torch.Tensor) -> torch.Tensor:
 
 def clear_step(worker: StageWorker) -> None:
     """Drop everything a step leaves in the worker between its instructions: inputs, outputs,
-    messages (their transfer buffers back to the pool), gradients, stashes, the clip state."""
+    messages (their transfer buffers back to the pool), gradients, stashes, split backwards' weight
+    passes (each holding its autograd graph), the clip state."""
     for held in worker.buffers.values():
         for buffer, key in held:
             worker.pool.give_back_buffer(buffer, key)
     for stash in worker.stashes.values():
         stash.release()  # else never freed: runtime/stash.py
     for per_step in (worker.inputs, worker.buffers, worker.outputs, worker.output_grads, worker.input_grads,
-                     worker.losses, worker.stashes):
+                     worker.losses, worker.stashes, worker.weight_passes):
         per_step.clear()
     worker.norm_part, worker.clip_coefficient = None, None
     for param in worker.aliases.values():

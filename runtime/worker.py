@@ -27,6 +27,7 @@ from stagewise.runtime.checkpoint_access import CheckpointAccess
 from stagewise.runtime.grad_bytes import GradBytes
 from stagewise.runtime.host_step import host_step
 from stagewise.runtime.pool import MemoryPool, nbytes
+from stagewise.runtime.split_backward import WeightPass, input_grads
 from stagewise.runtime.stage_keys import StageKeys
 from stagewise.runtime.stash import HostBuffers, Stash, storage_of, unpack
 
@@ -83,6 +84,8 @@ class StageWorker(CheckpointAccess):
         self.input_grads: dict[int, dict[str, torch.Tensor]] = {}
         self.losses: dict[int, torch.Tensor] = {}
         self.stashes: dict[int, Stash] = {}  # per microbatch, from its forward to its backward
+        self.weight_passes: dict[int, WeightPass] = {}  # per microbatch, from its input gradient to its weight's
+        self.recorded_bytes = 0  # the gradients the last input gradient recorded for its weight gradient
         self.stash_size: dict[tuple, int] = {}  # bytes one forward stashes, by (autograd on, its input sizes)
         self.host_bytes = HostBuffers(self.device)  # recycled host memory for stashes
 
@@ -140,10 +143,50 @@ class StageWorker(CheckpointAccess):
         grads[name] = grad if name not in grads else grads[name] + grad
 
     def backward(self, microbatch: int, loss_scale: float, instruction: str) -> None:
-        stash = self.stashes.pop(microbatch, None)
+        stash = self._stash_for(microbatch, instruction, keep=False)
+        tensors, grads = self._seeds(microbatch, loss_scale)
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+        self._keep_input_grads(microbatch, lambda name, value: value.grad)
+        self._backward_done(microbatch, stash, instruction)
+
+    def backward_input(self, microbatch: int, loss_scale: float, instruction: str) -> None:
+        """Zero bubble's B: the gradients of the inputs only, for the sends that follow; the autograd
+        graph, the stash and the inputs stay for the microbatch's `backward_weight`, and so do the
+        gradients recorded at the weights' layers (counted in the pool as stash until W)."""
+        self._stash_for(microbatch, instruction, keep=True)
+        tensors, grads = self._seeds(microbatch, loss_scale)
+        inputs = self.inputs.get(microbatch, _NO_INPUTS)
+        leaves = [name for name in self.grad_inputs if name in inputs and inputs[name].requires_grad]
+        found, weight_pass = input_grads(tensors, grads, [inputs[name] for name in leaves], self.params.values())
+        self.weight_passes[microbatch] = weight_pass
+        self.recorded_bytes = weight_pass.held_bytes()  # held to W beside the stash (the last B's: measured)
+        self.pool.allocate("stash", self.keys.weight_grad_inputs(microbatch), self.recorded_bytes, instruction)
+        by_name = dict(zip(leaves, found, strict=True))
+        self._keep_input_grads(microbatch, lambda name, value: by_name.get(name))
+
+    def backward_weight(self, microbatch: int, instruction: str) -> None:
+        """Zero bubble's W: the weights' gradients of the microbatch whose B ran, then what a whole
+        backward frees (its stash, inputs and received buffers)."""
+        weight_pass = self.weight_passes.pop(microbatch, None)
+        if weight_pass is None:
+            raise PlanError(f"`{instruction}` runs before the input gradient of stage {self.stage.index} "
+                            f"microbatch {microbatch}: the program lacks its `Bi`")
+        stash = self._stash_for(microbatch, instruction, keep=False)
+        weight_pass.run()
+        self.pool.release(self.keys.weight_grad_inputs(microbatch))
+        self._backward_done(microbatch, stash, instruction)
+
+    def _stash_for(self, microbatch: int, instruction: str, keep: bool) -> Stash | None:
+        """The microbatch's stash (taken off the worker unless `keep`), which must be on the device."""
+        stash = self.stashes.get(microbatch) if keep else self.stashes.pop(microbatch, None)
         if stash is not None and stash.on_host:
             raise PlanError(f"`{instruction}` runs while microbatch {microbatch}'s stash of stage {self.stage.index} is "
                             "in host memory: the program lacks its `stash-in`")
+        return stash
+
+    def _seeds(self, microbatch: int, loss_scale: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The outputs a backward starts from and their gradients (received ones, the loss's seed)."""
         outputs = self.outputs.pop(microbatch)
         tensors, grads = [], []
         output_grads = self.output_grads.pop(microbatch, None)
@@ -157,18 +200,22 @@ class StageWorker(CheckpointAccess):
         if self.is_last and loss_scale and outputs[0].requires_grad:  # a loss of weight 0 (no counted item) is
             tensors.append(outputs[0])                                 # left out: its mean is 0 / 0
             grads.append(torch.full_like(outputs[0], loss_scale))
-        if tensors:
-            torch.autograd.backward(tensors, grads)
-        if stash is not None:
-            stash.release()  # what no backward reached stays saved otherwise (runtime/stash.py)
-        self.pool.allocate("grads", self.keys.grads, self.grad_bytes.count(), instruction)
+        return tensors, grads
+
+    def _keep_input_grads(self, microbatch: int, grad_of: Callable[[str, torch.Tensor], torch.Tensor | None]) -> None:
+        """Each received value's gradient, for the send that returns it (zeros where none flowed)."""
         if self.grad_inputs:
             inputs = self.inputs.get(microbatch, _NO_INPUTS)
             self.input_grads[microbatch] = {
-                name: input_grad.clone() if (input_grad := inputs[name].grad) is not None else torch.zeros_like(inputs[name])
+                name: grad.clone() if (grad := grad_of(name, inputs[name])) is not None else torch.zeros_like(inputs[name])
                 for name in self.grad_inputs
                 if name in inputs
             }
+
+    def _backward_done(self, microbatch: int, stash: Stash | None, instruction: str) -> None:
+        if stash is not None:
+            stash.release()  # what no backward reached stays saved otherwise (runtime/stash.py)
+        self.pool.allocate("grads", self.keys.grads, self.grad_bytes.count(), instruction)
         self.pool.release(self.keys.stash(microbatch))
         self._release_inputs(microbatch)
 

@@ -24,6 +24,7 @@ from tests.reference import ADAMW
 SPLITS = {
     "gpipe": (3, ["blocks.1", "blocks.3"]),
     "1f1b": (3, ["blocks.1", "blocks.3"]),
+    "zb-h1": (3, ["blocks.1", "blocks.3"]),
     "varuna": (3, ["blocks.1", "blocks.3"]),
     "interleaved": (2, ["blocks.0", "blocks.2", "blocks.3"]),
     "harmony-pp": (2, ["blocks.0", "blocks.2", "blocks.3"]),

@@ -37,7 +37,7 @@ CASES = (
     [("mlp", "gpipe", "off"), ("mlp", "1f1b", "one-stage")]
     + [("tied-gpt", schedule, mode) for schedule in SCHEDULES for mode in ("on", "off")]
     + [("tied-gpt", "gpipe", "all"), ("tied-gpt", "1f1b", "all"), ("tied-gpt", "harmony-pp", "all"),
-       ("tied-gpt", "1f1b", "host"), ("tied-gpt", "harmony-pp", "host")]
+       ("tied-gpt", "1f1b", "host"), ("tied-gpt", "harmony-pp", "host"), ("tied-gpt", "zb-h1", "off")]
     + [("hf-gpt2", "1f1b", "off"), ("hf-gpt2", "interleaved", "on"), ("hf-gpt2", "varuna", "on"),
        ("hf-gpt2", "harmony-pp", "on"), ("hf-gpt2", "harmony-dp", "off"), ("hf-gpt2", "gpipe", "all")]
 )
@@ -172,7 +172,7 @@ def _assert_time_split(stats: dict, idle: bool, swapped: bool) -> None:
     assert (stats["swap_in_s"] + stats["swap_out_s"] > 0) == swapped, stats
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "varuna"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "interleaved", "varuna"])
 def test_every_link_sends_in_the_order_its_receiver_expects(schedule):
     """NCCL pairs sends with receives by order, not tag: the transport refuses plans where they differ."""
     model, batches, options = problem("tied-gpt")

@@ -26,6 +26,7 @@ GOLDEN = Path(__file__).parent / "golden"
 CASES = {
     "gpipe": dict(devices=3, split_points=["blocks.1", "blocks.3"], clip_grad_norm=1.0),
     "1f1b": dict(devices=3, split_points=["blocks.1", "blocks.3"]),
+    "zb-h1": dict(devices=3, split_points=["blocks.1", "blocks.3"], clip_grad_norm=1.0),
     "interleaved": dict(devices=2, split_points=["blocks.0", "blocks.2", "blocks.3"]),
     "varuna": dict(devices=3, split_points=["blocks.1", "blocks.3"]),
     "harmony-pp": dict(devices=2, split_points=["blocks.0", "blocks.2", "blocks.3"], swap="on", clip_grad_norm=1.0),

@@ -53,11 +53,12 @@ def test_interleaved_places_chunks_round_robin_and_covers_every_task():
 
 
 def _passes_per_stage(tasks) -> dict[tuple[Phase, int], list[int]]:
-    """Each (forward or backward, stage instance): its microbatches in the order its device runs them."""
+    """Each (forward or backward or either half of one, stage instance): its microbatches in the order its
+    device runs them."""
     passes: dict[tuple[Phase, int], list[int]] = {}
     for device in tasks:
         for t in device:
-            if t.phase in (Phase.FORWARD, Phase.BACKWARD):
+            if t.phase in (Phase.FORWARD, Phase.BACKWARD, Phase.INPUT_GRAD, Phase.WEIGHT_GRAD):
                 passes.setdefault((t.phase, t.stage), []).append(t.microbatch)
     return passes
 

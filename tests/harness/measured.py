@@ -6,7 +6,16 @@ from __future__ import annotations
 import statistics
 
 import stagewise as sw
-from stagewise.ir.instructions import Backward, Forward, HostUpdate, Recompute, Stream, Update
+from stagewise.ir.instructions import (
+    Backward,
+    Forward,
+    HostUpdate,
+    InputGrad,
+    Recompute,
+    Stream,
+    Update,
+    WeightGrad,
+)
 from stagewise.passes.simulate import SimCost, transfer_bytes
 
 
@@ -25,24 +34,34 @@ def measured_cost(pipe: sw.Pipeline) -> SimCost:
     stash = [0.0] * len(stages)
     for worker in pipe._workers:
         stash[worker.stage.index] = float(max((v for (grad, _), v in worker.stash_size.items() if grad), default=0))
-    forward, backward, update = measured_seconds(pipe)
-    return SimCost(forward_s=forward, backward_s=backward, update_s=update, state_bytes=tuple(state),
+    forward, backward, update, input_grad = measured_seconds(pipe)
+    share = tuple(b and g / b for b, g in zip(backward, input_grad, strict=True))
+    recorded = [0.0] * len(stages)
+    for worker in pipe._workers:
+        recorded[worker.stage.index] = float(worker.recorded_bytes)
+    return SimCost(forward_s=forward, backward_s=backward, update_s=update, input_grad_share=share,
+                   recorded_bytes=tuple(recorded),
+                   state_bytes=tuple(state),
                    grad_bytes=tuple(grads), stash_bytes=tuple(stash),
                    value_bytes=transfer_bytes(pipe.plan.transfers, pipe.plan.microbatch_size))
 
 
 def measured_seconds(pipe: sw.Pipeline) -> tuple[tuple[float, ...], ...]:
-    """Each stage's median forward, backward and update seconds in the step just run: the overlaps
-    that decide a peak depend on how long each stage computes."""
+    """Each stage's median forward, backward and update seconds in the step just run (the overlaps
+    that decide a peak depend on how long each stage computes), and of a split backward's input
+    gradient; a split backward's seconds are its halves' medians added."""
     spans: dict[tuple[type, int], list[float]] = {}
     for device, _, index, start, end in pipe._executor.state.step.timeline:
         ins = pipe.plan.programs[device].instructions[index]
-        if isinstance(ins, (Forward, Recompute, Backward, Update, HostUpdate)):
+        if isinstance(ins, (Forward, Recompute, Backward, InputGrad, WeightGrad, Update, HostUpdate)):
             kind = Forward if isinstance(ins, Recompute) else HostUpdate if isinstance(ins, Update) else type(ins)
             spans.setdefault((kind, ins.stage), []).append(end - start)
     stages = range(len(pipe.plan.stages))
-    return tuple(tuple(statistics.median(spans.get((kind, s), [0.0])) for s in stages)
-                 for kind in (Forward, Backward, HostUpdate))
+    forward, whole, update, input_grad, weight_grad = (
+        tuple(statistics.median(spans.get((kind, s), [0.0])) for s in stages)
+        for kind in (Forward, Backward, HostUpdate, InputGrad, WeightGrad))
+    backward = tuple(w or b + g for w, b, g in zip(whole, input_grad, weight_grad, strict=True))
+    return forward, backward, update, input_grad
 
 
 def stream_orders(pipe: sw.Pipeline) -> dict[tuple[int, Stream], list[int]]:
