@@ -1,0 +1,85 @@
+"""compile_stages= and cuda_graphs=: where they cannot apply, refused with an OptionError naming the
+fix (runtime/stage_calls.py, compiler/assembly/stage_acceleration.py). The GPU runs of cuda_graphs
+are in tests/test_cuda.py; a compiled pipeline's training in tests/test_compiled_stages.py."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import stagewise as sw
+from stagewise.compiler.assembly.stage_acceleration import check_plan
+from stagewise.runtime.stage_calls import Acceleration, GraphedStage
+from tests.models.mlp import mlp
+
+GRAPHS = Acceleration(cuda_graphs=True)
+
+
+def _pipe(model: torch.nn.Module, **options: object) -> sw.Pipeline:
+    x, y = torch.randn(8, 8), torch.randint(0, 5, (8,))
+    return sw.compile(model, 2, (x,), loss_fn=F.cross_entropy, example_target=y, microbatches=2, schedule="1f1b",
+                      cost="analytic", **options)
+
+
+@pytest.mark.parametrize("options, says", [
+    (dict(cuda_graphs=True), "device 'cpu' is not a CUDA device"),
+    (dict(training=sw.TrainingOptions(cuda_graphs=True)), "device 'cpu' is not a CUDA device"),
+    (dict(compile_stages=True, cuda_graphs=True), "give one"),
+])
+def test_cuda_graphs_are_refused_on_cpu_devices_and_beside_compile_stages(options, says):
+    with pytest.raises(sw.OptionError, match=says):
+        _pipe(mlp(), **options)
+
+
+@pytest.mark.parametrize("flag", ["compile_stages", "cuda_graphs"])
+def test_the_flags_are_bools(flag):
+    with pytest.raises(sw.OptionError, match=f"{flag}='yes' must be True or False"):
+        sw.TrainingOptions(**{flag: "yes"})
+    with pytest.raises(sw.OptionError, match=f"{flag}=1 must be True or False"):
+        _pipe(mlp(), **{flag: 1})
+
+
+def test_a_plan_that_swaps_is_refused_for_cuda_graphs():
+    """A graph reads the memory it was captured with: swapped weights come back elsewhere."""
+    pipe = _pipe(mlp(), swap="on")
+    with pytest.raises(sw.OptionError, match="moves stage 0's state or stash between host and device memory"):
+        check_plan(GRAPHS, pipe.plan, pipe.stages)
+    check_plan(Acceleration(compile_stages=True), pipe.plan, pipe.stages)  # compiled stages swap
+
+
+def test_keyed_dropout_is_refused_for_cuda_graphs():
+    """A replay would draw the captured step's mask again: the key is seeded on the host per step."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.1), torch.nn.Linear(16, 5))
+    pipe = _pipe(model)
+    with pytest.raises(sw.OptionError, match="stage 1's random op '_1' with the mask of the step it was captured in"):
+        check_plan(GRAPHS, pipe.plan, pipe.stages)
+    plain = _pipe(mlp())
+    check_plan(GRAPHS, plain.plan, plain.stages)  # no random op, nothing moved: graphs apply
+
+
+def test_a_graphed_microbatch_keeps_its_shape_without_buckets():
+    """The first shape of a microbatch runs eagerly and waits to be captured; another shape of the same
+    microbatch is refused without shape_buckets, and taken with them (each bucket captured once)."""
+    module = torch.nn.Linear(4, 2)
+    fixed = GraphedStage(module, stage=0, precision="fp32", bucketed=False)
+    fixed(module, 0, [torch.randn(3, 4)])
+    fixed(module, 1, [torch.randn(2, 4)])  # an uneven last microbatch is another microbatch
+    assert len(fixed.pending) == 2
+    with pytest.raises(sw.OptionError, match=r"microbatch 0 at input shapes \[\[3, 4\]\].*\[\[5, 4\]\].*shape_buckets"):
+        fixed(module, 0, [torch.randn(5, 4)])
+    bucketed = GraphedStage(module, stage=0, precision="fp32", bucketed=True)
+    bucketed(module, 0, [torch.randn(3, 4)])
+    bucketed(module, 0, [torch.randn(5, 4)])
+    assert len(bucketed.pending) == 2
+
+
+def test_a_graphed_stage_runs_other_calls_eagerly():
+    """Evaluation (no grad, eval mode) and predict's copy of the module never touch the graphs."""
+    module, other = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+    graphed = GraphedStage(module, stage=0, precision="fp32", bucketed=False)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(graphed(module, 0, [x]), module(x))
+    torch.testing.assert_close(graphed(other, 0, [x]), other(x))
+    module.eval()
+    graphed(module, 0, [torch.randn(5, 4)])
+    assert not graphed.pending
