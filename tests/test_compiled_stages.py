@@ -9,6 +9,9 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import stagewise as sw
+from stagewise.passes.capture import trace
+from stagewise.passes.layers import build_layers
+from stagewise.passes.profile import profile_layers
 from stagewise.runtime.stage_calls import CompiledStage
 from tests.reference import ATOL, RTOL, SGD, pipeline_train
 
@@ -55,3 +58,33 @@ def test_compiled_stages_compile_once_per_shape(trained):
     *_, graphs = trained
     assert graphs[1] > graphs[0]
     assert graphs[1] == graphs[2] == graphs[3]
+
+
+def test_profiled_layers_are_timed_compiled(tmp_path, monkeypatch):
+    """cost="profile" with compile_stages: the in-context pass runs each layer through torch.compile, so
+    the plan's times are carried to the compiled layers'; the profile is cached apart from the eager one.
+    torch.compile is counted here, not run (the pipeline above runs it): each compile costs seconds."""
+    monkeypatch.setenv("STAGEWISE_CACHE", str(tmp_path))
+    compiled: list[torch.nn.Module] = []
+    monkeypatch.setattr(torch, "compile", lambda module: compiled.append(module) or module)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    traced = trace(model, (torch.randn(8, 8),), torch.randint(0, 4, (8,)), F.cross_entropy)
+    gm, layers = traced.graph_module, build_layers(traced.graph_module, model)
+    profile_layers(gm, layers, "cpu", [8], quiet=True, repeats=1)
+    assert compiled == []
+    profile_layers(gm, layers, "cpu", [8], quiet=True, repeats=1, compiled=True)
+    assert len(compiled) == len(layers) == 2
+    assert len(list(tmp_path.rglob("*.json"))) == 2
+
+
+def test_compile_profiles_compiled_layers_for_compiled_stages(tmp_path, monkeypatch):
+    """sw.compile(cost="profile", compile_stages=True) hands the option to the profiler: every layer, then
+    every stage, goes through torch.compile (counted, not run)."""
+    monkeypatch.setenv("STAGEWISE_CACHE", str(tmp_path))
+    compiled: list[torch.nn.Module] = []
+    monkeypatch.setattr(torch, "compile", lambda module: compiled.append(module) or module)
+    x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+    pipe = sw.compile(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)), 2, (x,),
+                      loss_fn=F.cross_entropy, example_target=y, microbatches=2, cost="profile", compile_stages=True)
+    assert len(compiled) == len(pipe.plan.layers) + len(pipe.plan.stages)
+    pipe.step(x, target=y)
