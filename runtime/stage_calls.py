@@ -139,9 +139,14 @@ class GraphedStage:
         if storage != self.storage:
             self.graphs.clear()
             self.storage = storage
-        for key, sample in self.pending.items():
-            self.graphs[key] = _capture(self.module, sample, self.precision)
-        self.pending.clear()
+        pending, self.pending = self.pending, {}
+        for key, sample in pending.items():
+            try:
+                self.graphs[key] = _capture(self.module, sample, self.precision)
+            except RuntimeError as error:  # an op that syncs with the host, or one CUDA graphs cannot hold
+                raise OptionError(f"cuda_graphs=True could not capture stage {self.stage}'s forward and backward "
+                                  f"({type(error).__name__}: {str(error)[:300]}); drop cuda_graphs for this model "
+                                  "(compile_stages=True may speed it up instead)") from error
 
 
 def stage_call(module: fx.GraphModule, stage: int, precision: str, acceleration: Acceleration) -> StageCall | None:

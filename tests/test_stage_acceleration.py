@@ -2,6 +2,8 @@
 fix (runtime/stage_calls.py, compiler/assembly/stage_acceleration.py). The GPU runs of cuda_graphs
 are in tests/test_cuda.py; a compiled pipeline's training in tests/test_compiled_stages.py."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -83,3 +85,19 @@ def test_a_graphed_stage_runs_other_calls_eagerly():
     module.eval()
     graphed(module, 0, [torch.randn(5, 4)])
     assert not graphed.pending
+
+
+def test_a_failed_capture_is_an_option_error_naming_the_stage(monkeypatch):
+    """An op CUDA graphs cannot hold (one that waits for the host) fails the capture: said as an
+    OptionError naming the stage, before the step runs (here the capture's failure is simulated)."""
+    def refusing(*args, **kwargs):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", refusing)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    module = torch.nn.Linear(4, 2)
+    graphed = GraphedStage(module, stage=3, precision="fp32", bucketed=False)
+    graphed(module, 0, [torch.randn(3, 4)])
+    with pytest.raises(sw.OptionError, match="could not capture stage 3's forward and backward.*not permitted"):
+        graphed.capture_pending()
+    assert not graphed.pending and not graphed.graphs
