@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import stagewise as sw
 from stagewise.compiler.assembly.stage_acceleration import check_plan
+from stagewise.runtime import stage_calls
 from stagewise.runtime.stage_calls import Acceleration, GraphedStage
 from tests.models.mlp import mlp
 
@@ -101,3 +102,26 @@ def test_a_failed_capture_is_an_option_error_naming_the_stage(monkeypatch):
     with pytest.raises(sw.OptionError, match="could not capture stage 3's forward and backward.*not permitted"):
         graphed.capture_pending()
     assert not graphed.pending and not graphed.graphs
+
+
+def test_graphs_are_dropped_where_the_weights_moved(monkeypatch):
+    """A graph reads the weights' memory at capture: where they moved (a tensor put in place of one),
+    the graphs go before the next step, and the step after captures them again (capture counted here)."""
+    captured = []
+    monkeypatch.setattr(stage_calls, "_capture", lambda module, sample, precision: captured.append(sample) or module)
+    module = torch.nn.Linear(4, 2)
+    graphed = GraphedStage(module, stage=0, precision="fp32", bucketed=False)
+    x = torch.randn(3, 4)
+    graphed(module, 0, [x])
+    graphed.capture_pending()
+    assert len(graphed.graphs) == 1 and len(captured) == 1
+    with torch.no_grad():
+        module.weight.copy_(torch.ones(2, 4))  # in place: the graph stays
+    graphed.capture_pending()
+    assert len(graphed.graphs) == 1
+    module.weight.data = torch.zeros(2, 4)  # elsewhere: dropped, run eagerly and captured again
+    graphed.capture_pending()
+    assert not graphed.graphs
+    torch.testing.assert_close(graphed(module, 0, [x]), module(x))
+    graphed.capture_pending()
+    assert len(graphed.graphs) == 1 and len(captured) == 2
