@@ -2,7 +2,8 @@
 
     python bench/compiled_stages.py        # CPU: GPT-2 4 x 128, batch 8 x 64, 2 devices (a few minutes: inductor)
     python bench/compiled_stages.py --device cuda --layers 12 --dim 768 --heads 12 --batch 16 --length 512 \\
-        --precision bf16 --devices 1          # GPT-2-small on one GPU, cuda_graphs too
+        --precision bf16 --devices 1          # GPT-2-small on one GPU, cuda_graphs too (--no-compile: without
+                                              # compile_stages, whose compile takes minutes)
 
 The model is bench/precision.py's (Hugging Face GPT-2, vocabulary 1024, random weights, dropout off:
 cuda_graphs refuses random ops), AdamW. Configurations, all in one run:
@@ -48,6 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--batch", type=int, default=8, help="sequences per step")
     p.add_argument("--length", type=int, default=64, help="tokens per sequence")
+    p.add_argument("--no-compile", action="store_true", help="leave compile_stages out (its compile takes minutes)")
     p.add_argument("--no-pin", action="store_true", help="do not set OMP_NUM_THREADS=MKL_NUM_THREADS=1")
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.devices < 1 or args.batch < MICROBATCHES:
@@ -106,8 +108,9 @@ def main() -> None:
     model = demo_model(args)
     ids = torch.randint(0, 1024, (args.batch, args.length), device=args.device)
     configs = [eager_config(copy.deepcopy(model), ids, bf16=args.precision == "bf16"),
-               pipeline_config(copy.deepcopy(model), ids, args),
-               pipeline_config(copy.deepcopy(model), ids, args, compile_stages=True)]
+               pipeline_config(copy.deepcopy(model), ids, args)]
+    if not args.no_compile:
+        configs.append(pipeline_config(copy.deepcopy(model), ids, args, compile_stages=True))
     if args.device == "cuda":
         configs.append(pipeline_config(copy.deepcopy(model), ids, args, cuda_graphs=True))
     first = first_steps(configs)
