@@ -1,7 +1,10 @@
-"""compile_stages=True: each stage module through torch.compile (inductor, on 2 CPU devices), trained
-against the same pipeline without it. Not bitwise (inductor fuses and reorders float ops): within
-the tolerance the eager-equality tests use (tests/reference.py RTOL, ATOL), in fp32. One compiled
-pipeline serves the file: inductor's compile is the cost (seconds per stage)."""
+"""compile_stages=True: each stage module through torch.compile (inductor, on 2 CPU devices). Not
+bitwise (inductor fuses and reorders float ops): within the tolerance the eager-equality tests use
+(tests/reference.py RTOL, ATOL), in fp32; dropout draws the masks the pipeline without compile draws.
+One compiled pipeline per model serves the file: inductor's compile is the cost (seconds per stage)."""
+
+import copy
+import functools
 
 import pytest
 import torch
@@ -13,51 +16,64 @@ from stagewise.passes.capture import trace
 from stagewise.passes.layers import build_layers
 from stagewise.passes.profile import profile_layers
 from stagewise.runtime.stage_calls import CompiledStage
-from tests.reference import ATOL, RTOL, SGD, pipeline_train
-
-
-def _model() -> torch.nn.Module:
-    """Dropout between the layers: its keyed masks run eagerly between the compiled pieces."""
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 16),
-                               torch.nn.Tanh(), torch.nn.Linear(16, 4))
-
-
-def _pipe(compiled: bool, batch: tuple) -> sw.Pipeline:
-    torch.manual_seed(0)
-    return sw.compile(_model(), 2, batch[0], loss_fn=F.cross_entropy, example_target=batch[1], optimizer=SGD,
-                      microbatches=2, schedule="1f1b", cost="analytic", seed=0, compile_stages=compiled)
+from tests.models.dropout import MaskProbe
+from tests.models.mlp import mlp
+from tests.reference import ATOL, RTOL, SGD, eager_train, pipeline_train
 
 
 @pytest.fixture(scope="module")
 def trained():
-    """Both pipelines after 3 steps of one shape, and the compiles counted after each step."""
+    """tests/models' MLP compiled onto 2 CPU devices and eagerly, 3 steps of one shape; the graphs
+    torch.compile made before the first step and after each."""
     generator = torch.Generator().manual_seed(1)
-    batches = [((torch.randn(8, 8, generator=generator),), torch.randint(0, 4, (8,), generator=generator))
+    batches = [((torch.randn(8, 8, generator=generator),), torch.randint(0, 5, (8,), generator=generator))
                for _ in range(3)]
-    compiled, plain = _pipe(True, batches[0]), _pipe(False, batches[0])
+    torch.manual_seed(0)
+    model = mlp()
+    reference = copy.deepcopy(model)
+    want = eager_train(reference, batches, loss_fn=F.cross_entropy, microbatches=2)
+    pipe = sw.compile(model, 2, batches[0][0], loss_fn=F.cross_entropy, example_target=batches[0][1], optimizer=SGD,
+                      microbatches=2, schedule="1f1b", cost="analytic", compile_stages=True)
     graphs = [counters["stats"]["unique_graphs"]]
     losses = []
     for batch in batches:
-        losses.append(pipeline_train(compiled, [batch])[0])
+        losses.append(pipeline_train(pipe, [batch])[0])
         graphs.append(counters["stats"]["unique_graphs"])
-    return compiled, plain, torch.stack(losses), torch.stack(pipeline_train(plain, batches)), graphs
+    return pipe, reference, torch.stack(losses), torch.stack(want), graphs
 
 
-def test_compiled_stages_train_as_the_pipeline_without_within_tolerance(trained):
-    compiled, plain, got, want, _ = trained
-    assert all(isinstance(w.call, CompiledStage) for w in compiled._workers)
+def test_compiled_stages_train_as_eager_within_tolerance(trained):
+    pipe, reference, got, want, _ = trained
+    assert all(isinstance(w.call, CompiledStage) for w in pipe._workers)
     torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
-    state = plain.state_dict()
-    for name, tensor in compiled.state_dict().items():  # the model's names: the compiled copy shares the weights
-        torch.testing.assert_close(tensor, state[name], rtol=RTOL, atol=ATOL)
+    for name, tensor in pipe.state_dict().items():  # the model's names: the compiled copy shares the weights
+        torch.testing.assert_close(tensor, reference.state_dict()[name], rtol=RTOL, atol=ATOL)
 
 
 def test_compiled_stages_compile_once_per_shape(trained):
-    """The first step compiles each stage's pieces (forward and backward, split at the dropout); the
-    steps after it at the same shape reuse them."""
+    """The first step compiles each stage (forward and backward); the steps after it at the same shape
+    reuse what it compiled."""
     *_, graphs = trained
     assert graphs[1] > graphs[0]
     assert graphs[1] == graphs[2] == graphs[3]
+
+
+@pytest.mark.parametrize("draw", ["dropout", "bernoulli"])
+def test_compiled_stages_draw_the_masks_of_the_pipeline_without(draw):
+    """Keyed random ops run eagerly between the compiled pieces (dynamo cannot trace their seeded
+    generators): under varuna, which recomputes every forward of stage 0, a compiled MaskProbe's loss
+    (the masks its forwards drew, in its bits) and update (the masks its backward saw) are exactly
+    the pipeline's without compile."""
+    which = torch.arange(4)  # one sample per microbatch, sample j reads row j of w
+    results = []
+    for compiled in (True, False):
+        torch.manual_seed(0)
+        pipe = sw.compile(MaskProbe(microbatches=4, width=5, draw=draw), 2, (which,), microbatches=4,
+                          schedule="varuna", cost="analytic", split_points=["1"],
+                          optimizer=functools.partial(torch.optim.SGD, lr=1.0), compile_stages=compiled)
+        results.append((pipe.step(which), pipe.state_dict()["0.w"]))
+    (loss, w), (plain_loss, plain_w) = results
+    assert torch.equal(loss, plain_loss) and torch.equal(w, plain_w)
 
 
 def test_profiled_layers_are_timed_compiled(tmp_path, monkeypatch):
