@@ -58,6 +58,22 @@ def test_compiled_stages_compile_once_per_shape(trained):
     assert graphs[1] == graphs[2] == graphs[3]
 
 
+def test_dropout_runs_eagerly_between_the_compiled_pieces():
+    """Two dropouts in one stage: dynamo cannot trace a keyed draw's seed (torch 2.13 recursed in its
+    struct.pack polyfill), so keyed random ops run eagerly between the compiled pieces, drawing the masks
+    of the pipeline without compile: the same training within tolerance."""
+    x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+    losses = []
+    for compiled in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.2), torch.nn.Tanh(),
+                                    torch.nn.Linear(16, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, 4))
+        pipe = sw.compile(model, 2, (x,), loss_fn=F.cross_entropy, example_target=y, microbatches=2,
+                          schedule="1f1b", split_points=["5"], cost="analytic", compile_stages=compiled)
+        losses.append(torch.stack([pipe.step(x, target=y) for _ in range(2)]))
+    torch.testing.assert_close(losses[0], losses[1], rtol=RTOL, atol=ATOL)
+
+
 @pytest.mark.parametrize("draw", ["dropout", "bernoulli"])
 def test_compiled_stages_draw_the_masks_of_the_pipeline_without(draw):
     """Keyed random ops run eagerly between the compiled pieces (dynamo cannot trace their seeded
