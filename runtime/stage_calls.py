@@ -48,8 +48,8 @@ EAGER = Acceleration()  # the stage modules called as they are
 class CompiledStage:
     """The stage module through torch.compile (inductor), sharing the module's parameters; any other
     module the worker runs (predict's copy) is called as it is. Keyed random ops run eagerly between
-    the compiled pieces: dynamo cannot trace their per-thread seeded generators (torch 2.13 fails
-    with a RecursionError), and eagerly they draw the masks the eager pipeline draws."""
+    the compiled pieces: dynamo fails tracing their seeds (torch 2.13, two dropouts in a stage: a
+    RecursionError in its struct.pack polyfill), and eagerly they draw the pipeline's masks."""
 
     def __init__(self, module: fx.GraphModule):
         self.module = module

@@ -133,7 +133,7 @@ class TrainingOptions:
             targets are padded with the loss's ignore index and an attention mask with 0. compile
             checks on the example that the loss is unchanged, else refuses naming the input.
         compile_stages: run each stage module through torch.compile (inductor): faster kernels,
-            results equal to eager within rounding, not bitwise (docs/guide/options.md says where).
+            results equal to eager within rounding, not bitwise (docs/guide/performance.md).
         cuda_graphs: capture each stage's forward and backward per microbatch and shape as CUDA
             graphs and replay them (the same kernels: bitwise the eager pipeline's); CUDA only.
 
