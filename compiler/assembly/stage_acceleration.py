@@ -26,7 +26,7 @@ _MOVES = (Stream.SWAP_IN, Stream.SWAP_OUT)  # swaps, stash moves and the host op
 
 
 def check_devices(acceleration: Acceleration, devices: Sequence[Device]) -> None:
-    """Before compiling: the options' types, one at a time, and CUDA graphs on CUDA devices only."""
+    """Before compiling: one of the two at a time, and CUDA graphs on CUDA devices only."""
     if acceleration.compile_stages and acceleration.cuda_graphs:
         raise OptionError("compile_stages=True and cuda_graphs=True were both given; give one: compile_stages for "
                           "inductor's fused kernels, cuda_graphs to replay the eager kernels without launch cost")
