@@ -72,15 +72,21 @@ def pipeline_config(model: torch.nn.Module, ids: torch.Tensor, args: argparse.Na
     return Config(f"stagewise {args.precision}, {args.devices} {ids.device.type} device(s), {given}", step)
 
 
-def first_steps(configs: list[Config]) -> list[float]:
-    """Each configuration's first two steps, timed (a compile, or an eager step then a capture)."""
-    seconds = []
+def first_steps(configs: list[Config], console) -> tuple[list[Config], list[float]]:
+    """Each configuration's first two steps, timed (a compile, or an eager step then a capture); one
+    that stagewise refuses (an op CUDA graphs cannot capture) is said and left out."""
+    kept, seconds = [], []
     for config in configs:
         start = time.perf_counter()
-        config.step()
-        config.step()
+        try:
+            config.step()
+            config.step()
+        except sw.StagewiseError as error:
+            console.print(f"{config.name}: refused, left out: {error}")
+            continue
+        kept.append(config)
         seconds.append(time.perf_counter() - start)
-    return seconds
+    return kept, seconds
 
 
 def table(configs: list[Config], first: list[float]) -> Table:
@@ -113,7 +119,7 @@ def main() -> None:
         configs.append(pipeline_config(copy.deepcopy(model), ids, args, compile_stages=True))
     if args.device == "cuda":
         configs.append(pipeline_config(copy.deepcopy(model), ids, args, cuda_graphs=True))
-    first = first_steps(configs)
+    configs, first = first_steps(configs, console)
     measure(configs, args.warmup, args.steps)
     console.print(table(configs, first))
 
