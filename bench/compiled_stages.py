@@ -15,7 +15,10 @@ cuda_graphs refuses random ops), AdamW. Configurations, all in one run:
 
 The first step of each configuration is reported apart (compile, or eager run then capture on the
 next), then `--warmup` untimed steps, then the timed steps in round robin so drift in the machine's
-speed affects all alike; medians with each configuration's last loss. Nothing is asserted.
+speed affects all alike; medians with each configuration's last loss. With `--lengths` a
+compile_stages pipeline and one without then step through the shapes given, each step timed with the
+graphs torch.compile made so far (automatic dynamic shapes: a recompile per size that changes).
+Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import _common
 import torch
 from precision import Config, demo_model, eager_config, measure
 from rich.table import Table
+from torch._dynamo.utils import counters
 from transformers.utils import logging as hf_logging
 
 import stagewise as sw
@@ -50,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="sequences per step")
     p.add_argument("--length", type=int, default=64, help="tokens per sequence")
     p.add_argument("--no-compile", action="store_true", help="leave compile_stages out (its compile takes minutes)")
+    p.add_argument("--lengths", type=str, default="",
+                   help="comma-separated batch x length shapes (e.g. 8x48,6x40) a compile_stages pipeline then "
+                        "steps through, each timed with the graphs torch.compile made so far")
     p.add_argument("--no-pin", action="store_true", help="do not set OMP_NUM_THREADS=MKL_NUM_THREADS=1")
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.devices < 1 or args.batch < MICROBATCHES:
@@ -89,6 +96,25 @@ def first_steps(configs: list[Config], console) -> tuple[list[Config], list[floa
     return kept, seconds
 
 
+def new_shapes(model: torch.nn.Module, ids: torch.Tensor, args: argparse.Namespace, console) -> None:
+    """A compile_stages pipeline stepped through other shapes: what each new shape costs (a recompile
+    with the changed sizes marked dynamic, then none), against the same pipeline without compile."""
+    shapes = [(args.batch, args.length)] + [tuple(int(n) for n in s.split("x")) for s in args.lengths.split(",")]
+    batches = [torch.randint(0, 1024, shape, device=ids.device) for shape in shapes]
+    pipes = [(name, sw.compile(copy.deepcopy(model), args.devices, {"input_ids": ids, "labels": ids},
+                               optimizer=ADAMW, microbatches=MICROBATCHES, schedule="1f1b", cost="analytic",
+                               precision=args.precision, compile_stages=compiled))
+             for name, compiled in (("compiled", True), ("without", False))]
+    for shape, batch in zip(shapes, batches, strict=True):
+        row = []
+        for name, pipe in pipes:
+            start = time.perf_counter()
+            loss = pipe.step(input_ids=batch, labels=batch).item()
+            row.append(f"{name} {time.perf_counter() - start:.2f} s, loss {loss:.6f}")
+        console.print(f"shape {shape[0]} x {shape[1]}: {'; '.join(row)}; graphs compiled so far: "
+                      f"{counters['stats']['unique_graphs']}")
+
+
 def table(configs: list[Config], first: list[float]) -> Table:
     result = Table(title="compiled stages and CUDA graphs: median step time")
     for column in ("configuration", "first 2 steps (s)", "step time (ms)", "/ eager", "/ stagewise", "last loss"):
@@ -122,6 +148,8 @@ def main() -> None:
     configs, first = first_steps(configs, console)
     measure(configs, args.warmup, args.steps)
     console.print(table(configs, first))
+    if args.lengths:
+        new_shapes(model, ids, args, console)
 
 
 if __name__ == "__main__":
