@@ -5,8 +5,8 @@
         --precision bf16 --devices 1          # GPT-2-small on one GPU, cuda_graphs too (--no-compile: without
                                               # compile_stages, whose compile takes minutes)
 
-The model is bench/precision.py's (Hugging Face GPT-2, vocabulary 1024, random weights, dropout off:
-cuda_graphs refuses random ops), AdamW. Configurations, all in one run:
+The model is bench/_gpt2.py's (Hugging Face GPT-2, vocabulary 1024, random weights, dropout off:
+cuda_graphs refuses random ops), AdamW, clip 1.0. Configurations, all in one run:
 
 - eager: one device, the whole batch at once (autocast for bf16), the baseline of the ratios;
 - stagewise: `--devices` devices (logical devices on the GPUs present with --device cuda), 4
@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import functools
 import time
 
 import _common
+import _gpt2
 import torch
-from precision import Config, demo_model, eager_config, measure
+from _gpt2 import ADAMW, Config, measure
 from rich.table import Table
 from torch._dynamo.utils import counters
 from transformers.utils import logging as hf_logging
@@ -38,7 +38,6 @@ from transformers.utils import logging as hf_logging
 import stagewise as sw
 
 MICROBATCHES = 4
-ADAMW = functools.partial(torch.optim.AdamW, lr=3e-4)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,7 +69,8 @@ def pipeline_config(model: torch.nn.Module, ids: torch.Tensor, args: argparse.Na
     gpus = max(torch.cuda.device_count(), 1)
     devices = args.devices if ids.device.type == "cpu" else [f"cuda:{i % gpus}" for i in range(args.devices)]
     pipe = sw.compile(model, devices, {"input_ids": ids, "labels": ids}, optimizer=ADAMW, microbatches=MICROBATCHES,
-                      schedule="1f1b", cost="analytic", precision=args.precision, swap="off", **options)
+                      clip_grad_norm=1.0, schedule="1f1b", cost="analytic", precision=args.precision, swap="off",
+                      **options)
 
     def step() -> float:
         return pipe.step(input_ids=ids, labels=ids).item()
@@ -102,8 +102,8 @@ def new_shapes(model: torch.nn.Module, ids: torch.Tensor, args: argparse.Namespa
     shapes = [(args.batch, args.length)] + [tuple(int(n) for n in s.split("x")) for s in args.lengths.split(",")]
     batches = [torch.randint(0, 1024, shape, device=ids.device) for shape in shapes]
     pipes = [(name, sw.compile(copy.deepcopy(model), args.devices, {"input_ids": ids, "labels": ids},
-                               optimizer=ADAMW, microbatches=MICROBATCHES, schedule="1f1b", cost="analytic",
-                               precision=args.precision, compile_stages=compiled))
+                               optimizer=ADAMW, microbatches=MICROBATCHES, clip_grad_norm=1.0, schedule="1f1b",
+                               cost="analytic", precision=args.precision, compile_stages=compiled))
              for name, compiled in (("compiled", True), ("without", False))]
     for shape, batch in zip(shapes, batches, strict=True):
         row = []
@@ -137,9 +137,11 @@ def main() -> None:
                   f"{args.precision}; stagewise: {args.devices} {args.device} device(s), {MICROBATCHES} microbatches, "
                   f"1f1b; first 2 steps apart, then {args.warmup} warm-up + {args.steps} timed steps, round robin")
     torch.manual_seed(0)
-    model = demo_model(args)
+    model = _gpt2.gpt2(args.layers, args.dim, args.heads, args.length)
     ids = torch.randint(0, 1024, (args.batch, args.length), device=args.device)
-    configs = [eager_config(copy.deepcopy(model), ids, bf16=args.precision == "bf16"),
+    bf16 = args.precision == "bf16"
+    configs = [Config(f"eager {args.precision}, 1 {args.device} device",
+                      _gpt2.eager_step(copy.deepcopy(model), ids, bf16)),
                pipeline_config(copy.deepcopy(model), ids, args)]
     if not args.no_compile:
         configs.append(pipeline_config(copy.deepcopy(model), ids, args, compile_stages=True))

@@ -28,36 +28,18 @@ from __future__ import annotations
 
 import argparse
 import copy
-import functools
-import statistics
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import _common
+import _gpt2
 import torch
+from _gpt2 import ADAMW, Config, measure
 from rich.table import Table
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2LMHeadModel
 from transformers.utils import logging as hf_logging
 
 import stagewise as sw
 
 DEVICES, MICROBATCHES = 4, 4
-ADAMW = functools.partial(torch.optim.AdamW, lr=3e-4)
-
-
-@dataclass
-class Config:
-    """One way of training: a step function returning the step's loss."""
-
-    name: str
-    step: Callable[[], float]
-    seconds: list[float] = field(default_factory=list)
-    loss: float = float("nan")
-
-    @property
-    def median_ms(self) -> float:
-        return statistics.median(self.seconds) * 1e3
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -82,33 +64,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def demo_model(args: argparse.Namespace) -> GPT2LMHeadModel:
-    """examples/demo.py's model by default, dropout off so every configuration computes the same function."""
-    config = GPT2Config(n_layer=args.layers, n_embd=args.dim, n_head=args.heads, vocab_size=1024,
-                        n_positions=max(64, args.length), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        bos_token_id=0, eos_token_id=0)
-    return GPT2LMHeadModel(config)
-
-
 def split_points(layers: int) -> list[str]:
-    """One stage per device: the blocks in DEVICES - 1 equal runs, the last stage the final norm and the
-    head (the demo's 6 blocks: split after blocks 1, 3 and 5)."""
-    return [f"transformer.h.{layers * (i + 1) // (DEVICES - 1) - 1}" for i in range(DEVICES - 1)]
+    """One stage per device (the demo's 6 blocks: split after blocks 1, 3 and 5)."""
+    return _gpt2.split_points(layers, DEVICES)
 
 
 def eager_config(model: GPT2LMHeadModel, ids: torch.Tensor, bf16: bool) -> Config:
-    model.to(ids.device)
-    optimizer = ADAMW(model.parameters())
-
-    def step() -> float:
-        optimizer.zero_grad()
-        with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=bf16):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        return loss.item()
-
+    step = _gpt2.eager_step(model, ids, bf16)
     return Config(f"eager {'bf16 (autocast)' if bf16 else 'fp32'}, 1 {ids.device.type} device", step)
 
 
@@ -123,18 +85,6 @@ def pipeline_config(model: GPT2LMHeadModel, ids: torch.Tensor, precision: str, l
         return pipe.step(input_ids=ids, labels=ids).item()
 
     return Config(f"stagewise {precision}, {DEVICES} {ids.device.type} devices", step)
-
-
-def measure(configs: list[Config], warmup: int, steps: int) -> None:
-    """Warm-up steps, then timed steps in round robin; each config keeps its step times and last loss."""
-    for _ in range(warmup):
-        for config in configs:
-            config.step()
-    for _ in range(steps):
-        for config in configs:
-            start = time.perf_counter()
-            config.loss = config.step()
-            config.seconds.append(time.perf_counter() - start)
 
 
 def table(configs: list[Config]) -> Table:
@@ -162,7 +112,7 @@ def main() -> None:
                   f"microbatches, 1f1b, split {split_points(args.layers)}; "
                   f"{args.warmup} warm-up + {args.steps} timed steps per configuration, round robin")
     torch.manual_seed(0)
-    model = demo_model(args)
+    model = _gpt2.gpt2(args.layers, args.dim, args.heads, args.length)
     ids = torch.randint(0, 1024, (args.batch, args.length), device=args.device)
     configs = [eager_config(copy.deepcopy(model), ids, bf16=False), eager_config(copy.deepcopy(model), ids, bf16=True),
                pipeline_config(copy.deepcopy(model), ids, "fp32", args.layers),

@@ -1,8 +1,9 @@
 """A step-scoped guard: what this process must put back when a step fails on any stage.
 
 At the start of a step it records what is cheap to record (the global RNG states, each pool's
-ledger, each stage's references and buffers: runtime/undo.py); right before each stage's
-optimizer step it takes that stage's undo record. A step that completes drops the records
+ledger, each stage's references and buffers: runtime/undo.py) and queues the undo record of each
+trained stage resident on a GPU on a side stream (it overlaps the step); right before each
+stage's optimizer step it takes the rest of that stage's undo record. A step that completes drops the records
 (their memory is kept for the next one). A failed step, once every stream thread has stopped
 and the transport is drained, is rolled back: every stage's per-step state is cleared and its
 gradients are None (as between steps), updates are undone, swapped stages return to their
@@ -36,6 +37,14 @@ class RngState:
             torch.cuda.set_rng_state_all(self.cuda)
 
 
+def _records_early(worker: StageWorker, start: StageStart) -> bool:
+    """A trained stage on a GPU whose weights stay there and are updated there: nothing but its update
+    writes them during the step (a swapped or host-updated stage's device weights are refreshed from
+    host copies mid-step, so its record waits for the update)."""
+    return (worker.optimizer is not None and worker.device.type == "cuda" and not start.host
+            and not start.on_host)
+
+
 class StepGuard:
     """Records before and during a step of `workers` (by stage) on `pools`; rolls it back on failure."""
 
@@ -45,9 +54,11 @@ class StepGuard:
         self.buffer_copies: dict[int, dict[str, torch.Tensor]] = {stage: {} for stage in workers}
         self.undo = {stage: UpdateUndo() for stage in workers}
         self.recorded: set[int] = set()  # stages whose undo record this step holds
+        self.early: set[int] = set()  # stages whose GPU tensors' record the step's start queued
         self.starts: dict[int, StageStart] = {}
         self.ledgers: list[Ledger] = []
         self.rng: RngState | None = None
+        self.side_streams: dict[torch.device, torch.cuda.Stream] = {}  # a GPU's undo records' stream
 
     def begin(self) -> None:
         """Record the state before the step (its inputs not yet given to the workers)."""
@@ -55,18 +66,35 @@ class StepGuard:
         self.ledgers = [pool.ledger() for pool in self.pools]
         self.starts = {stage: StageStart(worker, self.buffer_copies[stage]) for stage, worker in self.workers.items()}
         self.recorded.clear()
+        self.early = {stage for stage, worker in self.workers.items() if _records_early(worker, self.starts[stage])}
+        for stage in self.early:
+            self.undo[stage].record_early(self.starts[stage], self._side_stream(self.workers[stage].device))
 
     def before_update(self, stage: int) -> None:
-        """The stage's undo record, right before its optimizer step (once per step)."""
-        if stage not in self.recorded:
-            self.recorded.add(stage)
+        """The stage's undo record, right before its optimizer step (once per step), or the
+        update ordered after the record the step's start queued."""
+        if stage in self.recorded:
+            return
+        self.recorded.add(stage)
+        if stage in self.early:
+            self.undo[stage].before_update(self.starts[stage], self.workers[stage].device)
+        else:
             self.undo[stage].record(self.starts[stage])
+
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The GPU's stream for undo records; it starts after what the caller queued before the step."""
+        stream = self.side_streams.get(device)
+        if stream is None:
+            stream = self.side_streams[device] = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        return stream
 
     def commit(self) -> None:
         """The step completed on every stage: the records are not needed (their memory is kept)."""
-        for stage in self.recorded:
+        for stage in self.recorded | self.early:
             self.undo[stage].forget()
         self.recorded.clear()
+        self.early = set()
         self.starts, self.ledgers, self.rng = {}, [], None
 
     def restore_rng(self) -> None:

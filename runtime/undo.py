@@ -9,8 +9,12 @@ per stage:
   state (an optimizer that replaces a tensor leaves the old one in that copy), and flags; and
   a copy of every buffer (BatchNorm's kernel writes running statistics without bumping their
   `_version`, so a buffer's version cannot tell which ones change: all are copied);
-- right before the stage's optimizer step, the *undo record*: a host copy (pinned on CUDA) of
-  every tensor among those references that the update or a later swap may write in place.
+- the *undo record*: a host copy (pinned on CUDA) of every tensor among those references that
+  the update or a later swap may write in place. Nothing writes them before the update, so on
+  CUDA, where all of a stage's are on its GPU, the copy is queued at the step's start on a side
+  stream: it overlaps the forwards and backwards (on an idle PCIe link: free), and the update's
+  stream waits for it on the GPU. Elsewhere (CPU stages, host copies of swapped stages) it is
+  taken right before the stage's optimizer step.
 
 Putting the stage back (`restore_stage`) writes the undo record into those tensors, then puts
 every reference back: a device copy made during the step (a swapped stage's weights or
@@ -64,22 +68,41 @@ def copy_buffers(worker: StageWorker, copies: dict[str, torch.Tensor]) -> dict[s
 
 class UpdateUndo:
     """The undo record of one stage's update: host copies of what it may write, kept in memory
-    reused by every step's record."""
+    reused by every step's record. Taken whole right before the update, or in two parts: a stage's
+    GPU tensors at the step's start on a side stream, its host tensors (AdamW's `step` counts, say)
+    right before the update."""
 
     def __init__(self) -> None:
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (the live tensor, its copy)
-        self.memory: list[torch.Tensor] = []
+        self.memory: dict[int, torch.Tensor] = {}  # by position in `StageStart.writable()`
+        self.copied: torch.cuda.Event | None = None  # set when the side stream's copies are done
 
-    def record(self, start: StageStart) -> None:
-        """Copy what the update may write (called right before the stage's optimizer step)."""
-        self.pairs = []
+    def record(self, start: StageStart, on_gpu: bool | None = None) -> None:
+        """Copy what the update may write on the caller's stream: every tensor, or those on a GPU
+        (`on_gpu` True) or on the host (False) only."""
         for position, tensor in enumerate(start.writable()):
-            if position == len(self.memory):
-                self.memory.append(_host_like(tensor))
-            elif self.memory[position].shape != tensor.shape or self.memory[position].dtype != tensor.dtype:
-                self.memory[position] = _host_like(tensor)
-            self.memory[position].copy_(tensor, non_blocking=True)  # the update runs after, on the same stream
-            self.pairs.append((tensor, self.memory[position]))
+            if on_gpu is not None and tensor.is_cuda != on_gpu:
+                continue
+            copy = self.memory.get(position)
+            if copy is None or copy.shape != tensor.shape or copy.dtype != tensor.dtype:
+                copy = self.memory[position] = _host_like(tensor)
+            copy.copy_(tensor, non_blocking=True)
+            self.pairs.append((tensor, copy))
+
+    def record_early(self, start: StageStart, side_stream: torch.cuda.Stream) -> None:
+        """At the step's start, the GPU tensors' copies queued on `side_stream` (they overlap the
+        step: nothing writes them before the update); `before_update` takes the rest."""
+        with torch.cuda.stream(side_stream):
+            self.record(start, on_gpu=True)
+        self.copied = self.copied or torch.cuda.Event()
+        self.copied.record(side_stream)
+
+    def before_update(self, start: StageStart, device: torch.device) -> None:
+        """The rest of an early record (host tensors); the update, on the caller's current stream of
+        `device`, starts after the side stream's copies (on the GPU: the host does not block)."""
+        self.record(start, on_gpu=False)
+        if self.copied is not None:
+            torch.cuda.current_stream(device).wait_event(self.copied)
 
     def forget(self) -> None:
         self.pairs = []

@@ -95,8 +95,16 @@ class FailingSGD(torch.optim.SGD):
         return super().step(closure)
 
 
+class FailingAdamW(torch.optim.AdamW):
+    def step(self, closure=None):
+        if FAULTS.hit("update"):
+            raise RuntimeError("injected optimizer failure")
+        return super().step(closure)
+
+
 SGD = functools.partial(FailingSGD, lr=0.05, momentum=0.9)
 EAGER_SGD = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
+ADAMW, EAGER_ADAMW = functools.partial(FailingAdamW, lr=0.01), functools.partial(torch.optim.AdamW, lr=0.01)
 
 
 def model(batchnorm: bool) -> nn.Sequential:
@@ -190,6 +198,29 @@ def test_a_failed_step_is_rolled_back_and_training_goes_on_as_eager(schedule, op
         pipe.step(*batch[0], target=batch[1])  # the same batch again
     eager_train(reference, batches, loss_fn=F.cross_entropy, optimizer=EAGER_SGD, microbatches=MICROBATCHES)
     assert_state_equal(pipe.state_dict(), reference.state_dict())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("optimizer", "eager_optimizer"), [(SGD, EAGER_SGD), (ADAMW, EAGER_ADAMW)], ids=["sgd", "adamw"])
+def test_a_failed_update_on_a_gpu_is_undone_from_the_record_queued_at_the_step_s_start(optimizer, eager_optimizer):
+    """On a GPU a resident stage's undo record is copied on a side stream from the step's start
+    (runtime/rollback.py); AdamW's `step` counts, on the host, right before the update. A later
+    stage's failed update undoes an earlier stage's finished one, with and without optimizer state."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    net = model(batchnorm=True)
+    reference = copy.deepcopy(net).cuda()
+    pipe = sw.compile(net, ["cuda:0", "cuda:0"], (X,), loss_fn=F.cross_entropy, example_target=Y,
+                      optimizer=optimizer, microbatches=MICROBATCHES, schedule="1f1b", split_points=TWO)
+    faults = [("update", 2), ("update", 1), ("update", 2)]  # the first without optimizer state
+    batches = [((torch.randn(8, 8),), torch.randint(0, 5, (8,))) for _ in faults]
+    for (kind, nth), batch in zip(faults, batches, strict=True):
+        assert type(fail_once(pipe, kind, nth, batch)) is RuntimeError
+        pipe.step(*batch[0], target=batch[1])
+    assert pipe._executor.state.guard.side_streams  # the records were queued early
+    on_gpu = [((x.cuda(),), y.cuda()) for (x,), y in batches]
+    eager_train(reference, on_gpu, loss_fn=F.cross_entropy, optimizer=eager_optimizer, microbatches=MICROBATCHES)
+    assert_state_equal({k: v.cpu() for k, v in pipe.state_dict().items()},
+                       {k: v.cpu() for k, v in reference.state_dict().items()})
 
 
 def test_a_stuck_stage_meets_the_deadline_and_the_pipeline_waits_for_it(tmp_path):

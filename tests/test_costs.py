@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 import stagewise as sw
@@ -28,7 +29,7 @@ from stagewise.ir.topology import Level, Topology
 from stagewise.passes import profile as prof
 from stagewise.passes import profile_context as context
 from stagewise.passes import profile_sizes
-from stagewise.passes.analytic import analytic_layers, roofline
+from stagewise.passes.analytic import BACKWARD_OP_RATIO, analytic_layers, dispatches, roofline
 from stagewise.passes.capture import trace
 from stagewise.passes.contention import costliest_layer, host_contention
 from stagewise.passes.layers import build_layers
@@ -307,8 +308,9 @@ def test_analytic_costs_scale_linearly_and_with_peak_flops(gpt_graph):
     _, gm, layers = gpt_graph
     fast = Device("cpu", peak_flops="2GFLOPS", memory_bandwidth=1e15)
     slow = Device("cpu", peak_flops="1GFLOPS", memory_bandwidth=1e15)
-    for p_fast, p_slow, layer in zip(analytic_layers(gm, layers, 4, fast), analytic_layers(gm, layers, 4, slow),
-                                     layers, strict=True):
+    roofline_only = {"op_dispatch_s": 0.0}  # the roofline alone; the ops' dispatch: the test below
+    for p_fast, p_slow, layer in zip(analytic_layers(gm, layers, 4, fast, **roofline_only),
+                                     analytic_layers(gm, layers, 4, slow, **roofline_only), layers, strict=True):
         a, b = p_fast.cost(4), p_fast.cost(8)
         assert b.act_bytes == 2 * a.act_bytes and b.stash_bytes == 2 * a.stash_bytes
         assert a.act_bytes == fake_output_bytes(gm, layer)
@@ -331,8 +333,48 @@ def test_roofline_is_memory_bound_below_the_knee():
 def test_analytic_uses_a_device_spec_and_defaults(mlp_graph):
     _, gm, layers = mlp_graph
     spec = DeviceSpec("cuda:0", "cuda", memory=None, speed=1.0, peak_flops=1e12, memory_bandwidth=1e15)
-    assert analytic_layers(gm, layers, 8, spec)[0].cost(8).fwd_s == pytest.approx(layers[0].flops / 1e12)
+    assert analytic_layers(gm, layers, 8, spec, op_dispatch_s=0.0)[0].cost(8).fwd_s == pytest.approx(layers[0].flops / 1e12)
     assert analytic_layers(gm, layers, 8, Device("cpu"))[0].cost(8).fwd_s > 0
+
+
+def test_each_op_costs_its_dispatch_added_on_a_cpu_and_overlapped_on_cuda(mlp_graph):
+    """A CPU runs an op's kernel on the thread that dispatched it: the layer takes its roofline plus
+    OP_DISPATCH_S per op (BACKWARD_OP_RATIO times that backward). A CUDA device computes while the host
+    dispatches: the larger of the two, so a big layer's time is its roofline and a tiny one's its dispatch."""
+    _, gm, layers = mlp_graph
+    ops = sum(1 for n in gm.graph.nodes if n.name in layers[0].nodes and dispatches(n))
+    assert ops > 0
+    cpu = Device("cpu", peak_flops=1e9, memory_bandwidth=1e15)
+    plain, dispatched = (analytic_layers(gm, layers, 8, cpu, op_dispatch_s=s)[0].cost(8) for s in (0.0, 1e-3))
+    assert dispatched.fwd_s == pytest.approx(plain.fwd_s + ops * 1e-3)
+    assert dispatched.bwd_s == pytest.approx(plain.bwd_s + BACKWARD_OP_RATIO * ops * 1e-3)
+    for peak, bound in ((1e3, "kernels"), (1e15, "dispatch")):  # far slower, then far faster than dispatch
+        spec = DeviceSpec("cuda:0", "cuda", memory=None, speed=1.0, peak_flops=peak, memory_bandwidth=1e15)
+        kernels, both = (analytic_layers(gm, layers, 8, spec, op_dispatch_s=s)[0].cost(8) for s in (0.0, 1e-3))
+        want = kernels.fwd_s if bound == "kernels" else ops * 1e-3
+        assert both.fwd_s == pytest.approx(want) and both.fwd_s == pytest.approx(max(kernels.fwd_s, ops * 1e-3))
+
+
+class _PythonOperators(nn.Module):
+    """Tensor ops a torch.fx trace writes as Python operators, beside operators on sizes and tuples."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        first, _ = x.split(4, dim=1)  # getitem of split's tuple: no op
+        half = x.shape[1] // 2  # getattr, getitem and floordiv on sizes: no op
+        return ((x @ self.w + x)[:, :half] * first).sum()
+
+
+def test_python_operators_on_tensors_are_charged_their_dispatch():
+    """operator.matmul / add / getitem / mul on tensors run an op each (their dispatch was missed:
+    an fx-traced residual add or weight slice cost nothing); on sizes and tuples they run none."""
+    traced = trace(_PythonOperators(), (torch.randn(2, 8),), None, None)
+    assert traced.tracer == "fx"
+    charged = {n.name for n in traced.graph_module.graph.nodes if dispatches(n)}
+    assert charged == {"split", "matmul", "add", "getitem_6", "mul", "sum_2"}
 
 
 # ---- devices, calibration, topology ---------------------------------------------------------------------

@@ -117,8 +117,9 @@ def test_wheel_and_editable_install_expose_the_same_modules(wheel_entries: list[
 
 def expected_names() -> dict[Path, str]:
     """The one proper module name of each .py file of the package (symlinks followed), of tests/ and of
-    examples/ (tests import an example's functions as `examples.<name>`)."""
-    names = {}
+    examples/ (tests import an example's functions as `examples.<name>`); bench/ is a folder of
+    scripts, on sys.path when run or tested (`_common`, `gpu_step`)."""
+    names = {path.resolve(): path.stem for path in (ROOT / "bench").glob("*.py")}
     for top in (ROOT / PACKAGE, ROOT / "tests", ROOT / "examples"):
         for directory, _, files in os.walk(top, followlinks=True):
             for file in files:

@@ -23,6 +23,8 @@ from tests.models.gpt import lm_loss
 from tests.reference import ADAMW
 
 STEPS = 3
+# slow enough that FLOPs, not each op's dispatch, decide a block's time: 4 of them pipeline microbatches
+FLOP_BOUND = sw.Device("cpu", peak_flops="5GFLOPS")
 
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -34,7 +36,7 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def _compiled(devices: int) -> sw.Pipeline:
+def _compiled(devices: int | list[sw.Device]) -> sw.Pipeline:
     """The tied GPT (fx-traced), no dropout: the planner chooses the microbatch count and schedule."""
     torch.manual_seed(0)
     ids, target = _batches()[0]
@@ -47,10 +49,12 @@ def _compiled(devices: int) -> sw.Pipeline:
 @pytest.fixture(scope="module")
 def fixed_runtime_costs():
     """The figures analytic planning measures on this machine (the per-instruction hand-off, the
-    optimizer step, the links), fixed at an idle 2-core machine's: the microbatch counts the planner
-    chooses are then the model's, not the machine load's (a hand-off slowed by load made the 4-device
-    plan choose 1 microbatch, as the 1-device plan does)."""
+    optimizer step, the links, the cores in-process devices compute on at once), fixed: the
+    microbatch counts the planner chooses are then the model's, not the machine's (a hand-off slowed
+    by load, or 4 devices sharing 2 cores, made the 4-device plan choose 1 microbatch, as the
+    1-device plan does)."""
     with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("stagewise.compiler.assembly.options.computes_at_full_speed", lambda: 4.0)
         patch.setattr(costing, "handoff_seconds", lambda: 1.1e-5)
         patch.setattr(costing, "optimizer_cost", lambda *_: OptimizerCost(per_tensor_s=3e-5, per_byte_s=1e-9))
         patch.setattr(costing, "local_topology", lambda devices: Topology.uniform(len(devices), 32e9))
@@ -60,7 +64,7 @@ def fixed_runtime_costs():
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory, fixed_runtime_costs):
     """Trained STEPS steps on 4 devices, saved, then STEPS more: what a re-planned run must match."""
-    pipe = _compiled(4)
+    pipe = _compiled([FLOP_BOUND] * 4)
     batches = _batches()
     for ids, target in batches[:STEPS]:
         pipe.step(ids, target=target)
@@ -79,7 +83,7 @@ def test_an_fx_graph_is_planned_again_at_any_microbatch_count_and_again_from_its
     batches = _batches()[STEPS:]
     one = sw.load(directory, devices=["cpu"], report=False)
     assert len(one.plan.devices) == 1 and one.plan.tracer == "fx"
-    assert one.plan.microbatches != read_checkpoint(directory, None).plan.microbatches  # the planner's 1 and 2
+    assert one.plan.microbatches != read_checkpoint(directory, None).plan.microbatches  # 1 here, more on 4 devices
     losses = [one.step(batches[0][0], target=batches[0][1])]
     one.save(tmp_path / "one")
     two = sw.load(tmp_path / "one", devices=["cpu", "cpu"], report=False)
@@ -140,7 +144,7 @@ def test_the_same_devices_load_the_saved_plan_and_virtual_devices_are_placed(sav
     directory = saved_run[0]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        same = sw.load(directory, devices=["cpu"] * 4)
+        same = sw.load(directory, devices=[FLOP_BOUND] * 4)
     assert same.plan == read_checkpoint(directory, None).plan  # not planned again
     assert not [w for w in caught if "graph" in str(w.message)]
     torch.manual_seed(0)
