@@ -101,6 +101,7 @@ def profile_layers(
     cache: bool = True,
     graph_at: Callable[[int], fx.GraphModule] | None = None,
     precision: str = "fp32",
+    compiled: bool = False,
 ) -> list[LayerProfile]:
     """Profile every layer of `gm` on `device` (Harmony §4.2) and fit costs in u (Srifty §3).
 
@@ -112,13 +113,16 @@ def profile_layers(
     (torch.export's): each probe size is then measured on a graph of its own.
     `precision`: forwards are timed and shapes propagated under its autocast (ir/precision.py), so
     times, stash and workspace bytes are those of training at that precision; state stays fp32.
+    `compiled` (compile_stages): the probes run eagerly, and the in-context pass runs each layer through
+    torch.compile, so every time is scaled to the compiled layer's at the traced size (bytes stay eager's).
     """
     device = resolve_devices(device)[0]
     capacity_bytes = parse_bytes(capacity if capacity is not None else device.memory)
     traced = traced_microbatch or traced_microbatch_size(gm)
     signatures = [layer_signature(gm, layer) for layer in layers]
     request = dict(sizes=list(microbatch_sizes or ()), capacity=capacity_bytes, traced=traced, repeats=repeats,
-                   optim=optimizer_state_factor, limit=max_microbatch, precision=precision)
+                   optim=optimizer_state_factor, limit=max_microbatch, precision=precision,
+                   **({"compiled": True} if compiled else {}))  # eager profiles keep their keys
     key = cache_key(gm, layers, signatures, device, request)
     if cache and (hit := load(key)) is not None and not _measured_under_load(hit, gm, layers, traced, device, precision):
         return hit
@@ -141,7 +145,7 @@ def profile_layers(
     }
     profiles = [by_sig[sig].for_layer(layer) for layer, sig in zip(layers, signatures, strict=True)]
     factors = in_context_factors(gm, layers, profiles, shapes.at(traced), device, max(repeats, CONTEXT_REPEATS),
-                                 precision)
+                                 precision, compiled)
     profiles = [p.in_context(*f) for p, f in zip(profiles, factors, strict=True)]
     if cache:
         save(key, profiles)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -30,11 +30,12 @@ CONTEXT_REPEATS = 9  # passes timed for the factors: with 3 a whole-graph factor
 CONTEXT_MIN_REPEATS = 3  # ... but past CONTEXT_BUDGET_S of passes, this many do (a large model's identical
 CONTEXT_BUDGET_S = 1.0  # layers, each timed once a pass, still give their shared factor many samples)
 CONTEXT_RANGE = (0.5, 2.0)  # an in-context / alone ratio outside this is a disturbed measurement
+COMPILED_RANGE = (0.05, 2.0)  # ... and of a compiled layer's against its eager probe (fusion can gain much)
 
 
 def in_context_factors(gm: fx.GraphModule, layers: Sequence[Layer], profiles: Sequence[LayerProfile],
                        shapes: Shapes, device: Device, repeats: int = CONTEXT_REPEATS,
-                       precision: str = "fp32") -> list[tuple[float, float]]:
+                       precision: str = "fp32", compiled: bool = False) -> list[tuple[float, float]]:
     """Per layer, how much slower its forward and its backward run back to back with the other
     layers than on their own: (forward factor, backward factor).
 
@@ -46,13 +47,15 @@ def in_context_factors(gm: fx.GraphModule, layers: Sequence[Layer], profiles: Se
     produced (the least disturbed of `repeats` passes after a warm-up, as the probes are; of at
     least CONTEXT_MIN_REPEATS once the passes took CONTEXT_BUDGET_S). Identical layers share the median of their factors. Measured only where the model already lives on `device` (no copy of a model
     that may not fit); (1, 1) elsewhere, on OOM, and for a factor outside CONTEXT_RANGE.
-    Forwards run under the precision's autocast.
+    Forwards run under the precision's autocast. `compiled` (compile_stages): each layer runs through
+    torch.compile (compiled in the warm-up pass), so the factors carry the eager probes to compiled times.
     """
     where = device.torch_device
     neutral = [(1.0, 1.0)] * len(layers)
     if any(t.device.type != where.type for t in (*gm.parameters(), *gm.buffers())):
         return neutral
     modules = [layer_module(gm, layer).to(where) for layer in layers]
+    calls: list[Callable[..., Any]] = [torch.compile(m) for m in modules] if compiled else list(modules)
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     inputs = dict(zip(placeholders, real_inputs([shapes.values[name] for name in placeholders], where), strict=True))
     outputs = {n.name for n in gm.graph.output_node().all_input_nodes}
@@ -60,20 +63,21 @@ def in_context_factors(gm: fx.GraphModule, layers: Sequence[Layer], profiles: Se
     cuda = [where.index or 0] if where.type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=cuda):
-            _layers_back_to_back(layers, modules, inputs, outputs, where, precision)  # warm-up
+            _layers_back_to_back(layers, modules, inputs, outputs, where, precision, calls)  # warm-up
             began = time.perf_counter()
             for run in range(repeats):
                 if run >= CONTEXT_MIN_REPEATS and time.perf_counter() - began > CONTEXT_BUDGET_S:
                     break
-                for (fwd, bwd), seconds in zip(times, _layers_back_to_back(layers, modules, inputs, outputs, where, precision),
-                                               strict=True):
+                passed = _layers_back_to_back(layers, modules, inputs, outputs, where, precision, calls)
+                for (fwd, bwd), seconds in zip(times, passed, strict=True):
                     fwd.append(seconds[0])
                     bwd.append(seconds[1])
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
         return neutral
     traced = shapes.u
-    ratios = [(_ratio(least_disturbed(fwd), p.fwd_s(traced)), _ratio(least_disturbed(bwd), p.bwd_s(traced)))
+    bounds = COMPILED_RANGE if compiled else CONTEXT_RANGE
+    ratios = [(_ratio(least_disturbed(fwd), p.fwd_s(traced), bounds), _ratio(least_disturbed(bwd), p.bwd_s(traced), bounds))
               for (fwd, bwd), p in zip(times, profiles, strict=True)]
     by_signature: dict[str, list[tuple[float, float]]] = {}
     for p, ratio in zip(profiles, ratios, strict=True):
@@ -96,21 +100,23 @@ def _written_inputs(module: fx.GraphModule) -> set[fx.Node]:
             if n.args and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder" and modifies_input(module, n)}
 
 
-def _ratio(in_context: float, alone: float) -> float:
+def _ratio(in_context: float, alone: float, bounds: tuple[float, float]) -> float:
     factor = in_context / alone if alone > 0 else 1.0
-    return factor if CONTEXT_RANGE[0] <= factor <= CONTEXT_RANGE[1] else 1.0
+    return factor if bounds[0] <= factor <= bounds[1] else 1.0
 
 
 def _layers_back_to_back(layers: Sequence[Layer], modules: Sequence[fx.GraphModule], inputs: dict[str, Any],
-                         outputs: set[str], where: torch.device, precision: str = "fp32") -> list[tuple[float, float]]:
-    """One pass: each layer's forward in order, then each backward in reverse; (fwd s, bwd s) per layer.
+                         outputs: set[str], where: torch.device, precision: str = "fp32",
+                         calls: Sequence[Callable[..., Any]] | None = None) -> list[tuple[float, float]]:
+    """One pass: each layer's forward in order (through `calls`, the modules compiled; default the
+    modules), then each backward in reverse; (fwd s, bwd s) per layer.
     A layer's floating inputs are leaves of their own, so its backward stops at its boundary and
     their gradients are what its producers' backwards receive."""
     values = dict(inputs)
     leaves: list[list[tuple[str, torch.Tensor]]] = []
     results: list[tuple] = []
     forward_s = []
-    for layer, module in zip(layers, modules, strict=True):
+    for layer, module, call in zip(layers, modules, calls or modules, strict=True):
         args, mine = [], []
         written = _written_inputs(module)
         for name, placeholder in zip(layer.inputs, _placeholders(module), strict=True):
@@ -122,7 +128,7 @@ def _layers_back_to_back(layers: Sequence[Layer], modules: Sequence[fx.GraphModu
                 value = value.clone()  # a leaf may not be modified in place; nor may a value others read
             args.append(value)
         # timed calls it at once, in this iteration
-        seconds, result = timed(lambda: _cast_call(module, args, precision, where), where)  # noqa: B023
+        seconds, result = timed(lambda: _cast_call(call, args, precision, where), where)  # noqa: B023
         forward_s.append(seconds)
         values.update(zip(layer.outputs, result, strict=True))
         leaves.append(mine)
@@ -143,6 +149,6 @@ def _layers_back_to_back(layers: Sequence[Layer], modules: Sequence[fx.GraphModu
     return list(zip(forward_s, backward_s, strict=True))
 
 
-def _cast_call(module: fx.GraphModule, args: list, precision: str, where: torch.device):
+def _cast_call(call: Callable[..., Any], args: list, precision: str, where: torch.device):
     with autocast_for(precision, where):
-        return module(*args)
+        return call(*args)

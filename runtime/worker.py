@@ -28,6 +28,7 @@ from stagewise.runtime.grad_bytes import GradBytes
 from stagewise.runtime.host_step import host_step
 from stagewise.runtime.pool import MemoryPool, nbytes
 from stagewise.runtime.split_backward import WeightPass, input_grads
+from stagewise.runtime.stage_calls import StageCall
 from stagewise.runtime.stage_keys import StageKeys
 from stagewise.runtime.stash import HostBuffers, Stash, storage_of, unpack
 
@@ -88,6 +89,7 @@ class StageWorker(CheckpointAccess):
         self.recorded_bytes = 0  # the gradients the last input gradient recorded for its weight gradient
         self.stash_size: dict[tuple, int] = {}  # bytes one forward stashes, by (autograd on, its input sizes)
         self.host_bytes = HostBuffers(self.device)  # recycled host memory for stashes
+        self.call: StageCall | None = None  # compiled or graphed forwards (runtime/stage_calls.py); None: the module
 
     def provide(self, microbatch: int, name: str, value, buffer_key: tuple | None = None) -> None:
         """An input of the stage for one microbatch: a graph input or a received activation."""
@@ -116,15 +118,15 @@ class StageWorker(CheckpointAccess):
             # saved_tensors_hooks call Python for every tensor autograd saves (a GPT block's forward
             # took 1.6x as long): a stash that stays on the device is the size the first one measured
             if torch.is_grad_enabled() == stash:  # a stream thread's mode: no context to enter
-                outputs = self.module(*args)
+                outputs = self._run(microbatch, args)
             else:
                 with torch.set_grad_enabled(stash):
-                    outputs = self.module(*args)
+                    outputs = self._run(microbatch, args)
         else:
             kept = self.resident | {storage_of(t) for t in inputs.values() if isinstance(t, torch.Tensor)}
             saved = self.stashes[microbatch] = Stash(self.device, kept)  # held before a failing forward fills it
             with torch.set_grad_enabled(stash), torch.autograd.graph.saved_tensors_hooks(saved.pack, unpack):
-                outputs = self.module(*args)
+                outputs = self._run(microbatch, args)
             saved.add_outputs(outputs)
             size = self.stash_size[key] = saved.nbytes()
         self.outputs[microbatch] = outputs
@@ -133,6 +135,10 @@ class StageWorker(CheckpointAccess):
             self.losses[microbatch] = outputs[0].detach()  # the graph goes with `outputs`, on this thread
         if stash and not any(isinstance(o, torch.Tensor) and o.requires_grad for o in outputs):
             self._release_inputs(microbatch)
+
+    def _run(self, microbatch: int, args: list) -> tuple:
+        call = self.call
+        return self.module(*args) if call is None else call(self.module, microbatch, args)
 
     def output(self, microbatch: int, name: str) -> torch.Tensor:
         return self.outputs[microbatch][self.keys.output_index[name]]

@@ -132,23 +132,31 @@ class TrainingOptions:
             int, or to the smallest of these lengths, so many lengths run as a few shapes; the
             targets are padded with the loss's ignore index and an attention mask with 0. compile
             checks on the example that the loss is unchanged, else refuses naming the input.
+        compile_stages: run each stage module through torch.compile (inductor): faster kernels,
+            results equal to eager within rounding, not bitwise (docs/guide/performance.md).
+        cuda_graphs: capture each stage's forward and backward per microbatch and shape as CUDA
+            graphs and replay them (the same kernels: bitwise the eager pipeline's); CUDA only.
 
     Raises:
-        OptionError: `clip_grad_norm` not a positive finite number, `seed` not an int, or
-            `shape_buckets` not a positive int or a list of positive lengths.
+        OptionError: `clip_grad_norm` not a positive finite number, `seed` not an int,
+            `shape_buckets` not a positive int or a list of positive lengths, or
+            `compile_stages` / `cuda_graphs` not a bool.
         PrecisionError: an unknown precision.
 
     Example:
         >>> sw.TrainingOptions(clip_grad_norm=1.0, precision="bf16")
-        TrainingOptions(clip_grad_norm=1.0, seed=None, precision='bf16', shape_buckets=None)
+        TrainingOptions(clip_grad_norm=1.0, seed=None, precision='bf16', shape_buckets=None, compile_stages=False, cuda_graphs=False)
     """
 
     clip_grad_norm: float | None = None
     seed: int | None = None
     precision: str | LossScaling = "fp32"
     shape_buckets: int | tuple[int, ...] | list[int] | None = None
+    compile_stages: bool = False
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
+        check_flags(compile_stages=self.compile_stages, cuda_graphs=self.cuda_graphs)
         check_clip_grad_norm(self.clip_grad_norm)
         check_seed(self.seed)
         check_precision(self.precision)

@@ -13,6 +13,7 @@ import torch
 
 from stagewise.compiler.assembly.batches import batch_size, check_microbatches, input_specs
 from stagewise.compiler.assembly.optimizer_groups import ParamGroups, check_param_groups, sample_optimizer
+from stagewise.compiler.assembly.stage_acceleration import check_devices
 from stagewise.ir.choices import ActivationPolicy, CostModel, Schedule, parse_choice
 from stagewise.ir.devices import Device, check_present, resolve_devices
 from stagewise.ir.errors import (
@@ -32,6 +33,7 @@ from stagewise.passes.contention import available_cores, computes_at_full_speed
 from stagewise.passes.layout import PER_STAGE
 from stagewise.passes.swap import SwapMode
 from stagewise.runtime.launch import DistributedContext, distributed_context
+from stagewise.runtime.stage_calls import EAGER, Acceleration
 
 DEFAULT_OPTIMIZER = functools.partial(torch.optim.SGD, lr=0.01)
 
@@ -60,6 +62,7 @@ class CompileOptions:
     # (fewest, most) samples per microbatch the graph may be planned at: a re-planned export graph's
     # (compiler/elastic/replan.py); None: any
     microbatch_sizes: tuple[int, int] | None = None
+    acceleration: Acceleration = EAGER  # compile_stages, cuda_graphs (runtime/stage_calls.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.replicas, list):  # replicas=[2, 1] reads as (2, 1)
@@ -136,7 +139,8 @@ def _check_scalars(options: CompileOptions) -> None:
     """Counts, norms and flags of the right type and range (a negative or NaN clip norm trains wrongly)."""
     check_clip_grad_norm(options.clip_grad_norm)
     check_microbatch_count(options.microbatches)
-    check_flags(optimizer_on_host=options.optimizer_on_host)
+    check_flags(optimizer_on_host=options.optimizer_on_host, compile_stages=options.acceleration.compile_stages,
+                cuda_graphs=options.acceleration.cuda_graphs)
     object.__setattr__(options, "swap", parse_choice(SwapMode, options.swap, "swap="))
     object.__setattr__(options, "activations", check_activations(options.activations, options.swap))
     check_seed(options.seed)
@@ -274,6 +278,7 @@ class CompileRequest:
         if isinstance(options.optimizer, ParamGroups):
             check_param_groups(options.optimizer, model)
         resolved = resolve_devices(devices)
+        check_devices(options.acceleration, resolved)
         _check_topology(options.topology, len(resolved))
         if runs_here:
             check_present(resolved)

@@ -22,6 +22,7 @@ from stagewise.runtime.distributed import DistributedTransport
 from stagewise.runtime.executor import DEFAULT_TIMEOUT_S, StreamExecutor
 from stagewise.runtime.launch import DistributedContext, distributed_context
 from stagewise.runtime.pool import MemoryPool
+from stagewise.runtime.stage_calls import EAGER, Acceleration, stage_call
 from stagewise.runtime.transport import LocalTransport
 from stagewise.runtime.worker import StageWorker
 
@@ -41,10 +42,10 @@ class Runtime:
 
 def start_runtime(plan: Plan, modules: Sequence[fx.GraphModule | None], optimizer: Callable,
                   clip_grad_norm: float | None, swapped: frozenset[int] = frozenset(),
-                  loss_scaling: LossScaling | None = None) -> Runtime:
+                  loss_scaling: LossScaling | None = None, acceleration: Acceleration = EAGER) -> Runtime:
     """Pools, transport, this process's stage workers (modules[i] runs stage i, None where another
-    rank holds it; `swapped`: the stages whose state lives in host memory between uses) and their
-    executor (`loss_scaling`: fp16's, default LossScaling())."""
+    rank holds it; `swapped`: the stages whose state lives in host memory between uses; `acceleration`:
+    compiled or graphed stage calls) and their executor (`loss_scaling`: fp16's, default LossScaling())."""
     context = distributed_context()
     local = set(range(len(plan.devices))) if context is None else {context.rank}
     pools = [MemoryPool(i, _torch_device(plan, i, context), d.memory) for i, d in enumerate(plan.devices)]
@@ -73,6 +74,8 @@ def start_runtime(plan: Plan, modules: Sequence[fx.GraphModule | None], optimize
         )
         for stage, module in _local_modules(plan, modules, local)
     ]
+    for worker in workers:
+        worker.call = stage_call(worker.module, worker.stage.index, plan.precision, acceleration)
     executor = StreamExecutor(tuple(p for p in plan.programs if p.device in local), workers, transport,
                               clip_grad_norm, {s.index: s.device for s in plan.stages}, seed=plan.seed,
                               precision=plan.precision,

@@ -39,9 +39,10 @@ class LayerCostModel:
     """Per-layer costs at a microbatch size, from one profile (or analytic model) of the first graph."""
 
     def __init__(self, cost_model: CostModel, analysis: Analysis, device: Device, optimizer_ratio: float,
-                 precision: str = "fp32", largest: int = MAX_MICROBATCH):
+                 precision: str = "fp32", largest: int = MAX_MICROBATCH, compiled: bool = False):
         self.cost_model, self.analysis, self.device, self.optimizer_ratio = cost_model, analysis, device, optimizer_ratio
         self.precision = precision  # layers are costed under its autocast
+        self.compiled = compiled  # compile_stages: profiled times scaled to the layers compiled
         self.largest = largest  # the largest microbatch the planner may choose: the profiler probes no larger
 
     @functools.cached_property
@@ -55,7 +56,7 @@ class LayerCostModel:
                               # several sizes matter only to a planner that weighs several counts; a static
                               # export would be exported again for each
                               graph_at=self.analysis.graph_at_size if self.analysis.dynamic else None,
-                              precision=self.precision, max_microbatch=self.largest)
+                              precision=self.precision, max_microbatch=self.largest, compiled=self.compiled)
 
     def at(self, microbatch_size: int) -> list[LayerCost]:
         return costs_at(self.profiles, microbatch_size)
@@ -88,7 +89,8 @@ def measure_costs(request: CompileRequest, analysis: Analysis) -> Costs:
     state_ratio = optimizer_state_ratio(options.optimizer)
     optimizer_ratio, host_ratio = (0.0, state_ratio) if options.optimizer_on_host else (state_ratio, 0.0)
     largest = MAX_MICROBATCH if options.microbatch_sizes is None else options.microbatch_sizes[1]
-    layers = LayerCostModel(options.cost, analysis, devices[0], optimizer_ratio, options.precision, largest)
+    layers = LayerCostModel(options.cost, analysis, devices[0], optimizer_ratio, options.precision, largest,
+                            options.acceleration.compile_stages)
     layers.at(analysis.first.microbatch_size)
     if not request.runs_here:
         topology = with_host_links(options.topology or modelled_topology(devices), modelled_host_links(devices))

@@ -48,6 +48,7 @@ from stagewise.passes.shared import unheld_state
 from stagewise.passes.sim_result import SimResult
 from stagewise.passes.simulate import simulate as simulate_programs
 from stagewise.passes.swap import SwapMode
+from stagewise.runtime.stage_calls import Acceleration
 
 
 @releasing_fx_sources
@@ -77,6 +78,8 @@ def compile(  # noqa: A001 - the public name of the API
     precision: str | LossScaling = "fp32",
     virtual_devices: int | None = None,
     shape_buckets: int | tuple[int, ...] | list[int] | None = None,
+    compile_stages: bool = False,
+    cuda_graphs: bool = False,
 ) -> Pipeline:
     """Compile `model` into a pipeline over `devices` that trains exactly like eager training.
 
@@ -97,8 +100,9 @@ def compile(  # noqa: A001 - the public name of the API
         plan: sw.PlanOptions: microbatches, schedule, cost, split_points, replicas, stages,
             virtual_devices (documented there).
         memory: sw.MemoryOptions: swap, optimizer_on_host, activations.
-        training: sw.TrainingOptions: clip_grad_norm, seed, precision, shape_buckets.
-        microbatches ... shape_buckets: each option of the three groups may instead be given as
+        training: sw.TrainingOptions: clip_grad_norm, seed, precision, shape_buckets,
+            compile_stages, cuda_graphs.
+        microbatches ... cuda_graphs: each option of the three groups may instead be given as
             a keyword of its own (`microbatches=4`), the same value as in its group.
 
     Returns:
@@ -123,7 +127,8 @@ def compile(  # noqa: A001 - the public name of the API
                               replicas=replicas, stages=stages, virtual_devices=virtual_devices, swap=swap,
                               optimizer_on_host=optimizer_on_host, activations=activations,
                               clip_grad_norm=clip_grad_norm, seed=seed, precision=precision,
-                              shape_buckets=shape_buckets), plan, memory, training)
+                              shape_buckets=shape_buckets, compile_stages=compile_stages,
+                              cuda_graphs=cuda_graphs), plan, memory, training)
     if chosen["cost"] is None:  # PlanOptions' default: compile's own
         chosen["cost"] = CostModel.PROFILE
     virtual = chosen.pop("virtual_devices")
@@ -131,7 +136,8 @@ def compile(  # noqa: A001 - the public name of the API
     _check_arguments(model, chosen["split_points"], example_inputs, loss_fn, loss_reduction, buckets)
     loss_reduction = loss_reduction or model_reduction(model, input_names(model, example_inputs)[0], loss_fn)
     devices = virtual_layout(devices, virtual)
-    options = make_options(loss_fn=loss_fn, example_target=example_target, optimizer=optimizer, **chosen)
+    options = make_options(loss_fn=loss_fn, example_target=example_target, optimizer=optimizer,
+                           bucketed=buckets is not None, **chosen)
     ctx = CompileContext(CompileRequest.make(model, devices, example_inputs, options))
     run_checked(ctx)
     chosen_plan = after(ctx.plan, "plan")
@@ -262,12 +268,15 @@ def simulate(plan: Plan, peak_flops: float | None = None, bandwidth: float | Non
     return simulate_programs(plan.programs, plan_charges(plan, peak_flops, bandwidth))
 
 
-def make_options(*, optimizer, split_points, precision, **given) -> CompileOptions:
-    """CompileOptions from the public keyword arguments (defaults and conversions applied)."""
+def make_options(*, optimizer, split_points, precision, compile_stages=False, cuda_graphs=False, bucketed=False,
+                 **given) -> CompileOptions:
+    """CompileOptions from the public keyword arguments (defaults and conversions applied; `bucketed`:
+    compile's shape_buckets given)."""
     return CompileOptions(optimizer=DEFAULT_OPTIMIZER if optimizer is None else optimizer,
                           split_points=None if split_points is None else tuple(split_points),
                           precision=check_precision(precision),
-                          loss_scaling=precision if isinstance(precision, LossScaling) else None, **given)
+                          loss_scaling=precision if isinstance(precision, LossScaling) else None,
+                          acceleration=Acceleration(compile_stages, cuda_graphs, bucketed), **given)
 
 
 def _check_arguments(model: object, split_points: object, example_inputs, loss_fn: object, reduction: object,

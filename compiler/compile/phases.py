@@ -14,6 +14,7 @@ import torch
 
 from stagewise.codegen.stages import build_stage_modules
 from stagewise.compiler.assembly.runtime_setup import start_runtime
+from stagewise.compiler.assembly.stage_acceleration import check_plan as check_acceleration
 from stagewise.compiler.compile.analysis import Analysis
 from stagewise.compiler.compile.context import CompileContext, after
 from stagewise.compiler.compile.costing import measure_costs
@@ -102,8 +103,10 @@ def codegen(ctx: CompileContext) -> None:
 def runtime(ctx: CompileContext) -> None:
     """Memory pools, transport, stage workers and executor for this process: `ctx.runtime`."""
     options = ctx.request.options
-    ctx.runtime = start_runtime(after(ctx.plan, "plan"), after(ctx.modules, "codegen"), options.optimizer,
-                                options.clip_grad_norm, after(ctx.choice, "plan").plan.swaps.stages, options.loss_scaling)
+    chosen, modules = after(ctx.plan, "plan"), after(ctx.modules, "codegen")
+    check_acceleration(options.acceleration, chosen, modules)
+    ctx.runtime = start_runtime(chosen, modules, options.optimizer, options.clip_grad_norm,
+                                after(ctx.choice, "plan").plan.swaps.stages, options.loss_scaling, options.acceleration)
 
 
 PHASES: tuple[Callable[[CompileContext], None], ...] = (capture, analyse, cost, plan, codegen, runtime)

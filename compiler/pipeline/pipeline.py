@@ -21,6 +21,7 @@ from stagewise.compiler.pipeline.training_state import training_state
 from stagewise.compiler.pipeline.virtual_devices import resize
 from stagewise.ir.errors import ModeError
 from stagewise.ir.plan import Plan
+from stagewise.runtime.stage_calls import capture_pending
 
 
 class Pipeline(PipelineState):
@@ -159,6 +160,7 @@ class Pipeline(PipelineState):
             self._optimizer.push_hyperparameters()
         feed = self._feeding.checked(lambda: self._feeding.for_batch(args, target, kwargs, self.loss_reduction,
                                                                      self._notices))
+        capture_pending([w.call for w in self._workers])  # cuda_graphs: while no stream thread runs
         loss = self._executor.run(self.plan.microbatches, feed=feed)
         self._notices.step_done(self._executor)
         if self._optimizer is not None:

@@ -13,6 +13,7 @@ SLOW_FILES_LONGEST_FIRST = (
     "test_host_optimizer.py", "test_elastic.py", "test_any_shape_distributed.py", "test_save_load.py",
     "test_activation_swap.py", "test_morph.py", "test_distributed_save.py", "test_recommend.py",
     "test_plan_only.py", "test_any_shape.py", "test_doc_examples.py", "test_finetune_example.py", "test_optimizer_api.py",
+    "test_compiled_stages.py",
     "test_costs.py", "test_graph_data.py", "test_resume.py", "test_plan_and_code.py",
 )
 SLOW_FILES = frozenset(SLOW_FILES_LONGEST_FIRST)

@@ -1,0 +1,58 @@
+"""Where `compile_stages=True` and `cuda_graphs=True` cannot apply, refused before anything runs
+(runtime/stage_calls.py runs them).
+
+A CUDA graph replays the kernels it captured on the memory it captured them with, and the random
+seeds they were launched with, so it is refused where any of these would change between steps:
+a CPU device (no graphs), state or stashes moved between host and device memory (other memory),
+a keyed random op (its stream is seeded on the host per step and microbatch: a replay would draw
+the captured step's mask again). Both options at once are refused: a capture of inductor's code
+is torch.compile's own mode="reduce-overhead", which this pipeline does not drive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch.fx as fx
+
+from stagewise.ir.devices import Device
+from stagewise.ir.errors import OptionError
+from stagewise.ir.instructions import Stream
+from stagewise.ir.plan import Plan
+from stagewise.ir.random_streams import keyed, keyed_dropout
+from stagewise.runtime.stage_calls import Acceleration
+
+_MOVES = (Stream.SWAP_IN, Stream.SWAP_OUT)  # swaps, stash moves and the host optimizer's step
+
+
+def check_devices(acceleration: Acceleration, devices: Sequence[Device]) -> None:
+    """Before compiling: one of the two at a time, and CUDA graphs on CUDA devices only."""
+    if acceleration.compile_stages and acceleration.cuda_graphs:
+        raise OptionError("compile_stages=True and cuda_graphs=True were both given; give one: compile_stages for "
+                          "inductor's fused kernels, cuda_graphs to replay the eager kernels without launch cost")
+    if not acceleration.cuda_graphs:
+        return
+    other = next((d for d in devices if d.torch_device.type != "cuda"), None)
+    if other is not None:
+        raise OptionError(f"cuda_graphs=True captures CUDA graphs, and device {other.name!r} is not a CUDA device; "
+                          "give CUDA devices only, or drop cuda_graphs (compile_stages=True speeds up CPU stages)")
+
+
+def check_plan(acceleration: Acceleration, plan: Plan, modules: Sequence[fx.GraphModule | None]) -> None:
+    """After planning: a graphed plan moves no state or stash, and its stages draw no keyed random numbers."""
+    if not acceleration.cuda_graphs:
+        return
+    moved = next((ins for program in plan.programs for ins in program.instructions
+                  if ins.stream in _MOVES), None)
+    if moved is not None:
+        raise OptionError(f"cuda_graphs=True replays kernels on the memory they were captured with, and this plan "
+                          f"moves stage {moved.stage}'s state or stash between host and device memory ({moved}); "
+                          "give swap='off' and optimizer_on_host=False (or devices with the memory), or drop "
+                          "cuda_graphs")
+    for stage, module in enumerate(modules):
+        drawn = next((n for n in module.graph.nodes if n.op == "call_function" and n.target in (keyed, keyed_dropout)),
+                     None) if module is not None else None
+        if drawn is not None:
+            raise OptionError(f"cuda_graphs=True would replay stage {stage}'s random op {drawn.name!r} with the mask "
+                              "of the step it was captured in (its stream is seeded per step and microbatch); set "
+                              "the model's dropout to p=0, or drop cuda_graphs")
