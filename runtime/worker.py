@@ -137,8 +137,7 @@ class StageWorker(CheckpointAccess):
             self._release_inputs(microbatch)
 
     def _run(self, microbatch: int, args: list) -> tuple:
-        call = self.call
-        return self.module(*args) if call is None else call(self.module, microbatch, args)
+        return self.module(*args) if self.call is None else self.call(self.module, microbatch, args)
 
     def output(self, microbatch: int, name: str) -> torch.Tensor:
         return self.outputs[microbatch][self.keys.output_index[name]]

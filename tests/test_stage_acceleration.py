@@ -19,8 +19,9 @@ GRAPHS = Acceleration(cuda_graphs=True)
 
 def _pipe(model: torch.nn.Module, **options: object) -> sw.Pipeline:
     x, y = torch.randn(8, 8), torch.randint(0, 5, (8,))
-    return sw.compile(model, 2, (x,), loss_fn=F.cross_entropy, example_target=y, microbatches=2, schedule="1f1b",
-                      cost="analytic", **options)
+    options = {"schedule": "1f1b", **options}
+    return sw.compile(model, 2, (x,), loss_fn=F.cross_entropy, example_target=y, microbatches=2, cost="analytic",
+                      **options)
 
 
 @pytest.mark.parametrize("options, says", [
@@ -47,6 +48,17 @@ def test_a_plan_that_swaps_is_refused_for_cuda_graphs():
     with pytest.raises(sw.OptionError, match=r"moves stage \d+'s state or stash between host and device memory"):
         check_plan(GRAPHS, pipe.plan, pipe.stages)
     check_plan(Acceleration(compile_stages=True), pipe.plan, pipe.stages)  # compiled stages swap
+
+
+@pytest.mark.parametrize("option", ["cuda_graphs", "compile_stages"])
+def test_a_split_backward_is_refused_for_either_option(option):
+    """zb-h1 runs a stage's backward in two halves; a graph replays it whole, and torch.compile's
+    backward donates its buffers (a second call raised at the first step, rolled back)."""
+    pipe = _pipe(mlp(), schedule="zb-h1")
+    with pytest.raises(sw.OptionError, match=rf"{option}=True .* splits stage \d+'s into input and weight gradients"):
+        check_plan(Acceleration(**{option: True}), pipe.plan, pipe.stages)
+    with pytest.raises(sw.OptionError, match="schedule zb-h1"):
+        _pipe(mlp(), schedule="zb-h1", compile_stages=True)
 
 
 def test_keyed_dropout_is_refused_for_cuda_graphs():

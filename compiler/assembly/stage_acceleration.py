@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from stagewise.ir.devices import Device
 from stagewise.ir.errors import OptionError
-from stagewise.ir.instructions import Stream
+from stagewise.ir.instructions import InputGrad, Stream
 from stagewise.ir.plan import Plan
 from stagewise.ir.random_streams import keyed, keyed_dropout
 from stagewise.runtime.stage_calls import Acceleration
@@ -39,7 +39,15 @@ def check_devices(acceleration: Acceleration, devices: Sequence[Device]) -> None
 
 
 def check_plan(acceleration: Acceleration, plan: Plan, modules: Sequence[fx.GraphModule | None]) -> None:
-    """After planning: a graphed plan moves no state or stash, and its stages draw no keyed random numbers."""
+    """After planning: neither option with a split backward (a compiled backward frees its buffers, a
+    graph replays it whole); a graphed plan moves no state or stash, and its stages draw no keyed
+    random numbers."""
+    split = next((ins for program in plan.programs for ins in program.instructions if isinstance(ins, InputGrad)), None)
+    if split is not None and (acceleration.cuda_graphs or acceleration.compile_stages):
+        option = "cuda_graphs=True replays" if acceleration.cuda_graphs else "compile_stages=True compiles"
+        raise OptionError(f"{option} each stage's backward as one piece, and this plan splits stage {split.stage}'s "
+                          f"into input and weight gradients ({split}, schedule zb-h1); give another schedule, or drop "
+                          f"{option.split('=')[0]}")
     if not acceleration.cuda_graphs:
         return
     moved = next((ins for program in plan.programs for ins in program.instructions
