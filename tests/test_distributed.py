@@ -6,13 +6,14 @@ group, keeps this rank's stages and program, and sends through torch.distributed
 compares what the ranks saved with eager training.
 
 Spawning a pair of processes costs seconds, so one pair trains the whole matrix of cases (every
-schedule with swapping forced on and off on the tied GPT, several on Hugging Face GPT-2, and an
-MLP), one after another, and each case is then checked as its own test.
+schedule with swapping forced on and off, on the tied GPT and on Hugging Face GPT-2, and an MLP),
+one after another, and each case is then checked as its own test.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import time
 from pathlib import Path
@@ -29,14 +30,17 @@ from tests.reference import ATOL, RTOL, assert_state_equal, eager_train, pipelin
 
 # ---- the cases (their problems: tests/harness/rank_problems.py) ----------------------------------
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "varuna", "harmony-pp", "harmony-dp")
-# (problem, schedule, mode): every schedule with swapping forced on and off on the tied GPT (tied
-# embedding and head on the first and last stage, on different ranks except under harmony-dp, where
-# each rank holds every pack and the replicas all-reduce), every schedule but GPipe once on HF GPT-2,
-# and the MLP (no shared tensors, SGD, loss_fn). The modes: MODES in tests/harness/rank_problems.py.
+# (problem, schedule, mode), a covering array (test_the_cases_cover_every_pair_the_matrix_names): every
+# schedule with swapping forced on and off, with and without clipping, on the tied GPT (tied embedding
+# and head on the first and last stage, on different ranks except under harmony-dp, where each rank
+# holds every pack and the replicas all-reduce) and on HF GPT-2 (tied too, its own loss, dict inputs);
+# state and stashes swapped ("all") and the optimizer on the host under several schedules; and the MLP
+# (no shared tensors, SGD, loss_fn), once with rank 1 idle. The modes: MODES in tests/harness/rank_problems.py.
 CASES = (
     [("mlp", "gpipe", "off"), ("mlp", "1f1b", "one-stage")]
-    + [("tied-gpt", schedule, mode) for schedule in SCHEDULES for mode in ("on", "off")]
-    + [("tied-gpt", "gpipe", "all"), ("tied-gpt", "1f1b", "all"), ("tied-gpt", "harmony-pp", "all"),
+    + [("tied-gpt", "gpipe", "on"), ("tied-gpt", "1f1b", "on"), ("tied-gpt", "interleaved", "off"),
+       ("tied-gpt", "varuna", "off"), ("tied-gpt", "harmony-pp", "off"), ("tied-gpt", "harmony-dp", "on")]
+    + [("tied-gpt", "1f1b", "all"), ("tied-gpt", "harmony-pp", "all"),
        ("tied-gpt", "1f1b", "host"), ("tied-gpt", "harmony-pp", "host"), ("tied-gpt", "zb-h1", "off")]
     + [("hf-gpt2", "1f1b", "off"), ("hf-gpt2", "interleaved", "on"), ("hf-gpt2", "varuna", "on"),
        ("hf-gpt2", "harmony-pp", "on"), ("hf-gpt2", "harmony-dp", "off"), ("hf-gpt2", "gpipe", "all")]
@@ -170,6 +174,25 @@ def _assert_time_split(stats: dict, idle: bool, swapped: bool) -> None:
     if stats["p2p_bytes"] > 0:  # it received from the other rank: waited on the network for it
         assert stats["waiting_s"] > 0, stats
     assert (stats["swap_in_s"] + stats["swap_out_s"] > 0) == swapped, stats
+
+
+def test_the_cases_cover_every_pair_the_matrix_names():
+    """Every pair below is some case's: each schedule with swapping on and off, clipped and not (the
+    problems clip in every mode but "on"), on the tied GPT and on GPT-2; each mode on the problems
+    that take it; state and stashes swapped, and the optimizer on the host, under several schedules."""
+    pairs = {("problem", "schedule"): set(itertools.product(("tied-gpt", "hf-gpt2"), SCHEDULES)),
+             ("schedule", "mode"): set(itertools.product(SCHEDULES, ("on", "off"))) | {("1f1b", "one-stage")}
+             | set(itertools.product(("gpipe", "1f1b", "harmony-pp"), ("all",)))
+             | set(itertools.product(("1f1b", "harmony-pp"), ("host",))),
+             ("problem", "mode"): set(itertools.product(("tied-gpt",), ("on", "off", "all", "host")))
+             | set(itertools.product(("hf-gpt2",), ("on", "off", "all"))) | {("mlp", "off"), ("mlp", "one-stage")},
+             ("schedule", "clipped"): set(itertools.product(SCHEDULES, (True, False))),
+             ("problem", "clipped"): set(itertools.product(("tied-gpt", "hf-gpt2"), (True, False)))}
+    rows = [{"problem": name, "schedule": schedule, "mode": mode,
+             "clipped": "clip_grad_norm" in problem(name, mode)[2]} for name, schedule, mode in CASES]
+    for (a, b), wanted in pairs.items():
+        missing = wanted - {(row[a], row[b]) for row in rows}
+        assert not missing, f"no case for ({a}, {b}) in {sorted(missing)}"
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "interleaved", "varuna"])

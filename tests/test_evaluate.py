@@ -19,7 +19,10 @@ from tests.models.dropout import DropoutGPT
 from tests.models.gpt import lm_loss
 from tests.reference import ADAMW, ATOL, RTOL, assert_state_equal
 
-PLANS = [("gpipe", 1), ("gpipe", 2), ("1f1b", 2), ("varuna", 2), ("interleaved", 2), ("harmony-pp", 2), ("1f1b", 4)]
+# (schedule, devices): each pipeline, stepped once, is evaluated and asked to predict; the two take turns
+# at going first (the first builds the forward-only programs both run)
+PLANS = [("gpipe", 1), ("gpipe", 2), ("1f1b", 2), ("varuna", 2), ("interleaved", 2), ("harmony-pp", 2),
+         ("gpipe", 4), ("1f1b", 4), ("varuna", 4)]
 
 
 def _tokens(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,6 +35,11 @@ def _eager_eval_loss(model, microbatches: int, loss_fn, inputs, target) -> torch
     with torch.no_grad():
         losses = [loss_fn(model(x), t) for x, t in zip(inputs.chunk(microbatches), target.chunk(microbatches), strict=True)]
     return torch.stack(losses).mean()
+
+
+def _eager_predict(model, inputs) -> torch.Tensor:
+    with torch.no_grad():
+        return copy.deepcopy(model).eval()(inputs)
 
 
 def _snapshot(pipe) -> tuple[dict[str, torch.Tensor], list, int]:
@@ -53,18 +61,38 @@ def _stepped_once(schedule: str, devices: int):
     return model, pipe, inputs, target, _snapshot(pipe)
 
 
-@pytest.mark.parametrize(("schedule", "devices"), PLANS)
-def test_evaluate_equals_eager_eval_and_changes_nothing(schedule, devices):
-    model, pipe, inputs, target, before = _stepped_once(schedule, devices)
-    loss = pipe.evaluate(inputs, target=target)
-    torch.testing.assert_close(loss, _eager_eval_loss(model, 4, lm_loss, inputs, target), rtol=RTOL, atol=ATOL)
+def _assert_changed_nothing(pipe, before) -> None:
+    """Weights, optimizer state and step count as after the one step; still in training mode."""
     state, optimizers, steps = _snapshot(pipe)
     assert_state_equal(state, before[0])
     assert steps == before[2] == 1
     for got, want in zip(optimizers, before[1], strict=True):
         assert repr(got) == repr(want)
-    assert pipe.training  # evaluate keeps the mode step trains in
+    assert pipe.training  # evaluate and predict keep the mode step trains in
+
+
+def _check_evaluate(model, pipe, inputs, target, before) -> None:
+    loss = pipe.evaluate(inputs, target=target)
+    torch.testing.assert_close(loss, _eager_eval_loss(model, 4, lm_loss, inputs, target), rtol=RTOL, atol=ATOL)
+    _assert_changed_nothing(pipe, before)
     assert torch.equal(pipe.evaluate(inputs, target=target), loss)  # no random draw: the same again
+
+
+def _check_predict(model, pipe, inputs, target, before) -> None:
+    logits = pipe.predict(inputs)
+    assert logits.device.type == "cpu" and logits.shape == (8, 16, 64)
+    torch.testing.assert_close(logits, _eager_predict(model, inputs), rtol=RTOL, atol=ATOL)
+    _assert_changed_nothing(pipe, before)
+
+
+@pytest.mark.parametrize(("schedule", "devices"), PLANS)
+def test_evaluate_and_predict_equal_eager_eval_and_change_nothing(schedule, devices):
+    model, pipe, inputs, target, before = _stepped_once(schedule, devices)
+    checks = [_check_evaluate, _check_predict]
+    if PLANS.index((schedule, devices)) % 2:
+        checks.reverse()
+    for check in checks:
+        check(model, pipe, inputs, target, before)
 
 
 def test_forward_only_programs_hold_forwards_only():
@@ -152,26 +180,6 @@ def test_huggingface_gpt2_evaluates_like_eager(devices):
                  for ids, labels in zip(batch["input_ids"].chunk(4), batch["labels"].chunk(4), strict=True)]
     torch.testing.assert_close(loss, torch.stack(parts).mean(), rtol=RTOL, atol=ATOL)
     assert pipe.training and pipe._executor.state.iteration == 0
-
-
-def _eager_predict(model, inputs) -> torch.Tensor:
-    with torch.no_grad():
-        return copy.deepcopy(model).eval()(inputs)
-
-
-@pytest.mark.parametrize(("schedule", "devices"), [("gpipe", 1), ("gpipe", 2), ("1f1b", 2), ("varuna", 2),
-                                                   ("gpipe", 4), ("1f1b", 4), ("varuna", 4)])
-def test_predict_equals_eager_eval_outputs_and_changes_nothing(schedule, devices):
-    model, pipe, inputs, target, before = _stepped_once(schedule, devices)
-    logits = pipe.predict(inputs)
-    assert logits.device.type == "cpu" and logits.shape == (8, 16, 64)
-    torch.testing.assert_close(logits, _eager_predict(model, inputs), rtol=RTOL, atol=ATOL)
-    state, optimizers, steps = _snapshot(pipe)
-    assert_state_equal(state, before[0])
-    assert steps == before[2] == 1
-    for got, want in zip(optimizers, before[1], strict=True):
-        assert repr(got) == repr(want)
-    assert pipe.training
 
 
 def test_predict_batchnorm_uses_running_statistics():

@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.harness.collector import collect_less
+
 RANKS = 2
 SPAWN_LIMIT_S = 60.0  # a child that outlives this is killed and the test fails
 # What every rank imports, and what its first compile imports (torch.export and dynamo, networkx):
@@ -34,6 +36,8 @@ PRELOAD = ("stagewise", "torch.distributed", "torch.export", "torch._dynamo", "n
 
 
 def join(init_file: str, rank: int, timeout_s: float, ranks: int = RANKS) -> None:
+    """Join the process group, with the suite's garbage collector settings (the forkserver has Python's)."""
+    collect_less()
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=ranks,
                             timeout=datetime.timedelta(seconds=timeout_s))
 
