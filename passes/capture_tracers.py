@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from stagewise.ir.errors import TraceError
 from stagewise.passes.capture_functional import modifies_input
+from stagewise.passes.capture_grad_regions import inline_grad_regions
 from stagewise.passes.model_output import mark_output
 
 
@@ -62,6 +63,7 @@ def trace_export(objective, example_inputs, example_target, n_inputs, dynamic=Fa
     for node in list(gm.graph.nodes):
         if node.op == "call_module" and node.target == "_guards_fn":
             gm.graph.erase_node(node)
+    inline_grad_regions(gm)
     symbolic = any(isinstance(size, torch.SymInt) and size.node.expr.free_symbols
                    for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
                    for size in n.meta["val"].shape)
