@@ -17,6 +17,7 @@ enabled, found only in a graph exported under no_grad, is inlined as it is.
 from __future__ import annotations
 
 import operator
+from typing import cast
 
 import torch
 import torch.fx as fx
@@ -37,7 +38,8 @@ def inline_grad_regions(gm: fx.GraphModule) -> None:
 
 def _inline(gm: fx.GraphModule, region: fx.Node) -> None:
     """Replace one region's node by its body's nodes, and its results' getitems by theirs."""
-    grad_enabled, body_node, *inputs = region.args
+    # (grad mode, export's get_attr of the region's graph module, the nodes the region reads)
+    grad_enabled, body_node, inputs = region.args[0], cast(fx.Node, region.args[1]), cast(list, region.args[2:])
     body = getattr(gm, str(body_node.target))
     inline_grad_regions(body)
     stray = [n.target for n in body.graph.nodes if n.op == "get_attr"]
@@ -49,23 +51,22 @@ def _inline(gm: fx.GraphModule, region: fx.Node) -> None:
     with graph.inserting_before(region):
         entering = [_detached(graph, value, region) if not grad_enabled else value for value in inputs]
         placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
-        results = graph.graph_copy(body.graph, dict(zip(placeholders, entering, strict=True)))
-    if not isinstance(results, tuple | list):
-        results = (results,)
+        # export's region bodies return a tuple, read by getitem
+        results = cast(tuple, graph.graph_copy(body.graph, dict(zip(placeholders, entering, strict=True))))
     for user in list(region.users):
         if user.op != "call_function" or user.target is not operator.getitem:
             raise TraceError(f"{user.name!r} reads the torch.no_grad() region {region.name!r} whole, not one "
                              "of its results: stagewise cannot inline such a region")
-        user.replace_all_uses_with(results[user.args[1]])
+        user.replace_all_uses_with(results[cast(int, user.args[1])])
         graph.erase_node(user)
     graph.erase_node(region)
     if not body_node.users:
         graph.erase_node(body_node)
 
 
-def _detached(graph: fx.Graph, value: object, region: fx.Node) -> object:
-    """`value` read without autograd history: a detached alias of a tensor node, anything else as is."""
-    if not isinstance(value, fx.Node) or not isinstance(value.meta.get("val"), torch.Tensor):
+def _detached(graph: fx.Graph, value: fx.Node, region: fx.Node) -> fx.Node:
+    """`value` read without autograd history: a detached alias of a tensor, a size as it is."""
+    if not isinstance(value.meta.get("val"), torch.Tensor):
         return value
     alias = graph.call_function(torch.ops.aten.detach.default, (value,))
     alias.meta = {**region.meta, "val": value.meta["val"].detach()}
