@@ -9,9 +9,10 @@ module can neither be cut, nor costed node by node, nor saved as a stage structu
 Inlined, the body's ops must still make no autograd history, as eager's do under no_grad: every
 tensor entering the region is read through `aten.detach` (an alias sharing storage and version
 counter), so nothing computed there requires grad nor saves tensors for backward, and an in-place
-update in the region (a running statistic) still writes the tensor it named. Export itself keeps
-only regions whose grad mode differs from the one it traced under (grad on): a region with grad
-enabled, found only in a graph exported under no_grad, is inlined as it is.
+update in the region (a running statistic) still writes the tensor it named. Export keeps only
+regions whose grad mode differs from the one it traces under, grad on (capture_tracers._export):
+a `torch.enable_grad()` block nested in a no_grad one is already part of its region, and a region
+with grad enabled, were one found, is inlined as it is.
 """
 
 from __future__ import annotations

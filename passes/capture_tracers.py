@@ -72,13 +72,17 @@ def trace_export(objective, example_inputs, example_target, n_inputs, dynamic=Fa
 
 def _export(objective, args: tuple, batched: list, dynamic: bool):
     """The exported program: every dimension `Dim.AUTO` when `dynamic` (export pins a size of 1, 0/1
-    specialisation, and keeps the others symbolic), static where that fails."""
+    specialisation, and keeps the others symbolic), static where that fails.
+
+    Exported with grad enabled whatever the caller's mode: export keeps a `torch.no_grad()` block
+    of the model as a region only where it differs from the mode it traces under, and drops it
+    otherwise (compiled under no_grad, the block's weights got gradients)."""
     if dynamic and batched:
         shapes = tree_map(lambda v: dict.fromkeys(range(v.dim()), torch.export.Dim.AUTO)
                           if isinstance(v, torch.Tensor) and v.dim() > 0 else None, args)
-        with contextlib.suppress(Exception), _no_stack_traces():
+        with contextlib.suppress(Exception), _no_stack_traces(), torch.enable_grad():
             return torch.export.export(objective, args, dynamic_shapes=shapes, strict=False)
-    with _no_stack_traces():
+    with _no_stack_traces(), torch.enable_grad():
         return torch.export.export(objective, args, strict=False)
 
 

@@ -233,3 +233,19 @@ def test_a_no_grad_block_trains_as_eager_runs_it_and_saves(tmp_path):
     loaded = sw.load(tmp_path / "ck", report=False)
     (x,), y = batches[2]
     torch.testing.assert_close(loaded.step(x, target=y), pipe.step(x, target=y), rtol=0, atol=0)
+
+
+def test_a_no_grad_block_compiled_under_no_grad_trains_as_eager_runs_it():
+    """Export drops a no_grad block that matches the mode it traces under: the capture exports with
+    grad enabled whatever the caller's mode (compiled under no_grad, the weight got a gradient)."""
+    torch.manual_seed(0)
+    batches = [((torch.randn(8, 8),), torch.randn(8, 8)) for _ in range(2)]
+    model = NoGradBlock()
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        pipe = sw.compile(model, 2, batches[0][0], loss_fn=nn.functional.mse_loss, example_target=batches[0][1],
+                          optimizer=SGD, microbatches=2, cost="analytic")
+    got = pipeline_train(pipe, batches)
+    want = eager_train(reference, batches, loss_fn=nn.functional.mse_loss, optimizer=SGD, microbatches=2)
+    torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=1e-5, atol=1e-6)
+    assert_state_equal(pipe.state_dict(), reference.state_dict())
