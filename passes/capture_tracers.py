@@ -1,8 +1,8 @@
 """The two tracers the capture tries in turn, and the normalisation their graphs share.
 
 torch.fx symbolic tracing first (it keeps `call_module` leaves and reads like the model);
-torch.export in non-strict mode when fx cannot (Hugging Face models), whose nodes carry
-`nn_module_stack`. Both take (objective, example inputs, example target, number of inputs,
+torch.export in non-strict mode when fx cannot (Hugging Face models, a forward that switches grad
+mode: fx would drop a `torch.no_grad()` block), whose nodes carry `nn_module_stack`. Both take (objective, example inputs, example target, number of inputs,
 dynamic) and give a GraphModule, with what torch.export says about it for the second.
 """
 
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from stagewise.ir.errors import TraceError
 from stagewise.passes.capture_functional import modifies_input
+from stagewise.passes.capture_grad_regions import inline_grad_regions
 from stagewise.passes.model_output import mark_output
 
 
@@ -37,11 +39,35 @@ def trace_fx(objective, example_inputs, example_target, n_inputs, dynamic=False)
     """torch.fx symbolic trace: keeps torch.nn leaves as call_module nodes."""
     structure = {k: fx.PH for k in example_inputs} if isinstance(example_inputs, dict) else (fx.PH,) * n_inputs
     tracer = fx.Tracer()
-    graph = tracer.trace(objective, concrete_args={"inputs": structure})
+    with torch.enable_grad(), _grad_mode_changes() as changes:
+        graph = tracer.trace(objective, concrete_args={"inputs": structure})
+    if changes:
+        raise TraceError("the model turns autograd off or on in its forward (torch.no_grad(), "
+                         "torch.set_grad_enabled), which a torch.fx trace cannot record")
     graph._codegen = fx.graph.CodeGen()
     return fx.GraphModule(tracer.root, graph, type(objective._stagewise_model).__name__), None
 
 
+
+
+@contextlib.contextmanager
+def _grad_mode_changes() -> Iterator[list[bool]]:
+    """The grad modes this thread switches to inside (torch.no_grad, enable_grad and
+    set_grad_enabled all set it through torch._C._set_grad_enabled): fx would drop such a block
+    silently, its weights then trained through it; torch.export keeps it as a region."""
+    changes: list[bool] = []
+    original, thread = torch._C._set_grad_enabled, threading.get_ident()
+
+    def recording(enabled: bool) -> None:
+        if threading.get_ident() == thread and enabled != torch.is_grad_enabled():
+            changes.append(enabled)
+        original(enabled)
+
+    torch._C._set_grad_enabled = recording
+    try:
+        yield changes
+    finally:
+        torch._C._set_grad_enabled = original
 
 
 def trace_export(objective, example_inputs, example_target, n_inputs, dynamic=False) -> tuple[fx.GraphModule, Exported]:
@@ -62,6 +88,7 @@ def trace_export(objective, example_inputs, example_target, n_inputs, dynamic=Fa
     for node in list(gm.graph.nodes):
         if node.op == "call_module" and node.target == "_guards_fn":
             gm.graph.erase_node(node)
+    inline_grad_regions(gm)
     symbolic = any(isinstance(size, torch.SymInt) and size.node.expr.free_symbols
                    for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
                    for size in n.meta["val"].shape)
@@ -70,13 +97,17 @@ def trace_export(objective, example_inputs, example_target, n_inputs, dynamic=Fa
 
 def _export(objective, args: tuple, batched: list, dynamic: bool):
     """The exported program: every dimension `Dim.AUTO` when `dynamic` (export pins a size of 1, 0/1
-    specialisation, and keeps the others symbolic), static where that fails."""
+    specialisation, and keeps the others symbolic), static where that fails.
+
+    Exported with grad enabled whatever the caller's mode: export keeps a `torch.no_grad()` block
+    of the model as a region only where it differs from the mode it traces under, and drops it
+    otherwise (compiled under no_grad, the block's weights got gradients)."""
     if dynamic and batched:
         shapes = tree_map(lambda v: dict.fromkeys(range(v.dim()), torch.export.Dim.AUTO)
                           if isinstance(v, torch.Tensor) and v.dim() > 0 else None, args)
-        with contextlib.suppress(Exception), _no_stack_traces():
+        with contextlib.suppress(Exception), _no_stack_traces(), torch.enable_grad():
             return torch.export.export(objective, args, dynamic_shapes=shapes, strict=False)
-    with _no_stack_traces():
+    with _no_stack_traces(), torch.enable_grad():
         return torch.export.export(objective, args, strict=False)
 
 

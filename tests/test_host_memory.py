@@ -44,7 +44,7 @@ def _kept_on_host(pipe, on_host: bool) -> list[int]:
     guard = pipe._executor.state.guard
     kept = [0] * len(pipe.plan.devices)
     for worker in pipe._workers:
-        held = _nbytes(worker.host.values()) + _nbytes(guard.undo[worker.stage.index].memory)
+        held = _nbytes(worker.host.values()) + _nbytes(guard.undo[worker.stage.index].memory.values())
         held += sum(buffer.numel() for free in worker.host_bytes.free.values() for buffer, _ in free)
         if on_host:
             held += _nbytes(v for state in worker.optimizer.state.values() for v in state.values())

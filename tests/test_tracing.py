@@ -17,7 +17,7 @@ import stagewise as sw
 from stagewise.passes.capture import annotate, capture, trace
 from tests.hf import gpt2, lm_batches
 from tests.models.gpt import TinyGPT, lm_loss
-from tests.reference import SGD, assert_state_equal, eager_train, pipeline_train
+from tests.reference import SGD, assert_state_equal, check_equal_training, eager_train, pipeline_train
 
 
 @pytest.fixture
@@ -196,3 +196,55 @@ def test_stage_code_makes_its_tensors_on_the_device_it_runs_on(name):
     gpu = StepShapes(pipe.plan, cpu.modules, cpu.states, [torch.device("cuda", 0)] * len(pipe.plan.devices))
     shorter = {name: torch.zeros(2, 9, dtype=torch.int64) for name in pipe.plan.graph_inputs}
     assert gpu.of_step([shorter]) is not None  # no device mismatch on the way
+
+
+class NoGradBlock(nn.Module):
+    """A `torch.no_grad()` block reads a weight (no gradient flows through it in eager) and updates a
+    running buffer. fx would trace it without the block (the weight then trained through it): the
+    capture refuses fx there, and torch.export makes the block a `wrap_with_set_grad_enabled` region
+    (as transformers 5.17's Llama rotary embedding)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.register_buffer("seen", torch.zeros(8))
+
+    def forward(self, x):
+        with torch.no_grad():
+            scale = self.blocks[0].weight.norm()
+            self.seen.add_(x.mean(0))
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x * scale
+
+
+def test_a_no_grad_block_trains_as_eager_runs_it_and_saves(tmp_path):
+    """The region is inlined with its inputs detached (passes/capture_grad_regions.py): the stage code
+    is plain ATen, so it saves as a stage structure and loads (a nested graph module did not: PlanError);
+    the weight gets no gradient through the block, the buffer is updated in place."""
+    torch.manual_seed(0)
+    batches = [((torch.randn(8, 8),), torch.randn(8, 8)) for _ in range(3)]
+    pipe = check_equal_training(NoGradBlock(), batches[:2], 2, loss_fn=nn.functional.mse_loss, microbatches=2,
+                                cost="analytic")
+    assert pipe.plan.tracer == "export"
+    assert not any("higher_order" in stage.code for stage in pipe.stages)
+    pipe.save(tmp_path / "ck")
+    loaded = sw.load(tmp_path / "ck", report=False)
+    (x,), y = batches[2]
+    torch.testing.assert_close(loaded.step(x, target=y), pipe.step(x, target=y), rtol=0, atol=0)
+
+
+def test_a_no_grad_block_compiled_under_no_grad_trains_as_eager_runs_it():
+    """Export drops a no_grad block that matches the mode it traces under: the capture exports with
+    grad enabled whatever the caller's mode (compiled under no_grad, the weight got a gradient)."""
+    torch.manual_seed(0)
+    batches = [((torch.randn(8, 8),), torch.randn(8, 8)) for _ in range(2)]
+    model = NoGradBlock()
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        pipe = sw.compile(model, 2, batches[0][0], loss_fn=nn.functional.mse_loss, example_target=batches[0][1],
+                          optimizer=SGD, microbatches=2, cost="analytic")
+    got = pipeline_train(pipe, batches)
+    want = eager_train(reference, batches, loss_fn=nn.functional.mse_loss, optimizer=SGD, microbatches=2)
+    torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=1e-5, atol=1e-6)
+    assert_state_equal(pipe.state_dict(), reference.state_dict())
