@@ -131,7 +131,8 @@ class PlanBuilder:
     def _with_activations(self, name: Schedule, assembled: Callable[..., Assembled], layer_costs: list[LayerCost],
                           size: int, placement: Placement | None) -> Assembled:
         """The candidate with each stage's activation policy: the one asked for, rank 0's (`placement`),
-        or chosen per stage by simulating each (passes/activations.py). Varuna and Harmony keep their own."""
+        or chosen per stage by simulating each (passes/activations.py; Harmony's packs one policy for all).
+        Varuna keeps its own."""
         request, asked = self.request, self.request.options.activations
         if name not in PER_STAGE_SCHEDULES:
             if asked is not ActivationPolicy.AUTO:
@@ -152,7 +153,8 @@ class PlanBuilder:
         def build(policies: Policies) -> Scored:
             return scored(assembled(activations=policies))
 
-        return choose_policies(scored(plan), build, swap_allowed=request.options.swap is not SwapMode.OFF).plan
+        return choose_policies(scored(plan), build, swap_allowed=request.options.swap is not SwapMode.OFF,
+                               per_stage=name not in HARMONY).plan
 
     def pack_search(self, graph: Analysed, exact: bool) -> PackSearch:
         """Harmony's Alg. 1 over `graph`, building its configurations as `build` does."""
