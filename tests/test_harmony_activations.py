@@ -5,6 +5,9 @@ optimizer on the device or on the host; and the table's note names the rule that
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -94,3 +97,21 @@ def test_the_note_says_the_kept_plan_is_within_the_margin_when_a_configuration_w
     assert notes[0].startswith("  <- chosen: within 10% of the fastest (7.9% slower)")
     alone = _fastest_of_every_row(Verdict(x2, 4.44, x2, 4.44), rows)
     assert alone.notes(rows)[1].startswith("  <- chosen: the fastest")
+
+
+
+def test_the_optimizer_on_the_host_finds_a_plan_where_the_device_optimizer_does():
+    """bench/memory_bound.py's toy (its GPT-2, 2 x 32, on one device with 3/4 of the training state, bf16):
+    with the optimizer on the host the planner found no plan before ("no plan fits the devices' memory
+    even with swapping"): the packs' swapped stashes did not fit beside the weights and gradients it
+    keeps, though the device optimizer's plan, which moves more, did. The packs now recompute."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import _memory_bound_systems as systems  # noqa: PLC0415 - bench/ is no package: on sys.path first
+
+    model = systems.gpt(2, 32, 4, 128, 16, "cpu")
+    batch = systems.batches(1, 4, 16, 128)[0]
+    memory = 3 * _state_bytes(model) // 4
+    plan = sw.plan(model, [sw.Device("cpu", memory=memory)], batch, optimizer=systems.adamw(1e-4), precision="bf16",
+                   memory=sw.MemoryOptions(swap="auto", optimizer_on_host=True))
+    assert max(plan.predicted_peak_bytes) <= memory
+    assert ActivationPolicy.RECOMPUTE in {s.activations for s in plan.stages}
