@@ -15,6 +15,7 @@ import stagewise as sw
 from stagewise.compiler.compile.modelled_costs import HOST_UPDATE_BANDWIDTH, KERNEL_S
 from stagewise.ir.choices import ActivationPolicy
 from stagewise.ir.instructions import Recompute, StashIn, StashOut, SwapIn, SwapOut
+from stagewise.ir.time_split import Bound
 from stagewise.passes.harmony_search import _fastest_of_every_row
 from stagewise.passes.planner import Candidate, Prediction, Verdict
 from tests.models.gpt import TinyGPT, lm_loss
@@ -118,10 +119,11 @@ def test_the_optimizer_on_the_host_finds_a_plan_where_the_device_optimizer_does(
     assert ActivationPolicy.RECOMPUTE in {s.activations for s in plan.stages}
 
 
-def test_sw_plan_charges_a_host_optimizer_at_the_host_s_rate():
+def test_sw_plan_charges_a_host_optimizer_at_the_host_s_rate_and_names_it_the_bound():
     """By hand: AdamW moves 7 bytes per weight byte (weight and gradient read, weight and two moments
     read and written); with the optimizer on the host sw.plan charges them at HOST_UPDATE_BANDWIDTH,
-    not at the GPU's memory bandwidth as SGD's 3 (0.1 s for the 1.3 B GPT's host AdamW, measured 1.79 s)."""
+    not at the GPU's memory bandwidth as SGD's 3 (0.1 s for the 1.3 B GPT's host AdamW, measured 1.79 s).
+    The step runs on a swap stream, and was called PCIe-bound."""
     torch.manual_seed(0)
     model = TinyGPT()
     (inputs,), target = token_batches(steps=1)[0]
@@ -130,3 +132,23 @@ def test_sw_plan_charges_a_host_optimizer_at_the_host_s_rate():
     params = [p for _, p in model.named_parameters(remove_duplicate=False)]  # the tied weight steps in each layer that uses it
     weight_bytes, kernels = 4 * sum(p.numel() for p in params), KERNEL_S * len(params)
     assert sum(plan.costs.runtime.update_s) == pytest.approx(kernels + 7 * weight_bytes / HOST_UPDATE_BANDWIDTH)
+    # and the table says so: the host's step, not the link (its gradients out and weights back take 1/10 of it)
+    assert plan.predicted_split.bound is Bound.HOST_OPTIMIZER
+    assert str(plan.predicted_split).endswith("— bound: host optimizer")
+
+
+def test_packs_are_tried_where_the_state_fits_but_no_straight_pipeline_does():
+    """By hand: with the optimizer on the host the device holds weights and gradients, 8 bytes per
+    parameter, half its memory: under the 75% at which the planner tries Harmony's packs. But one device
+    runs one stage of a straight pipeline (two for interleaved), which holds the activations of the whole
+    model (or half of it) for a microbatch: none fits. Packs of a block or two do. Refused before ("no
+    plan fits the devices' memory even with swapping: the best (gpipe, 1 microbatches)"), as the
+    1.3 B GPT at a 15 GiB cap was."""
+    torch.manual_seed(0)
+    model = TinyGPT(layers=8, context=64)
+    (inputs,), target = token_batches(steps=1, length=64)[0]
+    memory = 2 * 8 * sum(p.numel() for p in model.parameters())
+    plan = sw.plan(model, [sw.Device("cpu", memory=memory)], (inputs,), loss_fn=lm_loss, example_target=target,
+                   optimizer=ADAMW, microbatches=8, memory=sw.MemoryOptions(optimizer_on_host=True))
+    assert plan.schedule in ("harmony-pp", "harmony-dp")
+    assert max(plan.predicted_peak_bytes) <= memory
