@@ -152,3 +152,4 @@ def test_packs_are_tried_where_the_state_fits_but_no_straight_pipeline_does():
                    optimizer=ADAMW, microbatches=8, memory=sw.MemoryOptions(optimizer_on_host=True))
     assert plan.schedule in ("harmony-pp", "harmony-dp")
     assert max(plan.predicted_peak_bytes) <= memory
+    assert plan.considered[0].startswith("straight pipelines (gpipe, 1f1b, interleaved): none fits: ")

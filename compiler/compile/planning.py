@@ -250,18 +250,20 @@ def _search(request: CompileRequest, builder: PlanBuilder, analysis: Analysis,
     tried, the chosen one and the fastest marked so, with why. Where the training state fits but no
     candidate does, Harmony's packs are tried before the plan is refused."""
     needs_swap = _needs_swap(request, analysis, costs)
+    refused: tuple[str, ...] = ()
     try:
         chosen, prediction, tried, verdict = _choose_among(request, builder, analysis, needs_swap)
-    except (CapacityError, NoFeasiblePlan):
+    except (CapacityError, NoFeasiblePlan) as error:
         if needs_swap or request.options.schedule != Schedule.AUTO or request.options.swap != SwapMode.AUTO:
             raise
         # the state fits but no straight pipeline's activations do (one stage of a single device holds
         # the whole model's): Harmony's packs, swapping only what does not fit (issue 23's 1.3 B GPT
         # with the optimizer on the host was refused here)
+        refused = (f"straight pipelines (gpipe, 1f1b, interleaved): none fits: {str(error).splitlines()[0]}",)
         chosen, prediction, tried, verdict = _choose_among(request, builder, analysis, needs_swap=True)
     notes = verdict.notes(tried)
-    return chosen, prediction, tuple(_describe(option, result) + notes.get(row, "")
-                                     for row, (option, result) in enumerate(tried))
+    return chosen, prediction, refused + tuple(_describe(option, result) + notes.get(row, "")
+                                               for row, (option, result) in enumerate(tried))
 
 
 def _choose_among(request: CompileRequest, builder: PlanBuilder, analysis: Analysis,
