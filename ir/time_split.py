@@ -19,6 +19,7 @@ class Bound(enum.StrEnum):
     PCIE = "PCIe"  # the host link: swaps, stashes and the host optimizer's traffic
     NETWORK = "network"  # the links between devices: point-to-point messages and all-reduces
     HOST_MEMORY = "host memory"  # the host's capacity: set where a plan is limited by it (not yet modelled)
+    HOST_OPTIMIZER = "host optimizer"  # the optimizer stepping in host memory (ZeRO-Offload), more than the copies
 
 
 @dataclass(frozen=True)

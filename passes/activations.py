@@ -9,6 +9,13 @@ where they fit; for the others it simulates the choices (the simulator charges t
 the link time and its overlap, and the peak memory of each): all of them recomputing, all swapping,
 then each stage in turn; it keeps what fits and is fastest, so a plan that fits only with recompute
 is found rather than refused.
+
+Harmony's packs take a policy too (Harmony §4.3.1 recomputes every pack's forward before its
+backward): one device runs every pack in turn while their state streams through the host link,
+so a swapped stash competes with that state for the same link (a 1.3 B GPT on one capped GPU
+moved 315 GB per step, stashes 87% of it, where recomputing costs a third more forward). There
+the choice is one policy for every pack that stashes (keep as the swap mode says, recompute all,
+swap all): Alg. 1 scores many configurations, and a per-pack search would build each once per pack.
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ from stagewise.passes.swap import SwapPlan
 if TYPE_CHECKING:
     from stagewise.passes.planner import Assembled
 
-PER_STAGE_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.ZB_H1, Schedule.INTERLEAVED)  # the schedules that take a policy
+PER_STAGE_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.ZB_H1, Schedule.INTERLEAVED,
+                       Schedule.HARMONY_PP, Schedule.HARMONY_DP)  # the schedules that take a policy
 Policies = Mapping[int, ActivationPolicy]  # per stage instance; a stage not named keeps its stashes
 
 
@@ -98,20 +106,27 @@ class Scored:
         return self.iteration_s < other.iteration_s
 
 
-def choose_policies(first: Scored, build: Callable[[Policies], Scored], swap_allowed: bool) -> Scored:
+def choose_policies(first: Scored, build: Callable[[Policies], Scored], swap_allowed: bool,
+                    per_stage: bool = True) -> Scored:
     """The stages that need relief (`needing_relief`) all recomputing, or all swapping, where that fits
-    or is faster (one stage alone seldom is: the slowest stage's swaps set the pace); then greedy over
-    them, in order: each takes whichever of keep, recompute and swap gives the best plan with the
-    others' choices so far."""
+    or is faster (one stage alone seldom is: the slowest stage's swaps set the pace); then, `per_stage`,
+    greedy over them, in order: each takes whichever of keep, recompute and swap gives the best plan
+    with the others' choices so far. Without `per_stage` (Harmony's packs) every stage that stashes
+    is relieved alike, or none."""
     reliefs = [ActivationPolicy.RECOMPUTE] + ([ActivationPolicy.SWAP] if swap_allowed else [])
     choices = [ActivationPolicy.KEEP, *reliefs]
-    needing = needing_relief(first)
+    needing = needing_relief(first) if per_stage else stashing(first)
     best = first
     policies = {s.index: s.activations for s in first.plan.stages}
     for relief in reliefs:
-        trial = build({**policies, **dict.fromkeys(needing, relief)})
+        uniform = {**policies, **dict.fromkeys(needing, relief)}
+        if uniform == policies:  # the swap mode chose this already: `first` is that plan
+            continue
+        trial = build(uniform)
         if (any(trial.over), trial.iteration_s) < (any(best.over), best.iteration_s):
             best = trial
+    if not per_stage:
+        return best
     for stage in needing:
         policies = {s.index: s.activations for s in best.plan.stages}
         device = next(s.device for s in best.plan.stages if s.index == stage)
@@ -122,6 +137,12 @@ def choose_policies(first: Scored, build: Callable[[Policies], Scored], swap_all
                 if trial.better_than(best, device, ActivationPolicy.KEEP not in (held, choice)):
                     best, held = trial, choice
     return best
+
+
+def stashing(scored: Scored) -> list[int]:
+    """The stages that stash anything."""
+    stash = scored.plan.swaps.stash_bytes
+    return sorted(s.index for s in scored.plan.stages if stash.get(s.index, 0) > 0)
 
 
 def needing_relief(scored: Scored) -> list[int]:

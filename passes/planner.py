@@ -248,7 +248,7 @@ def candidates(schedule: Schedule, microbatches: int | None, batch: int, n_devic
     if schedule != Schedule.AUTO:
         schedules = [schedule]
     elif needs_swap:
-        schedules = [Schedule.HARMONY_PP, Schedule.HARMONY_DP]
+        schedules = [Schedule.HARMONY_PP] + [Schedule.HARMONY_DP] * (n_devices > 1)  # on one device dp runs as pp
     elif isinstance(stages, int):  # a depth is the straight pipelines' to set
         schedules = [Schedule.GPIPE, Schedule.ONE_F_ONE_B]
     else:

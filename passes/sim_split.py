@@ -2,8 +2,8 @@
 
 Why: the plan table says where the time goes (ir/time_split.py) from the same timeline the
 iteration time comes from, so its parts sum to it. On each device the iteration [0, T] is cut by
-what runs: compute first, then all-reduces (both on the compute stream), then host copies on the
-swap streams, then messages on the p2p streams; a moment counts for the first of these running
+what runs: compute first, then all-reduces (both on the compute stream), then the host optimizer's
+steps and host copies on the swap streams, then messages on the p2p streams; a moment counts for the first of these running
 then, so a copy that overlaps compute is hidden and counts nowhere, and a moment with none
 running is bubble. The device reported is the one with the least bubble: the others wait on it.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from stagewise.ir.instructions import ALL_REDUCES, Stream
+from stagewise.ir.instructions import ALL_REDUCES, HostUpdate, Stream
 from stagewise.ir.time_split import Bound, TimeSplit
 from stagewise.passes.sim_result import SimResult, Span
 
@@ -34,22 +34,26 @@ def device_splits(result: SimResult) -> dict[int, TimeSplit]:
 def _split(device: int, spans: list[Span], total: float) -> TimeSplit:
     compute = [s for s in spans if s.stream is Stream.COMPUTE and not isinstance(s.instruction, ALL_REDUCES)]
     allreduce = [s for s in spans if isinstance(s.instruction, ALL_REDUCES)]
-    swap = [s for s in spans if s.stream in _SWAP_STREAMS]
+    host_steps = [s for s in spans if s.stream in _SWAP_STREAMS and isinstance(s.instruction, HostUpdate)]
+    copies = [s for s in spans if s.stream in _SWAP_STREAMS and not isinstance(s.instruction, HostUpdate)]
     p2p = [s for s in spans if s.stream in _P2P_STREAMS]
-    covered = [0.0]  # the time covered by the first k kinds, k = 0 .. 4
-    for upto in (compute, compute + allreduce, compute + allreduce + swap, compute + allreduce + swap + p2p):
+    covered = [0.0]  # the time covered by the first k kinds, k = 0 .. 5
+    upto: list[Span] = []
+    for kind in (compute, allreduce, host_steps, copies, p2p):
+        upto += kind
         covered.append(max(covered[-1], _union_length(upto)))
-    compute_s, allreduce_s, swap_s, p2p_s = (covered[k + 1] - covered[k] for k in range(4))
+    compute_s, allreduce_s, host_step_s, copies_s, p2p_s = (covered[k + 1] - covered[k] for k in range(5))
     bubble_s = max(total - covered[-1], 0.0)
-    return TimeSplit(device, compute_s, bubble_s, swap_s, p2p_s, allreduce_s,
-                     bound_of(compute_s, swap_s, p2p_s + allreduce_s))
+    return TimeSplit(device, compute_s, bubble_s, host_step_s + copies_s, p2p_s, allreduce_s,
+                     bound_of(compute_s, copies_s, p2p_s + allreduce_s, host_step_s))
 
 
-def bound_of(compute_s: float, host_link_s: float, between_devices_s: float) -> Bound:
-    """The largest of compute, exposed host-link time and exposed time on the links between devices
-    (compute on a tie): the bubble is the schedule's, not a resource's."""
-    return max(((compute_s, Bound.COMPUTE), (host_link_s, Bound.PCIE), (between_devices_s, Bound.NETWORK)),
-               key=lambda pair: pair[0])[1]
+def bound_of(compute_s: float, host_link_s: float, between_devices_s: float, host_step_s: float = 0.0) -> Bound:
+    """The largest of compute, exposed host-link time, exposed time on the links between devices and
+    the exposed host optimizer step (compute on a tie): the bubble is the schedule's, not a resource's.
+    The host step runs on a swap stream, but what makes it faster is the host, not the link."""
+    return max(((compute_s, Bound.COMPUTE), (host_link_s, Bound.PCIE), (between_devices_s, Bound.NETWORK),
+                (host_step_s, Bound.HOST_OPTIMIZER)), key=lambda pair: pair[0])[1]
 
 
 def _union_length(spans: Iterable[Span]) -> float:

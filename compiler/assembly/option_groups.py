@@ -94,7 +94,7 @@ class MemoryOptions:
             its forwards save for the backward: "auto" keeps them where they fit and elsewhere
             recomputes or swaps them, whichever the simulator predicts faster (per stage); "keep",
             "recompute" (every stage that holds more than one at a time) or "swap" force one. For
-            gpipe, 1f1b and interleaved; varuna and Harmony keep their own.
+            gpipe, 1f1b, interleaved and Harmony (one policy for all its packs); varuna keeps its own.
 
     Raises:
         OptionError: an unknown swap mode or activation policy, one the swap mode contradicts

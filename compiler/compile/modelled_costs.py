@@ -7,7 +7,9 @@ Layers are costed by passes/analytic.py; this module models the rest:
 - the optimizer update of a layer: its state streamed once through the device's memory, a roofline
   (`UPDATE_TRAFFIC`: SGD reads a weight and its gradient and writes the weight, 3 weight-sized
   passes; each tensor of optimizer state per weight adds a read and a write), plus a fixed
-  `KERNEL_S` per parameter tensor for the launches;
+  `KERNEL_S` per parameter tensor for the launches; with the optimizer on the host, the same
+  traffic through the host's memory at `HOST_UPDATE_BANDWIDTH` (the device's rate charged a 1.3 B
+  GPT's host AdamW 0.1 s where FSDP2's measured 1.79 s);
 - a per-instruction overhead `INSTRUCTION_S` (the runtime's hand-off between its stream threads
   and a kernel launch; measured here at 20-60 µs per hand-off for in-process CPU devices);
 - the links: `topology=` when given, else every pair of devices over `DEFAULT_LINK_BANDWIDTH` of
@@ -29,6 +31,9 @@ from stagewise.passes.analytic import device_rates
 INSTRUCTION_S = 30e-6
 KERNEL_S = 5e-6  # one kernel launch of an optimizer step, per parameter tensor
 DEFAULT_LINK_BANDWIDTH = {"cuda": 25e9, "cpu": 10e9}  # bytes/s: PCIe 4.0 x16 after overheads; a host's memcpy
+# bytes/s of update traffic a host optimizer streams: torch's AdamW over FSDP2's CPU shards on the H200
+# machine's 16 cores stepped 1.276 B fp32 parameters (7 x 5.1 GB of traffic) in 1.79 s (bench/memory_bound.py)
+HOST_UPDATE_BANDWIDTH = 20e9
 
 
 def update_traffic(optimizer_ratio: float) -> float:
@@ -51,10 +56,13 @@ def modelled_host_links(devices: list[Device]) -> tuple[float, ...]:
 
 
 def modelled_runtime_costs(request: CompileRequest, analysis: Analysis) -> RuntimeCosts:
-    """Per-layer update seconds on the first device's memory bandwidth (the planner scales them by
-    each device's relative speed), a modelled instruction overhead, no CPU contention."""
+    """Per-layer update seconds on the first device's memory bandwidth, or the host's where the
+    optimizer steps there (the planner scales them by each device's relative speed), a modelled
+    instruction overhead, no CPU contention."""
     _, bandwidth = device_rates(request.devices[0].spec())
-    ratio = 0.0 if request.options.optimizer_on_host else optimizer_state_ratio(request.options.optimizer)
+    if request.options.optimizer_on_host:
+        bandwidth = HOST_UPDATE_BANDWIDTH
+    ratio = optimizer_state_ratio(request.options.optimizer)
     update = tuple(len(params) * KERNEL_S + sum(p.numel() * p.element_size() for p in params)
                    * update_traffic(ratio) / bandwidth for params in analysis.trainable_per_layer())
     return RuntimeCosts(instruction_s=INSTRUCTION_S, concurrency=(), update_s=update, wake_s=0.0,

@@ -15,7 +15,13 @@ from stagewise.compiler.assembly.options import CompileRequest
 from stagewise.compiler.compile.analysis import Analysed, Analysis
 from stagewise.compiler.compile.costing import Costs
 from stagewise.ir.choices import ActivationPolicy, Schedule
-from stagewise.ir.errors import AssumedFiguresWarning, DoesNotFitWarning, OptionError, PartitionError
+from stagewise.ir.errors import (
+    AssumedFiguresWarning,
+    CapacityError,
+    DoesNotFitWarning,
+    OptionError,
+    PartitionError,
+)
 from stagewise.ir.plan import LayerCost
 from stagewise.passes.activations import PER_STAGE_SCHEDULES, Policies, Scored, choose_policies
 from stagewise.passes.analytic import DEFAULT_PEAK_FLOPS
@@ -24,6 +30,7 @@ from stagewise.passes.harmony_plan import HARMONY
 from stagewise.passes.harmony_search import PackSearch, choose_with_harmony
 from stagewise.passes.layout import choose_layout
 from stagewise.passes.partition import starts_from_split_points
+from stagewise.passes.pipedream_dp import NoFeasiblePlan
 from stagewise.passes.pipedream_partition import (
     check_replicated_schedule,
     consecutive_devices,
@@ -34,6 +41,7 @@ from stagewise.passes.planner import (
     Assembled,
     Candidate,
     Prediction,
+    Verdict,
     assemble,
     candidates,
     partition,
@@ -131,7 +139,8 @@ class PlanBuilder:
     def _with_activations(self, name: Schedule, assembled: Callable[..., Assembled], layer_costs: list[LayerCost],
                           size: int, placement: Placement | None) -> Assembled:
         """The candidate with each stage's activation policy: the one asked for, rank 0's (`placement`),
-        or chosen per stage by simulating each (passes/activations.py). Varuna and Harmony keep their own."""
+        or chosen per stage by simulating each (passes/activations.py; Harmony's packs one policy for all).
+        Varuna keeps its own."""
         request, asked = self.request, self.request.options.activations
         if name not in PER_STAGE_SCHEDULES:
             if asked is not ActivationPolicy.AUTO:
@@ -152,7 +161,8 @@ class PlanBuilder:
         def build(policies: Policies) -> Scored:
             return scored(assembled(activations=policies))
 
-        return choose_policies(scored(plan), build, swap_allowed=request.options.swap is not SwapMode.OFF).plan
+        return choose_policies(scored(plan), build, swap_allowed=request.options.swap is not SwapMode.OFF,
+                               per_stage=name not in HARMONY).plan
 
     def pack_search(self, graph: Analysed, exact: bool) -> PackSearch:
         """Harmony's Alg. 1 over `graph`, building its configurations as `build` does."""
@@ -237,19 +247,36 @@ def _search(request: CompileRequest, builder: PlanBuilder, analysis: Analysis,
             costs: Costs) -> tuple[Assembled, Prediction, tuple[str, ...]]:
     """Simulate every candidate the options allow; the simplest that fits within the planner's margin
     of the fastest (passes/planner.py `keep_simplest`), its prediction, and a line per candidate
-    tried, the chosen one and the fastest marked so, with why."""
+    tried, the chosen one and the fastest marked so, with why. Where the training state fits but no
+    candidate does, Harmony's packs are tried before the plan is refused."""
+    needs_swap = _needs_swap(request, analysis, costs)
+    refused: tuple[str, ...] = ()
+    try:
+        chosen, prediction, tried, verdict = _choose_among(request, builder, analysis, needs_swap)
+    except (CapacityError, NoFeasiblePlan) as error:
+        if needs_swap or request.options.schedule != Schedule.AUTO or request.options.swap != SwapMode.AUTO:
+            raise
+        # the state fits but no straight pipeline's activations do (one stage of a single device holds
+        # the whole model's): Harmony's packs, swapping only what does not fit (issue 23's 1.3 B GPT
+        # with the optimizer on the host was refused here)
+        refused = (f"straight pipelines (gpipe, 1f1b, interleaved): none fits: {str(error).splitlines()[0]}",)
+        chosen, prediction, tried, verdict = _choose_among(request, builder, analysis, needs_swap=True)
+    notes = verdict.notes(tried)
+    return chosen, prediction, refused + tuple(_describe(option, result) + notes.get(row, "")
+                                               for row, (option, result) in enumerate(tried))
+
+
+def _choose_among(request: CompileRequest, builder: PlanBuilder, analysis: Analysis,
+                  needs_swap: bool) -> tuple[Assembled, Prediction, list, Verdict]:
+    """The planner's choice among the candidates the options allow (Harmony's where `needs_swap`)."""
     options = request.options
     options_to_try = candidates(options.schedule, options.microbatches, request.batch, len(request.devices),
-                             analysis.first.legal_cuts, _needs_swap(request, analysis, costs), options.replicas,
-                             options.stages, _stages_at_full_speed(request))
+                                analysis.first.legal_cuts, needs_swap, options.replicas, options.stages,
+                                _stages_at_full_speed(request))
     if options.microbatch_sizes is not None:
         fewest, most = options.microbatch_sizes
         options_to_try = [c for c in options_to_try if fewest <= request.batch // c.microbatches <= most]
-    chosen, prediction, tried, verdict = choose_with_harmony(options_to_try, builder.build,
-                                                             builder.pack_search(analysis.first, exact=False))
-    notes = verdict.notes(tried)
-    return chosen, prediction, tuple(_describe(option, result) + notes.get(row, "")
-                                     for row, (option, result) in enumerate(tried))
+    return choose_with_harmony(options_to_try, builder.build, builder.pack_search(analysis.first, exact=False))
 
 
 def _stages_at_full_speed(request: CompileRequest) -> int | None:
