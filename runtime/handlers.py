@@ -82,14 +82,13 @@ class InstructionHandlers(Interpreter):
     def _bind_backward(self, device: int, index: int, ins: Backward | InputGrad) -> Callable[[], None]:
         """A whole backward, or (InputGrad) its input-gradient half: both seed the loss alike."""
         state, worker, label = self.state, self.state.workers[ins.stage], self.state.tables[device].labels[index]
-        microbatch = ins.microbatch
-        run = worker.backward_input if isinstance(ins, InputGrad) else worker.backward
+        microbatch, split = ins.microbatch, isinstance(ins, InputGrad)
 
-        def backward() -> None:
+        def backward() -> None:  # the worker's method is read each time, as forward's (a test may wrap it)
             seed = state.loss_weights.seed(microbatch, state.step.microbatches)
             if state.scaler is not None:  # fp16: the seed scaled, so the gradients stay in fp16's range
                 seed *= state.scaler.scale
-            run(microbatch, seed, label)
+            (worker.backward_input if split else worker.backward)(microbatch, seed, label)
         return backward
 
     def _weight_grad(self, device: int, index: int, ins: WeightGrad) -> None:

@@ -133,6 +133,9 @@ CASES = [  # precision, schedule, frozen pattern, devices (a covering of the pai
     ("fp16", "varuna", "lora", 3),
     ("fp16", "harmony-pp", "frozen-tied", 2),
     ("fp16", "harmony-dp", "lora", 1),
+    ("fp32", "zb-h1", "lora", 2),
+    ("bf16", "zb-h1", "frozen-tied", 3),
+    ("fp16", "zb-h1", "frozen-bottom", 1),
 ]
 
 
@@ -198,7 +201,7 @@ def test_every_trainable_parameter_gets_eager_gradient(precision: str, schedule:
 
 
 def test_the_cases_cover_every_pair_the_sweep_names() -> None:
-    """The 18 cases hold every pair of precision and schedule, precision and pattern, pattern and
+    """The 21 cases hold every pair of precision and schedule, precision and pattern, pattern and
     device count, schedule and device count (a covering array: the full product is 270 compiles)."""
     schedules = tuple(s for s in SCHEDULES if s != "auto")  # every schedule compile accepts ("auto" picks one)
     axes = {"precision": tuple(AUTOCAST_DTYPES), "schedule": schedules, "pattern": tuple(PATTERNS), "devices": (1, 2, 3)}
