@@ -109,7 +109,7 @@ class StreamExecutor:
         raised (runtime/recovery.py). `feed` gives the workers their inputs. Returns the mean loss."""
         state = self.state
         self.settle()
-        state.guard.begin()
+        state.guard.begin(state.updated)
         state.step_grad_norm, state.step_overflowed = None, False
         failed = self._attempt(microbatches, feed)
         partial = self._partial_loss() if failed is None else None

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from stagewise.ir.deviations import DeviationPoints
-from stagewise.ir.instructions import Instruction, Stream
+from stagewise.ir.instructions import HostUpdate, Instruction, Stream, Update
 from stagewise.ir.program import Program
 from stagewise.runtime.forward_replay import ForwardReplay
 from stagewise.runtime.loss_weights import LossWeights
@@ -82,6 +82,7 @@ class ExecutorState:
     programs: tuple[Program, ...] = ()  # this process's device programs (`load` sets them)
     program_of: dict[int, Program] = field(default_factory=dict)  # the same, by device
     tables: dict[int, ProgramTables] = field(default_factory=dict)  # per device: its lookups, computed once
+    updated: frozenset[int] = frozenset()  # the stages these programs update (none to evaluate)
     deviation_points: dict[int, DeviationPoints] = field(default_factory=dict)  # per device, computed once
     stash_bytes: dict[int, int] = field(default_factory=dict)  # stage -> bytes its last forward stashed
     iteration: int = 0  # completed steps (a failed one does not count); keys random draws and tags
@@ -102,6 +103,8 @@ class ExecutorState:
         self.programs = tuple(programs)
         self.program_of = {p.device: p for p in self.programs}
         self.tables = {p.device: ProgramTables(p) for p in self.programs}
+        self.updated = frozenset(ins.stage for p in self.programs for ins in p.instructions
+                                 if isinstance(ins, (Update, HostUpdate)))
         for program in self.programs:
             self.tables[program.device].lower(program, bind)
         self.deviation_points.clear()

@@ -13,6 +13,7 @@ the pools' accounting are as before the step.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 import torch
@@ -60,13 +61,15 @@ class StepGuard:
         self.rng: RngState | None = None
         self.side_streams: dict[torch.device, torch.cuda.Stream] = {}  # a GPU's undo records' stream
 
-    def begin(self) -> None:
-        """Record the state before the step (its inputs not yet given to the workers)."""
+    def begin(self, updated: Collection[int]) -> None:
+        """Record the state before the step (its inputs not yet given to the workers); the undo records
+        of the `updated` stages resident on a GPU are queued (a forward-only pass updates none)."""
         self.rng = RngState()
         self.ledgers = [pool.ledger() for pool in self.pools]
         self.starts = {stage: StageStart(worker, self.buffer_copies[stage]) for stage, worker in self.workers.items()}
         self.recorded.clear()
-        self.early = {stage for stage, worker in self.workers.items() if _records_early(worker, self.starts[stage])}
+        self.early = {stage for stage in updated if stage in self.workers
+                      and _records_early(self.workers[stage], self.starts[stage])}
         for stage in self.early:
             self.undo[stage].record_early(self.starts[stage], self._side_stream(self.workers[stage].device))
 

@@ -200,6 +200,16 @@ def test_a_failed_step_is_rolled_back_and_training_goes_on_as_eager(schedule, op
     assert_state_equal(pipe.state_dict(), reference.state_dict())
 
 
+def test_a_forward_only_pass_updates_no_stage_so_records_no_undo():
+    """On a GPU the undo record of each stage the step updates is queued at the step's start
+    (runtime/rollback.py): a forward-only pass (evaluate, predict) updates none, so it queues none."""
+    pipe = sw.compile(model(batchnorm=False), 2, (X,), loss_fn=F.cross_entropy, example_target=Y, optimizer=SGD,
+                      microbatches=MICROBATCHES, schedule="1f1b", split_points=TWO)
+    pipe.evaluate(X, target=Y)
+    assert pipe._evaluation._executor.state.updated == frozenset()
+    assert pipe._executor.state.updated == {0, 1}
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize(("optimizer", "eager_optimizer"), [(SGD, EAGER_SGD), (ADAMW, EAGER_ADAMW)], ids=["sgd", "adamw"])
 def test_a_failed_update_on_a_gpu_is_undone_from_the_record_queued_at_the_step_s_start(optimizer, eager_optimizer):
