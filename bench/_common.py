@@ -11,8 +11,10 @@ import shlex
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn as nn
@@ -114,3 +116,27 @@ class Case:
     inputs: tuple
     target: torch.Tensor
     loss_fn: object
+
+
+class Timed(Protocol):
+    """A configuration a benchmark times: its step (returning the loss) and what each step took."""
+
+    step: Callable[[], float]
+    seconds: list[float]
+    cpu_seconds: list[float]
+    loss: float
+
+
+def round_robin(configs: Sequence[Timed], warmup: int, steps: int) -> None:
+    """Warm-up steps, then timed steps in round robin, so drift in the machine's speed affects every
+    configuration alike; each keeps its step times (wall, and the process's CPU time: every thread)
+    and its last loss."""
+    for _ in range(warmup):
+        for config in configs:
+            config.step()
+    for _ in range(steps):
+        for config in configs:
+            start, cpu = time.perf_counter(), time.process_time()
+            config.loss = config.step()
+            config.seconds.append(time.perf_counter() - start)
+            config.cpu_seconds.append(time.process_time() - cpu)

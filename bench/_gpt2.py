@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,6 +24,7 @@ class Config:
     name: str
     step: Callable[[], float]
     seconds: list[float] = field(default_factory=list)
+    cpu_seconds: list[float] = field(default_factory=list)
     loss: float = float("nan")
 
     @property
@@ -68,15 +68,3 @@ def eager_step(model: GPT2LMHeadModel, ids: torch.Tensor, bf16: bool, microbatch
         return total.item()
 
     return step
-
-
-def measure(configs: list[Config], warmup: int, steps: int) -> None:
-    """Warm-up steps, then timed steps in round robin; each config keeps its step times and last loss."""
-    for _ in range(warmup):
-        for config in configs:
-            config.step()
-    for _ in range(steps):
-        for config in configs:
-            start = time.perf_counter()
-            config.loss = config.step()
-            config.seconds.append(time.perf_counter() - start)

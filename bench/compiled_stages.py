@@ -30,7 +30,7 @@ import time
 import _common
 import _gpt2
 import torch
-from _gpt2 import ADAMW, Config, measure
+from _gpt2 import ADAMW, Config
 from rich.table import Table
 from torch._dynamo.utils import counters
 from transformers.utils import logging as hf_logging
@@ -148,7 +148,7 @@ def main() -> None:
     if args.device == "cuda":
         configs.append(pipeline_config(copy.deepcopy(model), ids, args, cuda_graphs=True))
     configs, first = first_steps(configs, console)
-    measure(configs, args.warmup, args.steps)
+    _common.round_robin(configs, args.warmup, args.steps)
     console.print(table(configs, first))
     if args.lengths:
         new_shapes(model, ids, args, console)

@@ -40,7 +40,7 @@ from pathlib import Path
 import _common
 import _gpt2
 import torch
-from _gpt2 import ADAMW, Config, measure
+from _gpt2 import ADAMW, Config
 from rich.table import Table
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"sw4 split {_gpt2.split_points(args.layers, PIPELINE_DEVICES)}; {args.warmup} warm-up + "
                   f"{args.steps} timed steps per row, round robin")
     rows = build(args, console)
-    measure(rows, args.warmup, args.steps)
+    _common.round_robin(rows, args.warmup, args.steps)
     read_beside(rows, args.device)
     console.print(table(rows))
     if args.json is not None:

@@ -44,7 +44,6 @@ import argparse
 import copy
 import os
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -152,19 +151,6 @@ def pipeline_config(model: nn.Module, devices: int, x: torch.Tensor, y: torch.Te
     return Config(f"{devices} device{'s' if devices > 1 else ''}", step, instructions)
 
 
-def measure(configs: list[Config], warmup: int, steps: int) -> None:
-    """Warm-up steps, then timed steps in round robin; each config keeps its step times and last loss."""
-    for _ in range(warmup):
-        for config in configs:
-            config.step()
-    for _ in range(steps):
-        for config in configs:
-            start, cpu = time.perf_counter(), time.process_time()
-            config.loss = config.step()
-            config.seconds.append(time.perf_counter() - start)
-            config.cpu_seconds.append(time.process_time() - cpu)
-
-
 def per_instruction_us(config: Config, baseline: Config) -> str:
     """Microseconds per instruction of `config` above `baseline`'s step time ("-" for eager configs)."""
     if not config.instructions:
@@ -228,11 +214,11 @@ def main() -> None:
     x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
     configs = [eager_config(copy.deepcopy(model), x, y), accumulating_config(copy.deepcopy(model), x, y)]
     configs += [pipeline_config(copy.deepcopy(model), devices, x, y) for devices in args.devices]
-    measure(configs, args.warmup, args.steps)
+    _common.round_robin(configs, args.warmup, args.steps)
     console.print(table(configs))
     if args.gpt_steps:
         gpt = gpt_configs()
-        measure(gpt, 1, args.gpt_steps)
+        _common.round_robin(gpt, 1, args.gpt_steps)
         console.print(gpt_table(gpt))
     console.print(f"us per instruction above eager = (step time - eager step time) / instructions per step "
                   f"(every device's program); the next column subtracts eager training over the same "

@@ -32,7 +32,7 @@ import copy
 import _common
 import _gpt2
 import torch
-from _gpt2 import ADAMW, Config, measure
+from _gpt2 import ADAMW, Config
 from rich.table import Table
 from transformers import GPT2LMHeadModel
 from transformers.utils import logging as hf_logging
@@ -117,7 +117,7 @@ def main() -> None:
     configs = [eager_config(copy.deepcopy(model), ids, bf16=False), eager_config(copy.deepcopy(model), ids, bf16=True),
                pipeline_config(copy.deepcopy(model), ids, "fp32", args.layers),
                pipeline_config(copy.deepcopy(model), ids, "bf16", args.layers)]
-    measure(configs, args.warmup, args.steps)
+    _common.round_robin(configs, args.warmup, args.steps)
     console.print(table(configs))
 
 
