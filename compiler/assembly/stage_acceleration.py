@@ -44,10 +44,10 @@ def check_plan(acceleration: Acceleration, plan: Plan, modules: Sequence[fx.Grap
     random numbers."""
     split = next((ins for program in plan.programs for ins in program.instructions if isinstance(ins, InputGrad)), None)
     if split is not None and (acceleration.cuda_graphs or acceleration.compile_stages):
-        option = "cuda_graphs=True replays" if acceleration.cuda_graphs else "compile_stages=True compiles"
-        raise OptionError(f"{option} each stage's backward as one piece, and this plan splits stage {split.stage}'s "
-                          f"into input and weight gradients ({split}, schedule zb-h1); give another schedule, or drop "
-                          f"{option.split('=')[0]}")
+        option, does = ("cuda_graphs", "replays") if acceleration.cuda_graphs else ("compile_stages", "compiles")
+        raise OptionError(f"{option}=True {does} each stage's backward as one piece, and this plan splits stage "
+                          f"{split.stage}'s into input and weight gradients ({split}, schedule {plan.schedule}); give "
+                          f"another schedule, or drop {option}")
     if not acceleration.cuda_graphs:
         return
     moved = next((ins for program in plan.programs for ins in program.instructions
