@@ -40,7 +40,7 @@ def stage_charges(stages: Sequence[Stage], transfers: Sequence[Transfer], swappe
         forward.append(sum(c.fwd_s for c in mine) / speed)
         backward.append(sum(c.bwd_s for c in mine) / speed)
         update.append(sum(runtime.update_s[i] for i in stage.layers if i < len(runtime.update_s)) / speed)
-        stash.append(sum(c.stash_bytes for c in mine))
+        stash.append(sum(c.stash_bytes for c in mine) + _outputs_kept(stage, transfers, microbatch_size))
         state.append(0 if stage.index in swapped else sum(c.state_bytes for c in mine))
     shares = input_grad_shares(stages, transfers)
     # a split backward's B records the gradients at the weights' layers for W: about an activation per
@@ -59,6 +59,14 @@ def stage_charges(stages: Sequence[Stage], transfers: Sequence[Transfer], swappe
         wake_s=runtime.wake_s, update_concurrency=runtime.update_concurrency,
         shared_devices=frozenset(d for d, spec in enumerate(devices) if spec.kind == "cpu"),
     )
+
+
+def _outputs_kept(stage: Stage, transfers: Sequence[Transfer], microbatch_size: int) -> float:
+    """Bytes per microbatch of the values `stage` computes and sends on: the runtime keeps its outputs
+    from the forward to the backward (runtime/stash.py `add_outputs`), and no op of the stage saved
+    them (a stage ends at a residual add), so the layers' stashes do not count them."""
+    sent = {t.value: t.bytes_per_sample for t in transfers if t.src == stage.index}
+    return sum(sent.values()) * microbatch_size
 
 
 def input_grad_shares(stages: Sequence[Stage], transfers: Sequence[Transfer]) -> tuple[float, ...]:

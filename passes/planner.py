@@ -6,12 +6,11 @@ devices, OR-Tools CP-SAT partition-and-binding when devices differ in speed or m
 packs and microbatch size come from its Alg. 1 and 2: passes/harmony_search.py); the DP and
 CP-SAT read the links between the devices from their `Topology` (ir/topology.py: measured by compile). With replicas="per-stage"
 the DP may also replicate single stages (a 2-1 plan), a candidate beside the straight pipeline
-(passes/pipedream_partition.py). It then lowers the
-candidate to the same instruction programs the runtime executes and simulates them (Srifty
-§3.3: an event-driven simulator over per-layer costs and the same links). Among the candidates whose
-predicted per-device peak memory fits every device (Harmony §4.3, Varuna §4.4) it keeps the lowest
-predicted iteration time, unless a simpler one (`Simplicity`) is predicted within PLAN_MARGIN of it:
-then the simpler, so that profiling noise does not change the plan from one compile to the next.
+(passes/pipedream_partition.py). It then lowers the candidate to the same instruction programs the runtime
+executes and simulates them (Srifty §3.3: an event-driven simulator over per-layer costs and the same links).
+Of the candidates whose peak memory per device (messages arriving as early as they can: passes/early_arrivals.py)
+fits every device (Harmony §4.3, Varuna §4.4) it keeps the lowest predicted iteration time, unless a simpler
+one (`Simplicity`) is predicted within PLAN_MARGIN of it: then that, so that noise does not change the plan.
 """
 
 from __future__ import annotations
@@ -42,6 +41,7 @@ from stagewise.passes.activations import Policies, apply_policies, asked_policie
 from stagewise.passes.capacity import HostOver, check_fit, host_bytes, nothing_fits
 from stagewise.passes.costs import stage_charges
 from stagewise.passes.cpsat import partition_and_bind
+from stagewise.passes.early_arrivals import early_arrival_peaks
 from stagewise.passes.harmony_packing import split_balanced
 from stagewise.passes.harmony_plan import HARMONY
 from stagewise.passes.layout import PER_STAGE, Layout, choose_layout
@@ -152,7 +152,7 @@ def predict(plan: Assembled, costs: Sequence[LayerCost], devices: Sequence[Devic
             runtime: RuntimeCosts = NO_RUNTIME_COSTS) -> tuple[Prediction, SimResult]:
     cost = sim_cost(plan, costs, devices, microbatch_size, topology, runtime)
     result = simulate(plan.programs, cost)
-    peaks = tuple(int(result.peak_bytes.get(d, 0)) for d in range(len(devices)))
+    peaks = early_arrival_peaks(plan.programs, cost, devices, result.peak_bytes)
     fit = check_fit(devices, peaks, plan.host_bytes)
     stage_s = tuple(f + b for f, b in zip(cost.forward_s, cost.backward_s, strict=True))
     return Prediction(result.iteration_time, stage_s, peaks, fit.fits, time_split(result), fit.hosts_over,

@@ -38,7 +38,8 @@ class SimCost:
     link, `host_links[d]` bytes/s (else `host_bandwidth`), shared fairly with the swaps in the same
     direction of the devices behind the same host (`hosts[d]`; a device not listed has its own).
     `instruction_s`, `concurrency` and `shared_devices`: the runtime's per-instruction cost and
-    host contention (module docstring).
+    host contention (module docstring). `slowed` stretches a device's computes, so that every
+    message to it arrives as early as the work it depends on allows (passes/early_arrivals.py).
     """
 
     forward_s: tuple[float, ...]
@@ -63,6 +64,7 @@ class SimCost:
     update_concurrency: tuple[float, ...] = ()  # as `concurrency`, for updates (U); else `concurrency`
     input_grad_share: tuple[float, ...] = ()  # of backward_s, a split backward's input gradient (Bi); else half
     recorded_bytes: tuple[float, ...] = ()  # held from a split backward's Bi to its W beside the stash
+    slowed: dict[int, float] = field(default_factory=dict)  # device -> factor on its computes' seconds (early arrivals)
 
     @classmethod
     def uniform(cls, n_stages: int, forward_s: float, backward_s: float, **kwargs) -> SimCost:

@@ -238,7 +238,7 @@ class _Simulation(FairShareClock, VarunaDeviation, Interpreter):
             self.memory[device].append((self.now, _at(self.cost.stash_bytes, ins.stage)))
         if isinstance(ins, _WHOLE_BACKWARD) and self.cost.grad_bytes:
             self._hold_grads(device, ins.stage, held=True)
-        seconds = self.cost.compute_s(ins) + self.cost.instruction_s
+        seconds = self.cost.compute_s(ins) * self.cost.slowed.get(device, 1.0) + self.cost.instruction_s
         shared = device in self.cost.shared_devices
         idle = self.now - self.computed_until.get(device, -math.inf) >= WAKE_IDLE_S
         if shared and ins.stream is Stream.COMPUTE and idle:

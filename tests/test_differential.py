@@ -43,8 +43,8 @@ def run_both(schedule: str, swap: str, clip: float | None = 1.0, **options):
     moved = ("swap_in_bytes", "swap_out_bytes", "p2p_bytes")  # this step's, not the first's
     measured = [{**{k: s[k] - b[k] for k in moved}, "peak_bytes": s["peak_bytes"]}
                 for s, b in zip(pipe.stats, before, strict=True)]
-    variants = timing_variants(pipe, measured_cost(pipe))
-    return pipe, measured, (variants[0], variants)  # the first: measured seconds, instant copies
+    simulated = timing_variants(pipe, measured_cost(pipe))
+    return pipe, measured, (simulated.variants[0], simulated)  # the first: measured seconds, instant copies
 
 
 @pytest.fixture(scope="module")
