@@ -145,7 +145,9 @@ def _moved(value: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _signature(piece: dict[str, torch.Tensor | None]) -> Signature:
-    return tuple((name, tuple(v.shape), v.dtype) for name, v in piece.items() if isinstance(v, torch.Tensor))
+    """Per tensor (name, sizes, dtype); the sizes as the tensor's own `torch.Size` (a tuple: equal and
+    hashed as one), not copied, since every microbatch of every step is read here."""
+    return tuple([(name, v.shape, v.dtype) for name, v in piece.items() if isinstance(v, torch.Tensor)])
 
 
 def _example_signature(plan: Plan) -> Signature:
