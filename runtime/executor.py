@@ -265,7 +265,7 @@ class StreamExecutor:
         if device_streams.cuda:  # a CPU device has no events to record
             device_streams.record(stream, index)
         step.timeline.append((device, tables.stream[index], index, start - step.started_at, end - step.started_at))
-        with step.sync.lock:  # `Sync.locked()`, without the call: this runs once per instruction
+        with step.sync.locked():
             step.done[device][index] = True
             if tables.stream[index] is not Stream.COMPUTE:  # no threadless stream is the compute stream
                 step.threadless[device].finished(tables.stream[index])

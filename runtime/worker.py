@@ -133,7 +133,7 @@ class StageWorker(CheckpointAccess):
         self.pool.allocate("stash", self.keys.stash(microbatch), size, instruction)
         if self.is_last:
             self.losses[microbatch] = outputs[0].detach()  # the graph goes with `outputs`, on this thread
-        if stash and not any([isinstance(o, torch.Tensor) and o.requires_grad for o in outputs]):
+        if stash and not any(isinstance(o, torch.Tensor) and o.requires_grad for o in outputs):
             self._release_inputs(microbatch)
 
     def _run(self, microbatch: int, args: list) -> tuple:
