@@ -21,8 +21,8 @@ that of the slower rank. Steps of the two systems alternate after warm-up, so dr
 machine's speed affects both equally. Reported: median step time, samples/s (sequences per
 second) and the throughput ratio stagewise / pippy. Below each model's table, where stagewise's
 step went on each rank (`pipe.time_breakdown()`, medians): compute, waiting for the other rank
-(the pipeline's bubble and the messages), and the runtime's own dispatch; and each rank's compute
-beside the step, the most a faster runtime could gain on this split and schedule.
+(the pipeline's bubble and the messages), and the runtime's own dispatch; and pippy's step over the
+busiest rank's compute, a bound on what any runtime could gain on this split (it ignores the bubble).
 
 If pippy's tracer cannot split the model, the script builds the two stage modules by hand and
 uses `PipelineStage` (its manual frontend), and says so in the output.
@@ -365,8 +365,9 @@ def report_model(console, args, results: dict) -> None:
                 f" + waiting {1e3 * b['waiting_s']:.1f} + dispatch {1e3 * b['dispatch_s']:.1f} + p2p on the compute "
                 f"thread {1e3 * b['inline_s']:.1f} (+ idle); compute / step {b['compute_s'] / b['step_s']:.2f}")
         busiest = max(b["compute_s"] for b in by_system["breakdown"])
-        console.print(f"  {schedule:5s} the most any runtime could reach on this split: pippy's median step / the "
-                      f"busiest rank's compute = {statistics.median(by_system[Pippy.name]['times']) / busiest:.3f}x")
+        console.print(f"  {schedule:5s} a bound for any runtime on this split (no step is shorter than the busiest "
+                      f"rank's compute; the bubble ignored): pippy's median step / that compute = "
+                      f"{statistics.median(by_system[Pippy.name]['times']) / busiest:.3f}x")
 
 
 def main() -> None:
