@@ -1,10 +1,13 @@
 """stagewise vs torch.distributed.pipelining: the same model, split, schedule and training, 2 ranks over gloo.
 
-    python bench/runtime_vs_pippy.py            # default run (about 1-2 minutes on 2 CPU cores)
-    python bench/runtime_vs_pippy.py --quick    # smoke run (about 30 s)
+    python bench/runtime_vs_pippy.py                  # both models (about 5 minutes on 2 CPU cores)
+    python bench/runtime_vs_pippy.py --models small   # the first model alone (about 1-2 minutes)
+    python bench/runtime_vs_pippy.py --quick          # smoke run (about 1 minute)
     torchrun --standalone --nproc-per-node 2 bench/runtime_vs_pippy.py   # the same under torchrun
 
-Both systems train one GPT-style model (untied LM head, so the graph has no tensor shared across
+Two models, one after the other (`MODELS`): "small" (8 blocks, d=128, 64 tokens: the runtime's own
+cost shows) and "large" (8 blocks, d=256, 128 tokens, a 2048 vocabulary, 4x the parameters and about
+8x the FLOPs per step: the kernels dominate). Both systems train one GPT-style model (untied LM head, so the graph has no tensor shared across
 the cut) cut in two at the same block (`split_points=[blocks.k]` for stagewise,
 `split_spec={"blocks.k": SplitPoint.BEGINNING}` for `torch.distributed.pipelining.pipeline`), one
 stage per rank, with the same schedule (GPipe, then 1F1B), the same microbatches, the same loss
@@ -16,7 +19,10 @@ Timing: each rank uses one intra-op thread (two ranks on two cores). Every timed
 by `dist.barrier()` on both ranks and timed on rank 0, for both systems alike, so a step's time is
 that of the slower rank. Steps of the two systems alternate after warm-up, so drift in the
 machine's speed affects both equally. Reported: median step time, samples/s (sequences per
-second) and the throughput ratio stagewise / pippy.
+second) and the throughput ratio stagewise / pippy. Below each model's table, where stagewise's
+step went on each rank (`pipe.time_breakdown()`, medians): compute, waiting for the other rank
+(the pipeline's bubble and the messages), and the runtime's own dispatch; and pippy's step over the
+busiest rank's compute, a bound on what any runtime could gain on this split (it ignores the bubble).
 
 If pippy's tracer cannot split the model, the script builds the two stage modules by hand and
 uses `PipelineStage` (its manual frontend), and says so in the output.
@@ -44,6 +50,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 RANKS = 2
+# each model's sizes and default timed steps (--steps overrides); "large" steps about 8x the FLOPs of "small"
+MODELS = {
+    "small": {"layers": 8, "dim": 128, "heads": 4, "seq": 64, "vocab": 1024, "steps": 60},
+    "large": {"layers": 8, "dim": 256, "heads": 8, "seq": 128, "vocab": 2048, "steps": 15},
+}
+SIZES = ("layers", "dim", "heads", "seq", "vocab")
+BREAKDOWN = ("step_s", "compute_s", "waiting_s", "dispatch_s", "inline_s")  # DeviceTime fields reported
 
 
 # ---- the model: a GPT-style stack with an untied head -------------------------------------------
@@ -87,16 +100,14 @@ def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 # ---- options --------------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="smoke run: fewer steps, one schedule pass (~30 s)")
+    p.add_argument("--quick", action="store_true", help="smoke run: fewer steps, one schedule pass (~1 min)")
+    p.add_argument("--models", default="small,large", help=f"comma-separated, from {','.join(MODELS)}")
     p.add_argument("--schedules", default="gpipe,1f1b", help="comma-separated, from gpipe,1f1b")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--vocab", type=int, default=1024)
+    for size in SIZES:
+        p.add_argument(f"--{size}", type=int, default=None, help=f"every model's {size} (default: the model's)")
     p.add_argument("--batch", type=int, default=16, help="sequences per minibatch")
     p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--steps", type=int, default=60, help="timed steps per system and schedule")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per system and schedule (default: the model's)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
@@ -104,12 +115,24 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="build pippy's stages by hand (PipelineStage) instead of tracing with pipeline()")
     args = p.parse_args(argv)
     if args.quick:
-        args.steps, args.warmup = 6, 1
+        args.steps, args.warmup = 3, 1
     args.schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
     for s in args.schedules:
         if s not in ("gpipe", "1f1b"):
             p.error(f"unknown schedule {s!r}")
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    for m in args.models:
+        if m not in MODELS:
+            p.error(f"unknown model {m!r}: choose from {', '.join(MODELS)}")
     return args
+
+
+def model_args(args: argparse.Namespace, name: str) -> argparse.Namespace:
+    """The options of one model's run: its sizes and steps unless the command line set them."""
+    preset = MODELS[name]
+    sizes = {size: preset[size] if getattr(args, size) is None else getattr(args, size) for size in SIZES}
+    return argparse.Namespace(**{**vars(args), **sizes, "model": name,
+                                 "steps": preset["steps"] if args.steps is None else args.steps})
 
 
 def command_line() -> str:
@@ -156,6 +179,11 @@ class Stagewise:
 
     def step(self, ids, target) -> float:
         return float(self.pipe.step(ids, target=target))
+
+    def breakdown(self) -> dict[str, float]:
+        """Where the last step went on this rank's device (runtime/device_time.py), in seconds."""
+        row = self.pipe.time_breakdown()[0]
+        return {name: row[name] for name in BREAKDOWN}
 
 
 class Pippy:
@@ -222,7 +250,14 @@ def timed_step(system, ids, target) -> tuple[float, float]:
 
 
 def run_rank(rank: int, args) -> dict | None:
+    """Every model's results (by model, then schedule) on rank 0; None on the others."""
     torch.set_num_threads(args.threads)
+    results = {name: run_model(rank, model_args(args, name)) for name in args.models}
+    return results if rank == 0 else None
+
+
+def run_model(rank: int, args) -> dict:
+    """One model's timed steps of both systems under each schedule, and stagewise's breakdown per rank."""
     cut = args.layers // 2
     batches = make_batches(args, args.warmup + args.steps)
     results = {}
@@ -230,20 +265,31 @@ def run_rank(rank: int, args) -> dict | None:
         systems = [Stagewise(args, schedule, cut, batches[0]), Pippy(args, schedule, cut, batches[0], rank)]
         times = {s.name: [] for s in systems}
         losses = {s.name: [] for s in systems}
+        breakdowns = []  # stagewise's split of each timed step on this rank
         for i, (ids, target) in enumerate(batches):
             order = systems if i % 2 == 0 else systems[::-1]  # alternate who goes first
             for system in order:
                 seconds, loss = timed_step(system, ids, target)
                 if i >= args.warmup:
                     times[system.name].append(seconds)
+                    if isinstance(system, Stagewise):
+                        breakdowns.append(system.breakdown())
                 losses[system.name].append(loss)
         losses[Pippy.name] = [_loss_everywhere(v, rank) for v in losses[Pippy.name]]
         results[schedule] = {
             s.name: {"times": times[s.name], "losses": losses[s.name], "how": s.how}
             for s in systems
         }
+        results[schedule]["breakdown"] = _every_rank({k: statistics.median(b[k] for b in breakdowns) for k in BREAKDOWN})
         del systems
-    return results if rank == 0 else None
+    return results
+
+
+def _every_rank(value: dict) -> list[dict]:
+    """`value` of every rank, in rank order (a collective: every rank calls it)."""
+    gathered: list = [None] * RANKS
+    dist.all_gather_object(gathered, value)
+    return gathered
 
 
 # ---- launching --------------------------------------------------------------------------------------
@@ -265,46 +311,63 @@ def _run_and_report(rank: int, args) -> None:
 
 def report(args, results: dict) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     console = Console(width=140)
     console.print(f"[bold]command:[/bold] {command_line()}")
+    for name, by_schedule in results.items():
+        report_model(console, model_args(args, name), by_schedule)
+    console.print("pippy = torch.distributed.pipelining. sw/pippy = pippy step time / stagewise step time, i.e. the "
+                  "throughput ratio stagewise / pippy (> 1: stagewise is faster; issue 23's target >= 1.20). samples/s "
+                  "from the median. 'best' is each system's fastest step, the least disturbed by other load.")
+    console.print(f"1-min load average before the run {args.load_before:.2f}, at its end {os.getloadavg()[0]:.2f} "
+                  f"({os.cpu_count()} cores; this benchmark alone adds about 2: more means other processes competed "
+                  "for the CPU and the medians are noisy)")
+
+
+def report_model(console, args, results: dict) -> None:
+    """One model's table (per schedule: both systems' step times and losses) and stagewise's breakdown per rank."""
+    from rich.table import Table
+
     params = sum(p.numel() for p in make_model(args).parameters())
     console.print(
-        f"model: nn.Module, {args.layers} blocks, d={args.dim}, {args.heads} heads, vocab {args.vocab}, seq {args.seq}, "
-        f"untied head, {params / 1e6:.2f} M parameters; minibatch {args.batch} sequences in {args.microbatches} "
-        f"microbatches; AdamW(lr={args.lr}); 2 ranks over gloo, {args.threads} intra-op thread(s) each; "
-        f"cut before blocks.{args.layers // 2}; {args.warmup} warm-up + {args.steps} timed steps per system"
+        f"[bold]{args.model}[/bold]: {args.layers} blocks, d={args.dim}, {args.heads} heads, vocab {args.vocab}, "
+        f"seq {args.seq}, untied head, {params / 1e6:.2f} M parameters; minibatch {args.batch} sequences in "
+        f"{args.microbatches} microbatches; AdamW(lr={args.lr}); 2 ranks over gloo, {args.threads} intra-op "
+        f"thread(s) each; cut before blocks.{args.layers // 2}; {args.warmup} warm-up + {args.steps} timed steps per system"
     )
+    systems = ("stagewise", Pippy.name)
     for schedule, by_system in results.items():
-        for name, r in by_system.items():
-            console.print(f"  {schedule:5s} {name}: {r['how']}")
-    table = Table(title="stagewise vs torch.distributed.pipelining (same model, split, schedule, optimizer)")
+        for name in systems:
+            console.print(f"  {schedule:5s} {name}: {by_system[name]['how']}")
+    table = Table(title=f"{args.model}: stagewise vs torch.distributed.pipelining (same model, split, schedule, optimizer)")
     for col in ("schedule", "system", "median step ms", "best ms", "samples/s", "sw/pippy median",
                 "sw/pippy best", "first loss", "last loss"):
         table.add_column(col, justify="right" if col not in ("schedule", "system") else "left")
     for schedule, by_system in results.items():
-        sw_r, pp_r = by_system["stagewise"], by_system[Pippy.name]
-        medians = {n: statistics.median(r["times"]) for n, r in by_system.items()}
-        bests = {n: min(r["times"]) for n, r in by_system.items()}
-        for name, r in by_system.items():
-            mine = name == "stagewise"
+        medians = {n: statistics.median(by_system[n]["times"]) for n in systems}
+        bests = {n: min(by_system[n]["times"]) for n in systems}
+        for name in systems:
+            r, mine = by_system[name], name == "stagewise"
             table.add_row(
                 schedule, name, f"{1e3 * medians[name]:.1f}", f"{1e3 * bests[name]:.1f}", f"{args.batch / medians[name]:.1f}",
                 f"{medians[Pippy.name] / medians['stagewise']:.3f}x" if mine else "",
                 f"{bests[Pippy.name] / bests['stagewise']:.3f}x" if mine else "",
                 f"{r['losses'][0]:.6f}", f"{r['losses'][-1]:.6f}",
             )
-        diff = max(abs(a - b) for a, b in zip(sw_r["losses"], pp_r["losses"], strict=True))
-        table.add_row(schedule, "[dim]max |loss diff|, all steps[/dim]", "", "", "", "", "", f"{diff:.2e}", "",
-                      end_section=True)
+        pairs = zip(by_system["stagewise"]["losses"], by_system[Pippy.name]["losses"], strict=True)
+        table.add_row(schedule, "[dim]max |loss diff|, all steps[/dim]", "", "", "", "", "",
+                      f"{max(abs(a - b) for a, b in pairs):.2e}", "", end_section=True)
     console.print(table)
-    console.print("pippy = torch.distributed.pipelining. sw/pippy = pippy step time / stagewise step time, i.e. the "
-                  "throughput ratio stagewise / pippy (> 1: stagewise is faster; target >= 1.05). samples/s from the "
-                  "median. 'best' is each system's fastest step, the least disturbed by other load.")
-    console.print(f"1-min load average before the run {args.load_before:.2f}, at its end {os.getloadavg()[0]:.2f} "
-                  f"({os.cpu_count()} cores; this benchmark alone adds about 2: more means other processes competed "
-                  "for the CPU and the medians are noisy)")
+    for schedule, by_system in results.items():
+        for rank, b in enumerate(by_system["breakdown"]):
+            console.print(
+                f"  {schedule:5s} stagewise rank {rank}: step {1e3 * b['step_s']:.1f} ms = compute {1e3 * b['compute_s']:.1f}"
+                f" + waiting {1e3 * b['waiting_s']:.1f} + dispatch {1e3 * b['dispatch_s']:.1f} + p2p on the compute "
+                f"thread {1e3 * b['inline_s']:.1f} (+ idle); compute / step {b['compute_s'] / b['step_s']:.2f}")
+        busiest = max(b["compute_s"] for b in by_system["breakdown"])
+        console.print(f"  {schedule:5s} a bound for any runtime on this split (no step is shorter than the busiest "
+                      f"rank's compute; the bubble ignored): pippy's median step / that compute = "
+                      f"{statistics.median(by_system[Pippy.name]['times']) / busiest:.3f}x")
 
 
 def main() -> None:

@@ -234,7 +234,9 @@ class StreamExecutor:
         done, tables = step.done[program.device], self.state.tables[program.device]
         waits = program.instructions[index].waits
         if waits:
-            step.sync.wait_until(lambda: all([done[j] for j in waits]), tables.labels[index], tables.waits_on[index])
+            # flags only turn True within a step (under the lock): events already done need no lock
+            if not all([done[j] for j in waits]):
+                step.sync.wait_until(lambda: all([done[j] for j in waits]), tables.labels[index], tables.waits_on[index])
             self.state.streams[program.device].wait(stream, waits)
         if step.sync.error is not None:
             raise Aborted
@@ -259,11 +261,14 @@ class StreamExecutor:
             raise
         end = time.perf_counter()
         clock.ran(step.times, device, index, tables.stream[index], end - start - (clock.waited_s - waited))
-        self.state.streams[device].record(stream, index)
+        device_streams = self.state.streams[device]
+        if device_streams.cuda:  # a CPU device has no events to record
+            device_streams.record(stream, index)
         step.timeline.append((device, tables.stream[index], index, start - step.started_at, end - step.started_at))
         with step.sync.locked():
             step.done[device][index] = True
-            step.threadless[device].finished(tables.stream[index])
+            if tables.stream[index] is not Stream.COMPUTE:  # no threadless stream is the compute stream
+                step.threadless[device].finished(tables.stream[index])
             step.sync.changed(tables.done_key[index])
 
     # ---- threadless streams (runtime/threadless.py) --------------------------------------------
@@ -272,6 +277,8 @@ class StreamExecutor:
         the sends among them deliver, on the receivers' devices (and on `delivered_to`, the receiver
         of the send that just finished, if one did)."""
         step, transport = self.state.step, self.state.transport
+        if delivered_to is None and not step.threadless[device].streams:
+            return  # asked after every instruction: a device with no threadless stream has nothing to run
         devices = [device] if delivered_to is None else [device, delivered_to]
         while devices:
             device = devices[-1]

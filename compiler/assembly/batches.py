@@ -143,6 +143,13 @@ def split_batch(inputs, microbatches: int) -> list:
     return [tuple(c[i] for c in pieces) for i in range(microbatches)]
 
 
+def splits_evenly(inputs, microbatches: int) -> bool:
+    """Whether `split_batch` gives every microbatch the same sizes: each tensor's dim 0 divides (or it
+    has none), so one microbatch's sizes are every one's."""
+    values = inputs.values() if isinstance(inputs, dict) else inputs
+    return all(v.dim() == 0 or v.shape[0] % microbatches == 0 for v in values if isinstance(v, torch.Tensor))
+
+
 def first_microbatch(target, microbatches: int):
     """The first of `microbatches` slices of the target (a scalar or None is every microbatch's)."""
     if isinstance(target, torch.Tensor) and target.dim() > 0:

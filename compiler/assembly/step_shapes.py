@@ -48,10 +48,15 @@ class StepShapes:
         self.cache: dict[Signature, dict[str, ValueSpec]] = {}
         self.classes: dict[ClassKey, SizeClass | None] = {}  # None: the class cannot be propagated symbolically
 
-    def of_step(self, pieces: Sequence[dict[str, torch.Tensor | None]]) -> TransferSpecs | None:
+    def of_step(self, pieces: Sequence[dict[str, torch.Tensor | None]], alike: bool = False) -> TransferSpecs | None:
         """The transfers' sizes for these microbatches (graph input name -> tensor), or None where every
-        microbatch is shaped like the example. Raises ExampleInputsError for sizes the code cannot take."""
-        signatures = [_signature(piece) for piece in pieces]
+        microbatch is shaped like the example. Raises ExampleInputsError for sizes the code cannot take.
+        `alike`: every microbatch has the first's sizes and dtypes (an even split, `splits_evenly`), so
+        one is read for all (every step pays this)."""
+        if alike and pieces:
+            signatures = [_signature(pieces[0])] * len(pieces)
+        else:
+            signatures = [_signature(piece) for piece in pieces]
         if self.plan.precision == "fp32" and all(signature == self.example for signature in signatures):
             return None  # the plan's shapes and dtypes (traced in fp32; under autocast some are bf16 / fp16)
         sent = {t.value for t in self.plan.transfers}
@@ -145,7 +150,9 @@ def _moved(value: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _signature(piece: dict[str, torch.Tensor | None]) -> Signature:
-    return tuple((name, tuple(v.shape), v.dtype) for name, v in piece.items() if isinstance(v, torch.Tensor))
+    """Per tensor (name, sizes, dtype); the sizes as the tensor's own `torch.Size` (a tuple: equal and
+    hashed as one), not copied, since every microbatch of every step is read here."""
+    return tuple([(name, v.shape, v.dtype) for name, v in piece.items() if isinstance(v, torch.Tensor)])
 
 
 def _example_signature(plan: Plan) -> Signature:

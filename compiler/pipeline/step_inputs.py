@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stagewise.compiler.assembly.batches import check_step_tensors, split_batch
+from stagewise.compiler.assembly.batches import check_step_tensors, split_batch, splits_evenly
 from stagewise.compiler.assembly.loss_reduction import LossReduction, loss_weights
 from stagewise.compiler.assembly.shape_buckets import Padding
 from stagewise.compiler.assembly.step_shapes import StepShapes, TransferSpecs
@@ -56,7 +56,7 @@ def prepare_batch(plan: Plan, shapes: StepShapes, inputs: dict[str, torch.Tensor
     else:
         weights = None
     pieces = [{node_names[k]: v for k, v in piece.items()} for piece in split]
-    return PreparedBatch(pieces, weights, shapes.of_step(pieces))
+    return PreparedBatch(pieces, weights, shapes.of_step(pieces, alike=splits_evenly(inputs, m)))
 
 
 def training_inputs(plan: Plan, args, target, kwargs, call: str = "step") -> dict:
