@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import stagewise as sw
+from stagewise.compiler.compile.cluster import hosts_topology
 
 GPU = dict(memory="16GiB", peak_flops="20GFLOPS", memory_bandwidth="100GB/s")  # slow enough that two stages pay
 TWO_HOSTS = sw.Topology.two_level(servers=2, per_server=2, intra="100GB/s", inter="125MB/s")  # 1 Gbit/s between
@@ -63,3 +64,15 @@ def test_one_host_plans_as_before_without_a_second_grouping():
     plan = _plan(flat, replicas=2, stages=2)
     assert plan.considered == ()  # one candidate, as asked: no grouping to weigh on one host
     assert [(s.logical, s.device) for s in sorted(plan.stages, key=lambda s: s.index)] == [(0, 0), (1, 1), (0, 2), (1, 3)]
+
+
+def test_the_link_inside_a_host_is_the_one_measured_between_two_of_its_ranks():
+    """Under torchrun the ranks of one host talk over the process group's transport (gloo: TCP over
+    loopback), not the in-process copy `local_topology` times: cluster.py measures it and the
+    host level carries it, for levels and for a bare matrix alike."""
+    local = sw.Topology.uniform(4, 25e9)  # the in-process copy's bandwidth
+    grouped = hosts_topology(["a", "a", "b", "b"], local, between=1.2e8, inside=1.5e9)
+    assert grouped.link(0, 1) == 1.5e9 and grouped.link(1, 2) == 1.2e8
+    mixed = hosts_topology(["a", "b", "a", "b"], local, between=1.2e8, inside=1.5e9)
+    assert mixed.link(0, 2) == 1.5e9 and mixed.link(0, 1) == 1.2e8
+    assert hosts_topology(["a", "a", "b", "b"], local, between=1.2e8).link(0, 1) == 25e9  # not measured: the copy's

@@ -35,8 +35,8 @@ def job(tmp_path_factory) -> tuple[set[str], str, list[tuple[int | None, str]], 
     with two_hosts("1gbit") as hosts:
         made = {host.namespace for host in hosts}
         assert made <= namespaces()
-        agents = run_job(hosts, PER_HOST, "tests.harness.host_worker",
-                         ["--replicas", "2", "--stages", "2", "--steps", str(STEPS)], out, LIMIT_S)
+        agents = run_job(hosts, PER_HOST, ["-m", "tests.harness.host_worker", "--replicas", "2", "--stages", "2",
+                                           "--steps", str(STEPS)], out, LIMIT_S)
     result = out / "result.pkl"
     return made, str(out), agents, pickle.loads(result.read_bytes()) if result.exists() else None
 

@@ -24,12 +24,12 @@ FEATURES, WIDTH, CLASSES, BATCH, MICROBATCHES = 16, 256, 4, 16, 4
 SGD = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
 
 
-def build_model(seed: int = 0) -> nn.Sequential:
-    """Weights large next to the activations (256 KiB a layer, 4 KiB a microbatch's activation): what
-    crosses the slow link decides the plan."""
+def build_model(seed: int = 0, width: int = WIDTH) -> nn.Sequential:
+    """Weights large next to the activations (256 KiB a layer, 4 KiB a microbatch's activation at
+    the default width): what crosses the slow link decides the plan."""
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(FEATURES, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh(),
-                         nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, CLASSES))
+    return nn.Sequential(nn.Linear(FEATURES, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(),
+                         nn.Linear(width, width), nn.Tanh(), nn.Linear(width, CLASSES))
 
 
 def batches(steps: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -39,12 +39,13 @@ def batches(steps: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]
             for _ in range(steps)]
 
 
-def compile_for_job(replicas: int | str, stages: int | str | None) -> sw.Pipeline:
+def compile_for_job(replicas: int | str, stages: int | str | None, width: int = WIDTH,
+                    cost: str = "analytic") -> sw.Pipeline:
     """The pipeline every rank of the job compiles (the same call on each)."""
     x, y = batches(1)[0]
-    return sw.compile(build_model(), int(os.environ["WORLD_SIZE"]), (x,), loss_fn=F.cross_entropy, example_target=y,
+    return sw.compile(build_model(width=width), int(os.environ["WORLD_SIZE"]), (x,), loss_fn=F.cross_entropy, example_target=y,
                       optimizer=SGD, microbatches=MICROBATCHES, schedule="1f1b", replicas=replicas, stages=stages,
-                      cost="analytic")
+                      cost=cost)
 
 
 def placement(pipe: sw.Pipeline) -> list[tuple[int, int, str]]:
@@ -70,6 +71,14 @@ def main(argv: list[str] | None = None) -> None:
         result = {"losses": losses, "state": state, "placement": where, "topology": pipe.plan.costs.topology,
                   "predicted_s": pipe.plan.predicted_iteration_s, "considered": pipe.plan.considered}
         Path(args.out, "result.pkl").write_bytes(pickle.dumps(result))
+    leave()
+
+
+def leave() -> None:
+    """Leave the job once every rank is done: a process that exits with the group still up may
+    abort in gloo's teardown (seen once here: 'terminate called without an active exception')."""
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -84,12 +84,13 @@ def on_host(host: Host, command: Sequence[str]) -> list[str]:
             f'hostname {host.hostname} && exec "$@"', "sh", *command]
 
 
-def torchrun(host: Host, first: Host, node_rank: int, per_host: int, module: str, *args: str) -> list[str]:
-    """One agent of a 2-host job on `host`: static rendezvous on the first host's address, so that
-    ranks are numbered host by host (torchrun's numbering, which cluster.py reads as levels)."""
+def torchrun(host: Host, first: Host, node_rank: int, per_host: int, program: Sequence[str]) -> list[str]:
+    """One agent of a 2-host job on `host` running `program` (['-m', module, ...] or [script, ...]):
+    static rendezvous on the first host's address, so that ranks are numbered host by host
+    (torchrun's numbering, which cluster.py reads as levels)."""
     return on_host(host, [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node_rank}",
                           f"--nproc-per-node={per_host}", "--rdzv-backend=static", f"--master-addr={first.address}",
-                          f"--master-port={PORT}", "--monitor-interval=0.1", "-m", module, *args])
+                          f"--master-port={PORT}", "--monitor-interval=0.1", *program])
 
 
 def environment(host: Host) -> dict[str, str]:
@@ -100,16 +101,16 @@ def environment(host: Host) -> dict[str, str]:
             "OMP_NUM_THREADS": "1"}
 
 
-def run_job(hosts: tuple[Host, Host], per_host: int, module: str, args: Sequence[str], out: Path,
+def run_job(hosts: tuple[Host, Host], per_host: int, program: Sequence[str], out: Path,
             limit_s: float) -> list[tuple[int | None, str]]:
-    """Both agents of one job running `module` with `args` and `--out out` (where its ranks write
-    and the agents' logs go); each agent's exit status (None: killed at `limit_s`) and output. Every
-    process started here is killed at the end, whatever happened."""
+    """Both agents of one job running `program` (as `torchrun` takes it) with `--out out` added
+    (where its ranks write and the agents' logs go); each agent's exit status (None: killed at
+    `limit_s`) and output. Every process started here is killed at the end, whatever happened."""
     out.mkdir(parents=True, exist_ok=True)
     started: list[subprocess.Popen] = []
     try:
         for node_rank, host in enumerate(hosts):
-            command = torchrun(host, hosts[0], node_rank, per_host, module, *args, "--out", str(out))
+            command = torchrun(host, hosts[0], node_rank, per_host, [*program, "--out", str(out)])
             with open(out / f"{host.hostname}.log", "w") as log:
                 started.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment(host),
                                                 cwd=ROOT, start_new_session=True))
