@@ -117,9 +117,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"load: {open('/proc/loadavg').read().split()[:3]} (1 / 5 / 15 min), on a shared 2-core machine")
     out = Path(tempfile.mkdtemp(prefix="stagewise-topology-"))
     program = [str(Path(__file__).resolve()), "--worker", "--width", str(args.width), "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--cost", args.cost]
+               "--warmup", str(args.warmup), "--cost", args.cost, "--out", str(out)]
     with two_hosts(args.rate) as hosts:
-        agents = run_job(hosts, 2, program, out, limit_s=300.0)
+        agents = run_job(hosts, 2, [program, program], out, limit_s=300.0)
     if any(code != 0 for code, _ in agents):
         sys.exit("the job failed:\n" + "\n".join(text[-3000:] for _, text in agents))
     report(pickle.loads((out / "figures.pkl").read_bytes()), args)

@@ -54,9 +54,10 @@ def namespaces() -> set[str]:
 
 
 @contextlib.contextmanager
-def two_hosts(rate: str = "1gbit") -> Iterator[tuple[Host, Host]]:
-    """Two hosts joined by a veth link of `rate` each way; deleted at the end, even on failure."""
-    tag = f"sw{os.getpid() % 100000}"
+def two_hosts(rate: str = "1gbit", pair: str = "") -> Iterator[tuple[Host, Host]]:
+    """Two hosts joined by a veth link of `rate` each way; deleted at the end, even on failure.
+    `pair`: a letter that tells this pair from another made by the same process at the same time."""
+    tag = f"sw{os.getpid() % 100000}{pair}"
     hosts = tuple(Host(f"{tag}-{side}", f"host-{side}", f"{tag}{side}", f"{SUBNET}.{i + 1}")
                   for i, side in enumerate("ab"))
     try:
@@ -93,24 +94,39 @@ def torchrun(host: Host, first: Host, node_rank: int, per_host: int, program: Se
                           f"--master-port={PORT}", "--monitor-interval=0.1", *program])
 
 
+def elastic_torchrun(host: Host, first: Host, program: Sequence[str]) -> list[str]:
+    """One agent of an elastic job of one or two hosts (one rank each) on `host`: c10d rendezvous
+    kept by the first host, whose address sorts first (its rank is 0). A host that misses two 1 s
+    heartbeats is gone; the survivor waits 5 s for others, then restarts its worker alone."""
+    conf = "join_timeout=30,last_call_timeout=5,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2"
+    return on_host(host, [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
+                          "--rdzv-backend=c10d", f"--rdzv-endpoint={first.address}:{PORT}", "--rdzv-id=two-hosts",
+                          f"--local-addr={host.address}", f"--rdzv-conf=is_host={int(host == first)},{conf}",
+                          "--max-restarts=1", "--monitor-interval=0.1", *program])
+
+
 def environment(host: Host) -> dict[str, str]:
     """What every rank of `host` runs with: gloo on the veth's address, one thread per rank."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_",
                                                                      "TORCHELASTIC", "GROUP_"))}
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: a restart would read the last attempt's addresses (pytorch/pytorch#135712)
     return {**env, "GLOO_SOCKET_IFNAME": host.interface, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
-            "OMP_NUM_THREADS": "1"}
+            "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
-def run_job(hosts: tuple[Host, Host], per_host: int, program: Sequence[str], out: Path,
+def run_job(hosts: tuple[Host, Host], per_host: int | None, programs: Sequence[Sequence[str]], out: Path,
             limit_s: float) -> list[tuple[int | None, str]]:
-    """Both agents of one job running `program` (as `torchrun` takes it) with `--out out` added
-    (where its ranks write and the agents' logs go); each agent's exit status (None: killed at
-    `limit_s`) and output. Every process started here is killed at the end, whatever happened."""
+    """Both agents of one job, each running its host's program (as `torchrun` takes it), which
+    names the folder `out` (where the agents' logs go, and what finds the workers to kill);
+    `per_host` ranks on each host (None: an elastic job, `elastic_torchrun`). Each agent's exit
+    status (None: killed at `limit_s`) and output. Every process started here is killed at the
+    end, whatever happened."""
     out.mkdir(parents=True, exist_ok=True)
     started: list[subprocess.Popen] = []
     try:
-        for node_rank, host in enumerate(hosts):
-            command = torchrun(host, hosts[0], node_rank, per_host, [*program, "--out", str(out)])
+        for node_rank, (host, program) in enumerate(zip(hosts, programs, strict=True)):
+            command = elastic_torchrun(host, hosts[0], program) if per_host is None \
+                else torchrun(host, hosts[0], node_rank, per_host, program)
             with open(out / f"{host.hostname}.log", "w") as log:
                 started.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment(host),
                                                 cwd=ROOT, start_new_session=True))
