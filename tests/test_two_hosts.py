@@ -34,6 +34,7 @@ from tests.reference import ATOL, RTOL, eager_train
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 
 STEPS, PER_HOST, LIMIT_S = 3, 2, 150.0
+HUNG_LIMIT_S = 15.0  # long enough for both agents to start their workers on a loaded machine
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "elastic.py"
 ELASTIC_STEPS, DIE_AT = 8, 5  # checkpoints every 2 steps: the survivor goes on from step 4
 LINE = re.compile(r"step (\d+) loss ([0-9.]+) world (\d+)")
@@ -44,9 +45,10 @@ GIGABIT = 125e6  # bytes/s: the tbf rate of the link between the hosts
 def jobs(tmp_path_factory) -> dict[str, Future]:
     """Both jobs at once, each on a pair of hosts of its own (the elastic one mostly waits on
     heartbeats): the 2 x 2 job and the job that loses a host."""
-    with ThreadPoolExecutor(max_workers=2) as pool:
+    with ThreadPoolExecutor(max_workers=3) as pool:
         started = {"placed": pool.submit(_placed_job, tmp_path_factory.mktemp("two-hosts")),
-                   "lost": pool.submit(_lost_host_job, tmp_path_factory.mktemp("lost-host"))}
+                   "lost": pool.submit(_lost_host_job, tmp_path_factory.mktemp("lost-host")),
+                   "hung": pool.submit(_hung_job, tmp_path_factory.mktemp("hung"))}
     return started
 
 
@@ -58,6 +60,15 @@ def job(jobs) -> tuple[set[str], str, list[tuple[int | None, str]], dict | None]
 @pytest.fixture(scope="module")
 def lost_host(jobs) -> tuple[Path, list[tuple[int | None, str]]]:
     return jobs["lost"].result()
+
+
+def _hung_job(out: Path) -> tuple[set[str], str, list[tuple[int | None, str]]]:
+    """A job whose workers never end (a web server each, serving `out`), killed at its limit: the
+    namespaces it made, its folder, each agent's exit status and output."""
+    with two_hosts("1gbit", pair="h") as hosts:
+        made = {host.namespace for host in hosts}
+        program = ["-m", "http.server", "--bind", "127.0.0.1", "--directory", str(out)]
+        return made, str(out), run_job(hosts, 1, [program, program], out, HUNG_LIMIT_S)
 
 
 def _placed_job(out: Path) -> tuple[set[str], str, list[tuple[int | None, str]], dict | None]:
@@ -111,6 +122,13 @@ def test_nothing_the_job_made_is_left(job):
     made, out, _, _ = job
     assert not made & namespaces()
     assert pids_naming(out) == []  # the agents and every worker
+
+
+def test_a_job_that_never_ends_is_killed_at_its_limit_workers_and_all(jobs):
+    made, out, agents = jobs["hung"].result()
+    assert [code for code, _ in agents] == [None, None]  # still running at the limit: killed
+    assert all("Serving HTTP" in text for _, text in agents), [text[-2000:] for _, text in agents]
+    assert pids_naming(out) == [] and not made & namespaces()
 
 
 def test_the_hosts_are_deleted_when_what_runs_inside_fails():
