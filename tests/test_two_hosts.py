@@ -9,7 +9,8 @@ It trains as eager training does, within the fp32 tolerance of the other multi-p
 And an elastic job of one rank per host (examples/elastic.py) loses host b mid-training (its rank
 kills its agent, as a power cut would): host a's agent restarts its worker alone, which restores
 the newest checkpoint both hosts saved and trains to the end as the uninterrupted run does.
-What the tests create is gone afterwards, also when what runs inside fails.
+What the tests create is gone afterwards, also when what runs inside fails, and a job that never
+ends is killed at its limit, its workers too.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from tests.reference import ATOL, RTOL, eager_train
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 
 STEPS, PER_HOST, LIMIT_S = 3, 2, 150.0
-HUNG_LIMIT_S = 15.0  # long enough for both agents to start their workers on a loaded machine
+HUNG_LIMIT_S = 25.0  # long enough for both agents to start their workers on a loaded machine; the other jobs take longer
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "elastic.py"
 ELASTIC_STEPS, DIE_AT = 8, 5  # checkpoints every 2 steps: the survivor goes on from step 4
 LINE = re.compile(r"step (\d+) loss ([0-9.]+) world (\d+)")
@@ -43,8 +44,9 @@ GIGABIT = 125e6  # bytes/s: the tbf rate of the link between the hosts
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory) -> dict[str, Future]:
-    """Both jobs at once, each on a pair of hosts of its own (the elastic one mostly waits on
-    heartbeats): the 2 x 2 job and the job that loses a host."""
+    """The three jobs at once, each on a pair of hosts of its own (the elastic one mostly waits on
+    heartbeats, the hung one on its limit): the 2 x 2 job, the job that loses a host, the job that
+    never ends."""
     with ThreadPoolExecutor(max_workers=3) as pool:
         started = {"placed": pool.submit(_placed_job, tmp_path_factory.mktemp("two-hosts")),
                    "lost": pool.submit(_lost_host_job, tmp_path_factory.mktemp("lost-host")),
