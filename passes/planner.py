@@ -44,7 +44,7 @@ from stagewise.passes.cpsat import partition_and_bind
 from stagewise.passes.early_arrivals import early_arrival_peaks
 from stagewise.passes.harmony_packing import split_balanced
 from stagewise.passes.harmony_plan import HARMONY
-from stagewise.passes.layout import PER_STAGE, Layout, choose_layout
+from stagewise.passes.layout import PER_STAGE, Grouping, Layout, choose_layout, groupings
 from stagewise.passes.lower import lower
 from stagewise.passes.partition import balanced_starts
 from stagewise.passes.pipedream_dp import NoFeasiblePlan
@@ -212,9 +212,9 @@ def _cpsat(times: list[float], cuts: tuple[Cut, ...], costs: Sequence[LayerCost]
 @dataclass(frozen=True)
 class Candidate:
     """One plan to try: schedule, microbatch count, data-parallel replicas D and pipeline stages P
-    (None: what the layout gives, N / D; fewer leaves devices idle). Or stages replicated each their
-    own way (PipeDream §2.4.1): `stage_replicas` given, e.g. (2, 1), or chosen by the DP
-    (`dp_replication`)."""
+    (None: N / D; fewer leaves devices idle), grouped on hosts as `grouping` says (passes/layout.py).
+    Or stages replicated each their own way (PipeDream §2.4.1): `stage_replicas` given, e.g. (2, 1),
+    or chosen by the DP (`dp_replication`)."""
 
     schedule: Schedule
     microbatches: int
@@ -222,6 +222,7 @@ class Candidate:
     stages: int | None = None
     stage_replicas: tuple[int, ...] = ()
     dp_replication: bool = False
+    grouping: Grouping = Grouping.PIPELINES
 
     @property
     def replicates_stages(self) -> bool:
@@ -232,18 +233,19 @@ class Candidate:
         return (f"{self.schedule:<11} x{self.microbatches:<3}" + (f" D={self.replicas}" if self.replicas > 1 else "")
                 + (f" P={self.stages}" if self.stages is not None else "")
                 + (f" replicas {ways}" if self.replicates_stages else "")
-                + (" (PipeDream DP)" if self.dp_replication else ""))
+                + (" (PipeDream DP)" if self.dp_replication else "") + (" stage copies together" if self.grouping is Grouping.STAGE_COPIES else ""))
 
 
 def candidates(schedule: Schedule, microbatches: int | None, batch: int, n_devices: int, legal_cuts: int,
                needs_swap: bool, replicas: int | str | tuple[int, ...] = 1, stages: int | str | None = None,
-               max_stages: int | None = None) -> list[Candidate]:
+               max_stages: int | None = None, hosts: Sequence[int] = ()) -> list[Candidate]:
     """The plans to simulate. replicas="auto" tries every D that divides the devices and the
     microbatches (P x D, Varuna §4.4) for the schedules that replicate; stages="auto" tries every
     pipeline depth P from 1 to N / D (at most `max_stages`) for them (PipeDream's planner may leave
-    workers idle, §2.4.1: in-process CPU devices that share too few cores run fewer stages faster).
-    replicas="per-stage" tries, for gpipe and 1f1b, the straight pipeline and the DP's replicated
-    stages; replicas=(2, 1) the replication given."""
+    workers idle, §2.4.1: in-process CPU devices that share too few cores run fewer stages faster),
+    grouped on the devices' `hosts` as passes/layout.py `groupings` says. replicas="per-stage" tries,
+    for gpipe and 1f1b, the straight pipeline and the DP's replicated stages; replicas=(2, 1) the
+    replication given."""
     schedules: list[Schedule]
     if schedule != Schedule.AUTO:
         schedules = [schedule]
@@ -269,14 +271,11 @@ def candidates(schedule: Schedule, microbatches: int | None, batch: int, n_devic
             if name not in REPLICATING:  # a number of replicas or stages given for these is refused by the layout
                 options.append(Candidate(name, m, 1 if given_replicas is None else given_replicas, given_stages))
                 continue
-            ds = [d for d in range(1, n_devices + 1) if n_devices % d == 0 and m % d == 0] if given_replicas is None \
-                else [given_replicas]
-            for d in ds:
-                if stages == "auto":
-                    deepest = min(n_devices // d, legal_cuts + 1, max_stages or n_devices)
-                    options += [Candidate(name, m, d, p) for p in range(1, deepest + 1)]
-                else:
-                    options.append(Candidate(name, m, d, given_stages))
+            for d in [d for d in range(1, n_devices + 1) if n_devices % d == 0 and m % d == 0] if given_replicas is None else [given_replicas]:
+                deepest = min(n_devices // d, legal_cuts + 1, max_stages or n_devices)
+                depths = list(range(1, deepest + 1)) if stages == "auto" else [given_stages]
+                options += [Candidate(name, m, d, p, grouping=g) for p in depths
+                            for g in groupings(name, d, p or n_devices // d, hosts)]
     return options
 
 

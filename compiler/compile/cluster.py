@@ -4,10 +4,13 @@ outer one (PipeDream's hierarchy, dissertation Fig. 2.6; ir/topology.py).
 In one process every device is on one host: one level, the measured matrix (calibrate.py
 `local_topology`), as before. Under torch.distributed the ranks are grouped by host name; on one
 host that is still one level. Across hosts the link between them is measured once (rank 0 and the
-first rank of the second host pass a buffer back and forth) and the levels are (ranks per host,
-the slowest link inside a host), (hosts, that measured link) when torchrun numbered the ranks host
-by host in equal numbers; otherwise the matrix alone, without levels (the DP then plans over one
-level at the slowest link). Rank 0's topology is the one every rank plans with.
+first rank of the second host pass a buffer back and forth), and so is the link between two ranks
+of rank 0's host where it holds several (rank 0 and the next rank of its host, over the process
+group's own transport: gloo's TCP over loopback is far slower than the in-process copy
+`local_topology` times). The levels are (ranks per host, that link inside a host), (hosts, the
+link between them) when torchrun numbered the ranks host by host in equal numbers; otherwise the
+matrix alone, without levels (the DP then plans over one level at the slowest link). Rank 0's
+topology is the one every rank plans with.
 """
 
 from __future__ import annotations
@@ -33,9 +36,11 @@ def cluster_topology(devices, local_rank: int) -> Topology:
     names = [str(h) for h in hosts]
     if len(set(names)) == 1:
         return local
-    peer = next(rank for rank, host in enumerate(names) if host != names[0])
-    between = _round_trip_bandwidth(peer, _buffer_device(local_rank))
-    box = [hosts_topology(names, local, between)]
+    device = _buffer_device(local_rank)
+    between = _round_trip_bandwidth(next(rank for rank, host in enumerate(names) if host != names[0]), device)
+    neighbour = next((rank for rank, host in enumerate(names) if rank and host == names[0]), None)
+    inside = None if neighbour is None else _round_trip_bandwidth(neighbour, device)
+    box = [hosts_topology(names, local, between, inside)]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
@@ -50,19 +55,20 @@ def host_levels(hosts: Sequence[str]) -> tuple[int, int] | None:
     return per_host, len(order)
 
 
-def hosts_topology(hosts: Sequence[str], local: Topology, between: float) -> Topology:
-    """Rank i runs on `hosts[i]`: ranks of one host talk over `local`'s links, ranks of different
-    hosts over `between` bytes/s; levels (host, cluster) where `host_levels` finds them."""
+def hosts_topology(hosts: Sequence[str], local: Topology, between: float, inside: float | None = None) -> Topology:
+    """Rank i runs on `hosts[i]`: ranks of one host talk over `inside` bytes/s where measured, else
+    `local`'s links, ranks of different hosts over `between` bytes/s; levels (host, cluster) where
+    `host_levels` finds them."""
     n = len(hosts)
     if local.n_devices != n:
         raise ValueError(f"{n} ranks but {local.n_devices} devices measured")
     shape = host_levels(hosts)
     if shape is not None:
         per_host, count = shape
-        inside = local.among(range(per_host)).slowest_link if per_host > 1 else between
-        return Topology.hierarchical([(per_host, inside), (count, between)])
-    matrix = Topology.from_matrix([[None if i == j else local.link(i, j) if hosts[i] == hosts[j] else between
-                                    for j in range(n)] for i in range(n)])
+        within = (inside or local.among(range(per_host)).slowest_link) if per_host > 1 else between
+        return Topology.hierarchical([(per_host, within), (count, between)])
+    matrix = Topology.from_matrix([[None if i == j else (inside or local.link(i, j)) if hosts[i] == hosts[j]
+                                    else between for j in range(n)] for i in range(n)])
     return replace(matrix, hosts=tuple(list(dict.fromkeys(hosts)).index(h) for h in hosts))
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
@@ -28,7 +28,7 @@ from stagewise.passes.analytic import DEFAULT_PEAK_FLOPS
 from stagewise.passes.capacity import shortfalls
 from stagewise.passes.harmony_plan import HARMONY
 from stagewise.passes.harmony_search import PackSearch, choose_with_harmony
-from stagewise.passes.layout import choose_layout
+from stagewise.passes.layout import Grouping, choose_layout, groupings
 from stagewise.passes.partition import starts_from_split_points
 from stagewise.passes.pipedream_dp import NoFeasiblePlan
 from stagewise.passes.pipedream_partition import (
@@ -44,9 +44,11 @@ from stagewise.passes.planner import (
     Verdict,
     assemble,
     candidates,
+    keep_simplest,
     partition,
     predict,
     sim_cost,
+    simplicity,
 )
 from stagewise.passes.simulate import SimCost
 from stagewise.passes.swap import SwapMode
@@ -101,7 +103,8 @@ class PlanBuilder:
         name, m = candidate.schedule, candidate.microbatches
         graph = self.analysis.at(m) if exact else self.analysis.first
         size = request.batch // m
-        layout = choose_layout(name, len(request.devices), candidate.replicas, graph.legal_cuts, candidate.stages)
+        layout = choose_layout(name, len(request.devices), candidate.replicas, graph.legal_cuts, candidate.stages,
+                               candidate.grouping)
         layer_costs = self.costs.layers.at(size)
         replica_devices: tuple[tuple[int, ...], ...] = ()
         if candidate.replicates_stages:
@@ -123,7 +126,7 @@ class PlanBuilder:
             return Built(plan, list(packed_costs), size)
         else:
             # the straight pipelines (gpipe, 1f1b, varuna) at one size share a partition
-            key = ("pipeline" if name in REPLICATING else name, size, layout.positions, layout.replicas)
+            key = ("pipeline" if name in REPLICATING else name, size, layout.positions, layout.replicas, layout.grouping)
             if key not in self.partitions:
                 self.partitions[key] = partition(name, graph.layers, graph.cuts, layer_costs, layout, request.specs, size,
                                                  self.costs.topology)
@@ -204,21 +207,43 @@ def choose_plan(request: CompileRequest, analysis: Analysis, costs: Costs) -> Ch
     if options.searched:
         found, prediction, considered = _search(request, builder, analysis, costs)
     else:
-        name = Schedule.GPIPE if options.schedule == Schedule.AUTO else options.schedule
-        replicas = options.replicas if isinstance(options.replicas, int) else 1
-        depth = options.stages if isinstance(options.stages, int) else None
-        per_stage = options.replicas if isinstance(options.replicas, tuple) else ()
-        asked = Candidate(name, request.first_microbatches, replicas, depth, stage_replicas=per_stage)
-        built = builder.build(asked, exact=True)
-        prediction, _ = predict(built.plan, built.layer_costs, request.specs, built.microbatch_size, costs.topology,
-                                costs.runtime)
-        found, considered = built.plan, ()
-        if not prediction.fits:
-            _warn_does_not_fit(prediction, request)
+        found, prediction, considered = _asked(request, builder, costs)
     chosen = _exactly(_agree_across_ranks(found, builder), builder, analysis)
     size = request.batch // chosen.microbatches
     cost = sim_cost(chosen, costs.layers.at(size), request.specs, size, costs.topology, costs.runtime)
     return Choice(chosen, prediction, considered, cost)
+
+
+def _asked(request: CompileRequest, builder: PlanBuilder, costs: Costs) -> tuple[Assembled, Prediction, tuple[str, ...]]:
+    """The one plan the options ask for. Where its P x D instances may be grouped on the hosts two
+    ways (passes/layout.py `groupings`) both are built and simulated, and the planner's rule keeps one
+    (the simplest that fits within its margin of the fastest), both listed as considered."""
+    options = request.options
+    name = Schedule.GPIPE if options.schedule == Schedule.AUTO else options.schedule
+    replicas = options.replicas if isinstance(options.replicas, int) else 1
+    depth = options.stages if isinstance(options.stages, int) else None
+    per_stage = options.replicas if isinstance(options.replicas, tuple) else ()
+    asked = Candidate(name, request.first_microbatches, replicas, depth, stage_replicas=per_stage)
+    ways = groupings(name, replicas, depth or len(request.devices) // replicas, _hosts(builder)) if not per_stage \
+        else [Grouping.PIPELINES]
+    tried = []
+    for grouping in ways:
+        built = builder.build(replace(asked, grouping=grouping), exact=True)
+        prediction, _ = predict(built.plan, built.layer_costs, request.specs, built.microbatch_size, costs.topology,
+                                costs.runtime)
+        tried.append((replace(asked, grouping=grouping), built.plan, prediction))
+    fitting = [(simplicity(plan), prediction) for _, plan, prediction in tried]
+    kept = keep_simplest(fitting)[0] if any(prediction.fits for _, prediction in fitting) else 0
+    _, found, prediction = tried[kept]
+    if not prediction.fits:
+        _warn_does_not_fit(prediction, request)
+    return found, prediction, tuple(_describe(option, result) for option, _, result in tried) if len(tried) > 1 else ()
+
+
+def _hosts(builder: PlanBuilder) -> tuple[int, ...]:
+    """The host of each device, from the links measured or given (one host for in-process devices)."""
+    topology = builder.costs.topology
+    return tuple(topology.host_of(d) for d in range(topology.n_devices))
 
 
 def _warn_does_not_fit(prediction: Prediction, request: CompileRequest) -> None:
@@ -272,7 +297,7 @@ def _choose_among(request: CompileRequest, builder: PlanBuilder, analysis: Analy
     options = request.options
     options_to_try = candidates(options.schedule, options.microbatches, request.batch, len(request.devices),
                                 analysis.first.legal_cuts, needs_swap, options.replicas, options.stages,
-                                _stages_at_full_speed(request))
+                                _stages_at_full_speed(request), _hosts(builder))
     if options.microbatch_sizes is not None:
         fewest, most = options.microbatch_sizes
         options_to_try = [c for c in options_to_try if fewest <= request.batch // c.microbatches <= most]
@@ -325,7 +350,7 @@ def _candidate_of(plan: Assembled) -> Candidate:
     if plan.replica_devices:
         return Candidate(plan.schedule, plan.microbatches, stage_replicas=plan.stage_replicas)
     stages = plan.layout.positions if plan.schedule in REPLICATING else None
-    return Candidate(plan.schedule, plan.microbatches, plan.layout.replicas, stages)
+    return Candidate(plan.schedule, plan.microbatches, plan.layout.replicas, stages, grouping=plan.layout.grouping)
 
 
 def _placement_of(plan: Assembled) -> Placement:

@@ -10,7 +10,7 @@ SLOW_FILES_LONGEST_FIRST = (
     "test_no_leak.py", "test_evaluate.py", "test_equality.py", "test_planner.py", "test_precision.py",
     "test_inplace.py", "test_huggingface.py", "test_cli.py", "test_trainable_gradients.py",
     "test_harmony_search.py", "test_schedules.py", "test_loss_reduction.py", "test_opportunistic.py",
-    "test_host_optimizer.py", "test_elastic.py", "test_any_shape_distributed.py", "test_save_load.py",
+    "test_host_optimizer.py", "test_elastic.py", "test_two_hosts.py", "test_any_shape_distributed.py", "test_save_load.py",
     "test_activation_swap.py", "test_morph.py", "test_distributed_save.py", "test_recommend.py",
     "test_plan_only.py", "test_any_shape.py", "test_doc_examples.py", "test_finetune_example.py", "test_optimizer_api.py",
     "test_compiled_stages.py",
