@@ -13,6 +13,7 @@ import torch
 from stagewise.compiler.assembly.options import check_flags
 from stagewise.compiler.assembly.runtime_setup import Runtime
 from stagewise.compiler.assembly.state_dict import IncompatibleKeys, aliases_of, check_state_dict
+from stagewise.compiler.assembly.tensor_parallel import full_state
 from stagewise.compiler.pipeline.optimizer_view import PipelineOptimizer
 from stagewise.compiler.pipeline.readings import Compiled, PipelineReadings
 from stagewise.compiler.pipeline.training_state import TrainingState, resume_scheduler
@@ -97,6 +98,8 @@ class PipelineState(PipelineReadings):
         """
         self._executor.settle(broken_ok=True)
         found = self._local_state()
+        if self.plan.tensor_parallel is not None:  # every rank its shards: the full tensors gathered
+            found = full_state(found, self.plan.tensor_parallel)
         if self.context is not None:
             gathered: list[dict[str, torch.Tensor] | None] = [None] * len(self.plan.devices)
             mine = {k: v.detach().cpu() for k, v in found.items() if k not in self._unheld}  # every rank has those

@@ -1,0 +1,130 @@
+"""Tensor parallelism within a stage (issue 26 item 1): GPT-2 and Llama with `tensor_parallel=2` on
+two gloo ranks (P = 1) train like eager, their Megatron pairs found in the traced graph and split,
+state_dict whole; what is not supported refused before anything runs.
+
+One spawned world runs every case (tests/harness/ranks.py); each case is checked as its own test.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+
+import stagewise as sw
+from stagewise.ir.errors import DeviceError, OptionError
+from stagewise.ir.tensor_parallel import Placement
+from stagewise.passes.megatron import find_blocks
+from tests import hf
+from tests.harness.ranks import case_results, run_cases, spawn
+from tests.reference import RTOL, ATOL, assert_state_equal, eager_train, pipeline_train
+
+CASES = ("gpt2", "llama", "dropout")
+LIMIT_S = 120.0
+# SGD: a step moves each weight by its gradient times lr, so a gradient missing a rank's part shows;
+# AdamW would turn the summation order's last-bit differences of a near-zero gradient into a full step
+SGD = functools.partial(torch.optim.SGD, lr=0.1)
+
+
+def _model(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if name == "dropout":
+        model = hf.gpt2(1)
+        model.transformer.h[0].attn.attn_dropout.p = 0.1  # sdpa's dropout_p, between c_attn and c_proj
+        return model
+    return hf.gpt2(2) if name == "gpt2" else hf.llama(2)
+
+
+def _train_case(rank: int, name: str) -> dict:
+    model, batches = _model(name), hf.lm_batches(steps=2)
+    reference = copy.deepcopy(model)
+    try:
+        pipe = sw.compile(model, ["cpu"], batches[0][0], microbatches=2, cost="analytic", optimizer=SGD,
+                          tensor_parallel=2)
+    except OptionError as error:
+        return {"refused": str(error)}
+    local = {n: tuple(p.shape) for n, p in pipe.stages[0].named_parameters()}
+    losses = pipeline_train(pipe, batches)
+    want = eager_train(reference, batches, optimizer=SGD, microbatches=2)
+    return {"losses": torch.stack(losses), "want": torch.stack(want), "state": pipe.state_dict(),
+            "want_state": reference.state_dict(), "local": local, "plan": str(pipe.plan),
+            "code": pipe.stages[0].code, "parallel": pipe.plan.tensor_parallel,
+            "round_trip": sw.Plan.from_json(pipe.plan.to_json()) == pipe.plan}
+
+
+def _cases(rank: int, init_file: str, out: str) -> None:
+    run_cases(rank, init_file, out, CASES, functools.partial(_train_case, rank))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    return spawn(_cases, tmp_path_factory.mktemp("tp"), limit_s=LIMIT_S)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_two_ranks_per_stage_train_like_eager_with_full_state(trained, name):
+    for result in case_results(trained, name, LIMIT_S):
+        torch.testing.assert_close(result["losses"], result["want"], rtol=RTOL, atol=ATOL)
+        assert_state_equal(result["state"], result["want_state"])
+        assert result["round_trip"]
+
+
+def test_gpt2_pairs_found_in_the_graph_fused_qkv_by_heads(trained):
+    rank0, rank1 = case_results(trained, "gpt2", LIMIT_S)
+    sharded = rank0["parallel"].sharded()
+    attn = sharded["transformer.h.0.attn.c_attn.weight"]
+    assert (attn.placement, attn.dim, attn.groups) == (Placement.COLUMN, 1, 3)  # Conv1D: (in, out), q k v
+    proj = sharded["transformer.h.1.mlp.c_proj.weight"]
+    assert (proj.placement, proj.dim) == (Placement.ROW, 0)
+    assert len(rank0["parallel"].blocks) == 4  # attention and MLP of each block; embeddings, head replicated
+    assert "transformer.wte.weight" not in sharded and "transformer.h.0.attn.c_proj.bias" not in sharded
+    assert rank0["local"]["transformer.h.0.attn.c_attn.weight"] == (32, 48)  # 96 columns over two ranks
+    assert rank1["local"]["transformer.h.0.mlp.c_proj.weight"] == (64, 32)
+    assert rank0["code"].count("tp_all_reduce(") == 4 and rank0["code"].count("tp_enter(") == 4
+    assert "tensor parallel: 2 ranks per stage" in rank0["plan"] and "all-reduce after" in rank0["plan"]
+
+
+def test_llama_grouped_query_attention_splits_kv_heads_with_their_q_heads(trained):
+    rank0, _ = case_results(trained, "llama", LIMIT_S)
+    sharded = rank0["parallel"].sharded()
+    names = ("q_proj", "k_proj", "v_proj", "o_proj")
+    placements = [sharded[f"model.layers.0.self_attn.{n}.weight"].placement for n in names]
+    assert placements == [Placement.COLUMN] * 3 + [Placement.ROW]
+    assert rank0["local"]["model.layers.0.self_attn.k_proj.weight"] == (8, 32)  # 1 of 2 kv heads of 8
+    assert rank0["local"]["model.layers.1.mlp.gate_proj.weight"] == (32, 32)
+
+
+def test_dropout_between_a_pair_is_refused(trained):
+    for result in case_results(trained, "dropout", LIMIT_S):
+        assert "dropout" in result["refused"] and "tensor_parallel=1" in result["refused"]
+
+
+def test_kv_heads_that_do_not_divide_stay_replicated():
+    """Llama's 2 kv heads over 4 ranks: attention replicated with the reason, the MLP still split."""
+    torch.manual_seed(0)
+    model, batches = hf.llama(1), hf.lm_batches(steps=1)
+    pipe = sw.compile(model, ["cpu"], batches[0][0], microbatches=1, cost="analytic")
+    parallel = find_blocks(pipe.stages[0], pipe.plan.layers, 4)
+    assert set(parallel.sharded()) == {f"model.layers.0.mlp.{n}_proj.weight" for n in ("gate", "up", "down")}
+    assert any("self_attn" in reason and "heads" in reason for reason in parallel.unsharded)
+
+
+@pytest.mark.parametrize("given", [0, True, 2.0, "2"])
+def test_bad_degree_is_an_option_error(given):
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(OptionError, match="tensor_parallel="):
+        sw.compile(model, ["cpu"], (torch.randn(2, 4),), loss_fn=torch.nn.functional.mse_loss,
+                   example_target=torch.randn(2, 4), tensor_parallel=given)
+
+
+def test_degree_without_its_ranks_or_with_clipping_is_refused():
+    model, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
+    kwargs = dict(loss_fn=torch.nn.functional.mse_loss, example_target=torch.randn(2, 4), tensor_parallel=2)
+    with pytest.raises(DeviceError, match="nproc-per-node 2"):
+        sw.compile(model, ["cpu"], (x,), **kwargs)
+    with pytest.raises(OptionError, match="clip_grad_norm"):
+        sw.compile(model, ["cpu"], (x,), clip_grad_norm=1.0, **kwargs)
+    with pytest.raises(OptionError, match="one pipeline device"):
+        sw.compile(model, ["cpu", "cpu"], (x,), **kwargs)
