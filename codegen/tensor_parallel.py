@@ -47,7 +47,9 @@ def _apply(node: fx.Node, edit: SizeEdit) -> None:
     if edit.index < 0:
         args[edit.argument] = edit.value
     else:
-        sizes = list(args[edit.argument])  # type: ignore[arg-type]
+        given = args[edit.argument]
+        assert isinstance(given, (list, tuple)), f"{node.name}: argument {edit.argument} is not a list of sizes"
+        sizes = list(given)
         sizes[edit.index] = edit.value
         args[edit.argument] = sizes
     node.args = tuple(args)
@@ -58,10 +60,11 @@ def _enter(graph: fx.Graph, columns: list[fx.Node]) -> None:
     first = columns[0]
     position = 0 if first.target is not aten.addmm.default else 1
     x = first.args[position]
+    assert isinstance(x, fx.Node), f"{first.name} multiplies a constant"
     with graph.inserting_before(first):
         entered = graph.call_function(tp_enter, (x,))
     for column in columns:
-        column.replace_input_with(x, entered)  # type: ignore[arg-type]
+        column.replace_input_with(x, entered)
 
 
 def _reduce(graph: fx.Graph, row: fx.Node) -> None:

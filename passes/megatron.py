@@ -11,6 +11,7 @@ recognised stays replicated on the stage's ranks, with the reason in the plan.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import torch
 import torch.fx as fx
@@ -47,17 +48,22 @@ def matmul(node: fx.Node) -> Matmul | None:
         return None
     args = node.args
     if node.target is aten.linear.default:
-        found = Matmul(node, args[0], args[1], args[2] if len(args) > 2 else None, False)  # type: ignore[arg-type]
+        x, weight, bias, transposed = args[0], args[1], (args[2] if len(args) > 2 else None), False
     elif node.target is aten.addmm.default and not node.kwargs:
-        found = Matmul(node, args[1], args[2], args[0], True)  # type: ignore[arg-type]
+        bias, x, weight, transposed = args[0], args[1], args[2], True
     elif node.target is aten.mm.default:
-        found = Matmul(node, args[0], args[1], None, True)  # type: ignore[arg-type]
+        x, weight, bias, transposed = args[0], args[1], None, True
     else:
         return None
-    state = [found.weight] + ([found.bias] if found.bias is not None else [])
-    if any(not isinstance(t, fx.Node) or t.op != "get_attr" for t in state) or len(shape_of(found.weight)) != 2:
+    if not isinstance(x, fx.Node) or not _is_state(weight) or len(shape_of(weight)) != 2:
         return None
-    return found
+    if bias is not None and not _is_state(bias):
+        return None
+    return Matmul(node, x, weight, bias, transposed)
+
+
+def _is_state(value: object) -> TypeGuard[fx.Node]:
+    return isinstance(value, fx.Node) and value.op == "get_attr"
 
 
 def find_blocks(gm: fx.GraphModule, layers: tuple[Layer, ...], degree: int) -> TensorParallel:
@@ -120,11 +126,11 @@ def _block(seed: Matmul, degree: int, layer_of: dict[str, int],
         raise Unrecognised(f"{row.node.name} does not contract over the split")
     parameters = _parameters(columns, row, groups, degree, uses)
     nodes = {c.node for c in columns} | members | {row.node}
-    held = {layer_of.get(n.name) for n in nodes}
-    if len(held) != 1 or None in held:
+    held = {layer_of.get(n.name, -1) for n in nodes}
+    if len(held) != 1 or -1 in held:
         raise Unrecognised("the pair spans layers")
-    block = ShardedBlock(held.pop(), tuple(c.node.name for c in columns), row.node.name,  # type: ignore[arg-type]
-                         parameters, tuple(propagation.edits))
+    block = ShardedBlock(held.pop(), tuple(c.node.name for c in columns), row.node.name, parameters,
+                         tuple(propagation.edits))
     return block, nodes
 
 
@@ -161,7 +167,8 @@ def _region(seed: Matmul) -> tuple[list[Matmul], set[fx.Node], Matmul]:
 def _column_above(node: fx.Node, x: fx.Node, members: set[fx.Node]) -> Matmul | None:
     """A matmul of the pair's input `x` that `node` (outside the region so far) comes from: k and v
     reach attention beside q."""
-    seen, stack = set(), [node]
+    seen: set[fx.Node] = set()
+    stack = [node]
     while stack and len(seen) < _MOST_NODES:
         current = stack.pop()
         if current in seen or current in members or current is x:

@@ -50,6 +50,25 @@ class Shard:
     groups: int = 1
 
 
+def as_int(value: object) -> int:
+    """A literal int argument of a traced op (a symbolic size is not one)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise Unrecognised(f"{value!r} is not a literal int")
+    return value
+
+
+def as_ints(value: object) -> list[int]:
+    if not isinstance(value, (list, tuple)):
+        raise Unrecognised(f"{value!r} is not a list of sizes")
+    return [as_int(v) for v in value]
+
+
+def as_node(value: object) -> fx.Node:
+    if not isinstance(value, fx.Node):
+        raise Unrecognised(f"{value!r} is not a traced value")
+    return value
+
+
 def shape_of(node: object) -> tuple[int, ...]:
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     if not isinstance(val, torch.Tensor):
@@ -77,16 +96,16 @@ class Propagation:
         """Record `node`'s shard from its inputs' (all visited), or raise `Unrecognised`."""
         target = node.target
         if target is operator.getitem:
-            parts = self.shards[node.args[0]]  # type: ignore[index]  # a split's output, visited before
+            parts = self.shards.get(as_node(node.args[0]))
             if not isinstance(parts, tuple):
                 raise Unrecognised(f"{node.name} indexes a tensor")
-            self.shards[node] = parts[node.args[1]]  # type: ignore[index]  # the split's item
+            self.shards[node] = parts[as_int(node.args[1])]
         elif target is aten._assert_tensor_metadata.default and "size" not in node.kwargs:
             return
         elif target in (aten.dropout.default, aten.native_dropout.default):
             if node.args[1] != 0.0:
                 raise DropoutInside(node.name)
-            self.shards[node] = self.shard(node.args[0])  # type: ignore[arg-type]
+            self.shards[node] = self.shard(as_node(node.args[0]))
         elif target in _PASS or (isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags):
             self.shards[node] = self._pointwise(node)
         elif target in _VIEWS:
@@ -119,8 +138,8 @@ class Propagation:
     def _view(self, node: fx.Node) -> Shard:
         """The split moves to the output dim whose suffix holds as many elements as the input's
         split dim and its suffix (the outermost factor of its block: heads, not the head size)."""
-        source = node.args[0]
-        shard, before, after = self.shard(source), shape_of(source), shape_of(node)  # type: ignore[arg-type]
+        source = as_node(node.args[0])
+        shard, before, after = self.shard(source), shape_of(source), shape_of(node)
         inner = math.prod(before[shard.dim:])
         dims = [o for o in range(len(after)) if math.prod(after[o:]) == inner
                 and after[o] % (shard.groups * self.degree) == 0]
@@ -130,15 +149,15 @@ class Propagation:
         return Shard(dims[0], shard.groups)
 
     def _expand(self, node: fx.Node) -> Shard:
-        source = node.args[0]
-        shard, before, after = self.shard(source), shape_of(source), shape_of(node)  # type: ignore[arg-type]
+        source = as_node(node.args[0])
+        shard, before, after = self.shard(source), shape_of(source), shape_of(node)
         dim = shard.dim + len(after) - len(before)
         self._edit_size(node, 1, dim, after[dim])
         return Shard(dim, shard.groups)
 
     def _edit_size(self, node: fx.Node, argument: int, index: int, full: int) -> None:
         sizes = node.args[argument]
-        value = sizes[index]  # type: ignore[index]
+        value = sizes[index] if isinstance(sizes, (list, tuple)) else None
         if value == -1:
             return
         if not isinstance(value, int) or value != full or full % self.degree:
@@ -155,7 +174,7 @@ class Propagation:
         if node.kwargs.get("enable_gqa"):
             raise Unrecognised(f"{node.name} repeats key/value heads itself (enable_gqa)")
         heads = len(shape_of(node)) - 3
-        if any(self.shard(t) != Shard(heads) for t in (q, k, v)):  # type: ignore[arg-type]
+        if any(self.shard(as_node(t)) != Shard(heads) for t in (q, k, v)):
             raise Unrecognised(f"{node.name}'s query, key and value are not all split by heads")
         if isinstance(mask, fx.Node) and (mask in self.shards or shape_of(mask)[-3] != 1):
             raise Unrecognised(f"{node.name}'s mask differs per head")
@@ -163,50 +182,44 @@ class Propagation:
 
     def _split(self, node: fx.Node) -> tuple[Shard, ...]:
         """Along the split: one piece per fused group (q, k, v), each split alike; elsewhere it passes."""
-        source = node.args[0]
-        shard, before = self.shard(source), shape_of(source)  # type: ignore[arg-type]
-        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
-        dim = dim % len(before)  # type: ignore[operator]
+        source = as_node(node.args[0])
+        shard, before = self.shard(source), shape_of(source)
+        dim = as_int(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % len(before)
         count = len(node.meta["val"])
         if dim != shard.dim:
             return (shard,) * count
-        sizes = node.args[1]
-        if node.target is aten.split_with_sizes.default and len(set(sizes)) != 1:  # type: ignore[arg-type]
-            raise Unrecognised(f"{node.name} splits the split dimension unevenly")
+        sizes = [as_int(node.args[1])] if node.target is aten.split.Tensor else as_ints(node.args[1])
+        if len(set(sizes)) != 1 or sizes[0] % self.degree:
+            raise Unrecognised(f"{node.name} splits the split dimension unevenly or not by {self.degree}")
         if shard.groups != count:
             raise Regroup(count)
         if node.target is aten.split.Tensor:
-            if sizes % self.degree:  # type: ignore[operator]
-                raise Unrecognised(f"{node.name}'s parts do not divide by {self.degree}")
-            self.edits.append(SizeEdit(node.name, 1, -1, sizes // self.degree))  # type: ignore[operator]
+            self.edits.append(SizeEdit(node.name, 1, -1, sizes[0] // self.degree))
         else:
-            for index, size in enumerate(sizes):  # type: ignore[arg-type]
-                self.edits.append(SizeEdit(node.name, 1, index, size // self.degree))
+            self.edits.extend(SizeEdit(node.name, 1, i, size // self.degree) for i, size in enumerate(sizes))
         return (Shard(dim),) * count
 
     def _layout(self, node: fx.Node) -> Shard:
         """Transposes, unsqueezes and slices or concatenations along other dims move or keep the split."""
         target, args = node.target, node.args
-        if target in (aten.cat.default,):
-            parts, dim = args[0], (args[1] if len(args) > 1 else 0)
-            sharded = [self.shard(p) for p in parts if p in self.shards]  # type: ignore[union-attr]
-            empty = all(p in self.shards or math.prod(shape_of(p)) == 0 for p in parts)  # type: ignore[union-attr]
-            rank = len(shape_of(node))
-            if not empty or len(set(sharded)) != 1 or dim % rank == sharded[0].dim:  # type: ignore[operator]
+        if target is aten.cat.default:
+            parts = [as_node(p) for p in (args[0] if isinstance(args[0], (list, tuple)) else ())]
+            sharded = [self.shard(p) for p in parts if p in self.shards]
+            empty = all(p in self.shards or math.prod(shape_of(p)) == 0 for p in parts)
+            dim = as_int(args[1] if len(args) > 1 else 0) % len(shape_of(node))
+            if not empty or len(set(sharded)) != 1 or dim == sharded[0].dim:
                 raise Unrecognised(f"{node.name} concatenates along the split or with unsplit values")
             return sharded[0]
-        shard = self.shard(args[0])  # type: ignore[arg-type]
-        rank = len(shape_of(args[0]))
+        shard, rank = self.shard(as_node(args[0])), len(shape_of(args[0]))
         if target is aten.transpose.int:
-            a, b = (d % rank for d in args[1:3])  # type: ignore[operator]
+            a, b = (as_int(d) % rank for d in args[1:3])
             return Shard({a: b, b: a}.get(shard.dim, shard.dim), shard.groups)
         if target is aten.permute.default:
-            order = [d % rank for d in args[1]]  # type: ignore[union-attr]
-            return Shard(order.index(shard.dim), shard.groups)
+            return Shard([d % rank for d in as_ints(args[1])].index(shard.dim), shard.groups)
         if target is aten.unsqueeze.default:
-            at = args[1] % (rank + 1)  # type: ignore[operator]
+            at = as_int(args[1]) % (rank + 1)
             return Shard(shard.dim + (at <= shard.dim), shard.groups)
-        if target in (aten.slice.Tensor, aten._softmax.default, aten.softmax.int) and args[1] % rank != shard.dim:  # type: ignore[operator]
+        if target in (aten.slice.Tensor, aten._softmax.default, aten.softmax.int) and as_int(args[1]) % rank != shard.dim:
             return shard
         raise Unrecognised(f"{node.name} ({target}) between the pair")
 
