@@ -25,7 +25,7 @@ CASES = ("gpt2", "llama", "dropout")
 LIMIT_S = 120.0
 # SGD: a step moves each weight by its gradient times lr, so a gradient missing a rank's part shows;
 # AdamW would turn the summation order's last-bit differences of a near-zero gradient into a full step
-SGD = functools.partial(torch.optim.SGD, lr=0.1)
+SGD = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)  # momentum: optimizer state per element
 
 
 def _model(name: str) -> torch.nn.Module:
@@ -48,10 +48,32 @@ def _train_case(rank: int, name: str) -> dict:
     local = {n: tuple(p.shape) for n, p in pipe.stages[0].named_parameters()}
     losses = pipeline_train(pipe, batches)
     want = eager_train(reference, batches, optimizer=SGD, microbatches=2)
-    return {"losses": torch.stack(losses), "want": torch.stack(want), "state": pipe.state_dict(),
-            "want_state": reference.state_dict(), "local": local, "plan": str(pipe.plan),
-            "code": pipe.stages[0].code, "parallel": pipe.plan.tensor_parallel,
-            "round_trip": sw.Plan.from_json(pipe.plan.to_json()) == pipe.plan}
+    state = {k: v.clone() for k, v in pipe.state_dict().items()}  # live tensors: _state_paths loads others
+    result = {"losses": torch.stack(losses), "want": torch.stack(want), "state": state,
+              "want_state": reference.state_dict(), "local": local, "plan": str(pipe.plan),
+              "code": pipe.stages[0].code, "parallel": pipe.plan.tensor_parallel,
+              "round_trip": sw.Plan.from_json(pipe.plan.to_json()) == pipe.plan}
+    return {**result, **_state_paths(pipe, reference, batches[0][0])} if name == "gpt2" else result
+
+
+def _state_paths(pipe, reference: torch.nn.Module, inputs: dict) -> dict:
+    """Evaluate against eager, the optimizer's state whole and loaded back, weights loaded, save refused."""
+    reference.eval()
+    with torch.no_grad():
+        eager_eval = reference(**inputs).loss
+    evaluated = pipe.evaluate(**inputs)
+    moments = pipe.optimizer.state_dict()
+    pipe.optimizer.load_state_dict(moments)
+    again = pipe.optimizer.state_dict()
+    perturbed = {k: v + 1 for k, v in reference.state_dict().items()}
+    pipe.load_state_dict(perturbed)
+    try:
+        pipe.save("unused_checkpoint")
+        refused = ""
+    except OptionError as error:
+        refused = str(error)
+    return {"evaluated": evaluated, "eager_eval": eager_eval, "moments": moments, "moments_again": again,
+            "perturbed": perturbed, "loaded": pipe.state_dict(), "save_refused": refused}
 
 
 def _cases(rank: int, init_file: str, out: str) -> None:
@@ -69,6 +91,18 @@ def test_two_ranks_per_stage_train_like_eager_with_full_state(trained, name):
         torch.testing.assert_close(result["losses"], result["want"], rtol=RTOL, atol=ATOL)
         assert_state_equal(result["state"], result["want_state"])
         assert result["round_trip"]
+
+
+def test_state_paths_see_whole_tensors(trained):
+    """evaluate equals eager; optimizer state and weights read whole and load back per rank; no sharded save."""
+    for result in case_results(trained, "gpt2", LIMIT_S):
+        torch.testing.assert_close(result["evaluated"], result["eager_eval"], rtol=RTOL, atol=ATOL)
+        momentum = result["moments"]["state"]["transformer.h.0.attn.c_attn.weight"]["momentum_buffer"]
+        assert momentum.shape == (32, 96)
+        assert_state_equal(result["moments_again"]["state"]["transformer.h.0.attn.c_attn.weight"],
+                           result["moments"]["state"]["transformer.h.0.attn.c_attn.weight"])
+        assert_state_equal(result["loaded"], result["perturbed"])
+        assert "pipe.save" in result["save_refused"] and "tensor_parallel=2" in result["save_refused"]
 
 
 def test_gpt2_pairs_found_in_the_graph_fused_qkv_by_heads(trained):

@@ -8,6 +8,9 @@ plan records which parameters are split and where the collectives are (ir/tensor
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -58,8 +61,52 @@ def full_state(found: dict[str, torch.Tensor], parallel: TensorParallel) -> dict
     sharded = parallel.sharded()
     result = dict(found)
     for name in sorted(n for n in found if n in sharded):
-        local = found[name].detach().contiguous()
-        parts = [torch.empty_like(local) for _ in range(parallel.degree)]
-        dist.all_gather(parts, local)
-        result[name] = sharded[name].full_of(parts)
+        result[name] = _gathered(sharded[name].full_of, found[name])
     return result
+
+
+def local_part(parallel: TensorParallel, name: str, full: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `full`, the whole tensor `name` names (itself where not sharded)."""
+    sharded = parallel.sharded().get(name)
+    return full if sharded is None else sharded.shard_of(full, dist.get_rank(), parallel.degree)
+
+
+def full_optimizer_state(state: dict[str, dict], parallel: TensorParallel) -> dict[str, dict]:
+    """Per parameter name its optimizer state, the sharded ones' moments gathered whole (every rank calls it)."""
+    sharded = parallel.sharded()
+    result = {}
+    for name in sorted(state):
+        values = state[name]
+        if name in sharded:
+            values = {key: _gathered(sharded[name].full_of, value) for key, value in values.items()}
+        result[name] = values
+    return result
+
+
+def local_optimizer_state(state: dict[str, dict], parallel: TensorParallel) -> dict[str, dict]:
+    """`full_optimizer_state` undone: each sharded parameter's moments cut to this rank's part."""
+    return {name: {key: local_part(parallel, name, value) if _per_element(value) else value
+                   for key, value in values.items()} for name, values in state.items()}
+
+
+def refuse_checkpoint(parallel: TensorParallel | None, what: str) -> None:
+    """Checkpoints of split stages (DCP shards per rank, re-planned on load) are not written yet."""
+    if parallel is not None:
+        raise OptionError(f"{what} with tensor_parallel={parallel.degree} is not supported yet (a checkpoint would "
+                          "need each rank's shards); save pipe.state_dict() and pipe.optimizer.state_dict(), which "
+                          "are whole, with torch.save, or compile with tensor_parallel=1")
+
+
+def _per_element(value: object) -> bool:
+    """An optimizer state tensor with one entry per parameter element (not a step count)."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0
+
+
+def _gathered(join: Callable[[list[torch.Tensor]], torch.Tensor], value: Any) -> Any:
+    """`value` whole from every rank's part (`join`), or as it is where it is not per element."""
+    if not _per_element(value):
+        return value
+    local = value.detach().contiguous()
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, local)
+    return join(parts)
