@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 
 import pytest
 import torch
 
 import stagewise as sw
-from stagewise.ir.errors import DeviceError, OptionError
+from stagewise.ir.errors import CheckpointError, DeviceError, OptionError
 from stagewise.ir.tensor_parallel import Placement
 from stagewise.passes.megatron import find_blocks
 from tests import hf
@@ -52,7 +53,7 @@ def _train_case(rank: int, name: str) -> dict:
     result = {"losses": torch.stack(losses), "want": torch.stack(want), "state": state,
               "want_state": reference.state_dict(), "local": local, "plan": str(pipe.plan),
               "code": pipe.stages[0].code, "parallel": pipe.plan.tensor_parallel,
-              "round_trip": sw.Plan.from_json(pipe.plan.to_json()) == pipe.plan}
+              "round_trip": sw.Plan.from_json(pipe.plan.to_json()) == pipe.plan, "json": pipe.plan.to_json()}
     return {**result, **_state_paths(pipe, reference, batches[0][0])} if name == "gpt2" else result
 
 
@@ -128,6 +129,18 @@ def test_llama_grouped_query_attention_splits_kv_heads_with_their_q_heads(traine
     assert placements == [Placement.COLUMN] * 3 + [Placement.ROW]
     assert rank0["local"]["model.layers.0.self_attn.k_proj.weight"] == (8, 32)  # 1 of 2 kv heads of 8
     assert rank0["local"]["model.layers.0.mlp.gate_proj.weight"] == (32, 32)
+
+
+@pytest.mark.parametrize(("field", "value"), [("degree", 0), ("dim", 5), ("value", -48)])
+def test_a_crafted_split_in_plan_json_is_a_checkpoint_error(trained, field, value):
+    text = case_results(trained, "gpt2", LIMIT_S)[0]["json"]
+    data = json.loads(text)
+    parallel = data["tensor_parallel"]
+    target = {"degree": parallel, "dim": parallel["blocks"][0]["parameters"][0],
+              "value": parallel["blocks"][0]["edits"][0]}[field]
+    target[field] = value
+    with pytest.raises(CheckpointError, match="tensor_parallel"):
+        sw.Plan.from_json(json.dumps(data))
 
 
 def test_dropout_between_a_pair_is_refused(trained):
