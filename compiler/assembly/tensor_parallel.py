@@ -56,6 +56,16 @@ def tensor_parallel_rank(degree: int) -> int:
     return dist.get_rank()
 
 
+def rank0_state(modules: list[torch.nn.Module]) -> None:
+    """Every rank's stage state made rank 0's (as DDP does at construction): replicated parameters
+    must be equal on the ranks, and each rank's shards cut from the same whole tensors. A model
+    initialised without a common seed would otherwise train different weights on each rank."""
+    with torch.no_grad():
+        for module in modules:
+            for _, tensor in sorted({**dict(module.named_parameters()), **dict(module.named_buffers())}.items()):
+                dist.broadcast(tensor.data, src=0)
+
+
 def full_state(found: dict[str, torch.Tensor], parallel: TensorParallel) -> dict[str, torch.Tensor]:
     """`found` with every sharded parameter gathered whole from the ranks (every rank calls it)."""
     sharded = parallel.sharded()
