@@ -8,7 +8,7 @@ plan records which parameters are split and where the collectives are (ir/tensor
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -56,7 +56,7 @@ def tensor_parallel_rank(degree: int) -> int:
     return dist.get_rank()
 
 
-def rank0_state(modules: list[torch.nn.Module]) -> None:
+def rank0_state(modules: Sequence[torch.nn.Module]) -> None:
     """Every rank's stage state made rank 0's (as DDP does at construction): replicated parameters
     must be equal on the ranks, and each rank's shards cut from the same whole tensors. A model
     initialised without a common seed would otherwise train different weights on each rank."""
