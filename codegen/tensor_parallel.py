@@ -56,8 +56,9 @@ def _apply(node: fx.Node, edit: SizeEdit) -> None:
 
 
 def _enter(graph: fx.Graph, columns: list[fx.Node]) -> None:
-    """f once on the columns' shared input, which every column then reads."""
-    first = columns[0]
+    """f once on the columns' shared input (before the first of them), which every column then reads."""
+    order = {node: index for index, node in enumerate(graph.nodes)}
+    first = min(columns, key=order.__getitem__)
     position = 0 if first.target is not aten.addmm.default else 1
     x = first.args[position]
     assert isinstance(x, fx.Node), f"{first.name} multiplies a constant"

@@ -95,5 +95,7 @@ class TensorParallel:
             rows = ", ".join(p.name for p in block.parameters if p.placement is Placement.ROW)
             lines.append(f"  {layer_names[block.layer]}: all-reduce of the input gradient before "
                          f"{', '.join(block.columns)} (column: {columns}); all-reduce after {block.row} (row: {rows})")
+        if not self.blocks:
+            lines.append("  no pair of matmuls recognised: every rank computes the whole stage")
         lines.extend(f"  replicated: {reason}" for reason in self.unsharded)
         return "\n".join(lines)

@@ -86,6 +86,9 @@ def find_blocks(gm: fx.GraphModule, layers: tuple[Layer, ...], degree: int) -> T
             raise OptionError(f"tensor_parallel={degree}: dropout with p > 0 at {where} lies between a pair of "
                               "sharded matmuls, where each rank would need a random stream of its own (not "
                               "supported yet); set that dropout to 0, or give tensor_parallel=1") from None
+        if used & taken:  # two pairs would share nodes: the first keeps them, this one stays whole
+            reasons.append(f"{node.name}: it shares values with an earlier pair")
+            continue
         blocks.append(block)
         taken |= used
     return TensorParallel(degree, tuple(blocks), tuple(r for r in reasons if not _inside(r, taken)))
