@@ -18,6 +18,7 @@ import torch.fx as fx
 
 from stagewise.ir.errors import OptionError
 from stagewise.ir.plan import Layer
+from stagewise.ir.subgraph import attribute
 from stagewise.ir.tensor_parallel import Placement, ShardedBlock, ShardedParameter, TensorParallel
 from stagewise.passes.megatron_shapes import (
     DropoutInside,
@@ -100,11 +101,13 @@ def _inside(reason: str, taken: set[fx.Node]) -> bool:
 
 
 def _state_uses(gm: fx.GraphModule) -> dict[str, int]:
-    counts: dict[str, int] = {}
+    """Per state name, the uses of its tensor under any name (a tie read under two names counts twice)."""
+    tensors = {str(n.target): id(attribute(gm, str(n.target))) for n in gm.graph.nodes if n.op == "get_attr"}
+    counts: dict[int, int] = {}
     for node in gm.graph.nodes:
         if node.op == "get_attr":
-            counts[str(node.target)] = counts.get(str(node.target), 0) + len(node.users)
-    return counts
+            counts[tensors[str(node.target)]] = counts.get(tensors[str(node.target)], 0) + len(node.users)
+    return {name: counts[key] for name, key in tensors.items()}
 
 
 def _block(seed: Matmul, degree: int, layer_of: dict[str, int],

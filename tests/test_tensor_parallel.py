@@ -13,9 +13,11 @@ import json
 
 import pytest
 import torch
+import torch.fx as fx
 
 import stagewise as sw
 from stagewise.ir.errors import CheckpointError, DeviceError, OptionError
+from stagewise.ir.plan import Layer
 from stagewise.ir.tensor_parallel import Placement
 from stagewise.passes.megatron import find_blocks
 from tests import hf
@@ -160,6 +162,46 @@ def test_kv_heads_that_do_not_divide_stay_replicated():
     parallel = find_blocks(pipe.stages[0], pipe.plan.layers, 4)
     assert set(parallel.sharded()) == {f"model.layers.0.mlp.{n}_proj.weight" for n in ("gate", "up", "down")}
     assert any("self_attn" in reason and "heads" in reason for reason in parallel.unsharded)
+
+
+class _Recording(fx.Interpreter):
+    """Runs a hand-made graph, leaving each value in its node's meta as a capture does."""
+
+    def run_node(self, n):
+        n.meta["val"] = super().run_node(n)
+        return n.meta["val"]
+
+
+def _mlp_graph(tied: bool) -> fx.GraphModule:
+    """x -> linear(fc1) -> relu -> linear(fc2) -> linear(head): head's weight is fc1's where tied."""
+    root = torch.nn.Module()
+    for name, shape in (("fc1", (8, 4)), ("fc2", (4, 8)), ("head", (8, 4))):
+        setattr(root, name, torch.nn.Module())
+        getattr(root, name).weight = torch.nn.Parameter(torch.randn(shape))
+    if tied:
+        root.head.weight = root.fc1.weight
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    hidden = graph.call_function(torch.ops.aten.linear.default, (x, graph.get_attr("fc1.weight")))
+    hidden = graph.call_function(torch.ops.aten.relu.default, (hidden,))
+    hidden = graph.call_function(torch.ops.aten.linear.default, (hidden, graph.get_attr("fc2.weight")))
+    graph.output(graph.call_function(torch.ops.aten.linear.default, (hidden, graph.get_attr("head.weight"))))
+    gm = fx.GraphModule(root, graph)
+    _Recording(gm).run(torch.randn(2, 4))
+    return gm
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_weight_tied_under_another_name_stays_whole(tied):
+    """fc1 -> relu -> fc2 is a pair, unless fc1's weight is also the head's (read under its other name)."""
+    gm = _mlp_graph(tied)
+    layers = (Layer(0, "mlp", tuple(n.name for n in gm.graph.nodes), (), (), (), ()),)
+    parallel = find_blocks(gm, layers, 2)
+    if tied:
+        assert not parallel.blocks and any("fc1.weight is used elsewhere" in r for r in parallel.unsharded)
+    else:
+        assert [(p.name, p.placement) for p in parallel.blocks[0].parameters] == [
+            ("fc1.weight", Placement.COLUMN), ("fc2.weight", Placement.ROW)]
 
 
 @pytest.mark.parametrize("given", [0, True, 2.0, "2"])
