@@ -102,13 +102,14 @@ def run_rank(rank: int, init_file: str, steps: int) -> None:
         for _ in range(steps + 1):
             eager_step()
         eager_s = (time.perf_counter() - start) / (steps + 1)
-        rows.append(("eager, one process", 0, eager_s, sum(p.numel() * 4 for p in model.parameters()), 0))
+        rows.append(("eager, one process", 0, eager_s, sum(p.numel() * 4 for p in model.parameters()), None))
     parts: list = [None] * RANKS
     dist.all_gather_object(parts, rows)
     if rank == 0:
         print(f"{'':22} {'rank':>4} {'step ms':>9} {'params on rank':>15} {'pool peak':>10}")
         for name, r, seconds, params, peak in sorted((row for part in parts for row in part), key=lambda x: x[0]):
-            print(f"{name:22} {r:>4} {seconds * 1e3:9.1f} {params / 2**20:12.2f} MiB {peak / 2**20:7.2f} MiB")
+            pool = "(no pool)" if peak is None else f"{peak / 2**20:.2f} MiB"
+            print(f"{name:22} {r:>4} {seconds * 1e3:9.1f} {params / 2**20:12.2f} MiB {pool:>10}")
     dist.destroy_process_group()
 
 
