@@ -23,7 +23,8 @@ def use_group(group: dist.ProcessGroup | None) -> None:
     _GROUP[0] = group
 
 
-def _summed(tensor: torch.Tensor) -> torch.Tensor:
+def summed_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` summed over this process's stage group (a copy; a fake or meta tensor as it is)."""
     if is_fake(tensor) or tensor.is_meta:
         return tensor.clone()
     total = tensor.contiguous().clone()
@@ -38,13 +39,13 @@ class _Enter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
-        return _summed(grad)
+        return summed_over_ranks(grad)
 
 
 class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
-        return _summed(x)
+        return summed_over_ranks(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ANN001

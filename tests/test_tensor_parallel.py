@@ -43,16 +43,19 @@ def _train_case(rank: int, name: str) -> dict:
         with torch.no_grad():
             for parameter in model.parameters():
                 parameter.add_(torch.randn_like(parameter))
+    clip = 0.5 if name == "llama" else None  # the global norm adds the shards' squares of both ranks
     pipe = sw.compile(model, ["cpu"], batches[0][0], microbatches=2, cost="analytic", optimizer=SGD,
-                      tensor_parallel=2)
+                      tensor_parallel=2, clip_grad_norm=clip)
     local = {n: tuple(p.shape) for n, p in pipe.stages[0].named_parameters()}
     losses = pipeline_train(pipe, batches)
-    want = eager_train(reference, batches, optimizer=SGD, microbatches=2)
+    norms: list[float] = []
+    want = eager_train(reference, batches, optimizer=SGD, microbatches=2, clip_grad_norm=clip, norms=norms)
     state = {k: v.clone() for k, v in pipe.state_dict().items()}  # live tensors: _state_paths loads others
     result = {"losses": torch.stack(losses), "want": torch.stack(want), "state": state,
               "want_state": reference.state_dict(), "local": local, "plan": str(pipe.plan),
               "code": pipe.stages[0].code, "parallel": pipe.plan.tensor_parallel,
-              "round_trip": sw.Plan.from_json(pipe.plan.to_json()) == pipe.plan, "json": pipe.plan.to_json()}
+              "round_trip": sw.Plan.from_json(pipe.plan.to_json()) == pipe.plan, "json": pipe.plan.to_json(),
+              "norm": pipe.last_grad_norm, "want_norm": norms[-1] if norms else None}
     return {**result, **_state_paths(pipe, reference, batches[0][0])} if name == "gpt2" else result
 
 
@@ -92,6 +95,9 @@ def test_two_ranks_per_stage_train_like_eager_with_full_state(trained, name):
         torch.testing.assert_close(result["losses"], result["want"], rtol=RTOL, atol=ATOL)
         assert_state_equal(result["state"], result["want_state"])
         assert result["round_trip"]
+        if name == "llama":  # clipped: the norm of the whole model's gradient, above the limit
+            assert result["want_norm"] > 0.5
+            assert result["norm"] == pytest.approx(result["want_norm"], rel=1e-5)
 
 
 def test_state_paths_see_whole_tensors(trained):
@@ -211,12 +217,12 @@ def test_bad_degree_is_an_option_error(given):
                    example_target=torch.randn(2, 4), tensor_parallel=given)
 
 
-def test_degree_without_its_ranks_or_with_clipping_is_refused():
+def test_degree_without_its_ranks_or_with_compiled_stages_is_refused():
     model, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
     kwargs = dict(loss_fn=torch.nn.functional.mse_loss, example_target=torch.randn(2, 4), tensor_parallel=2)
     with pytest.raises(DeviceError, match="nproc-per-node 2"):
         sw.compile(model, ["cpu"], (x,), **kwargs)
-    with pytest.raises(OptionError, match="clip_grad_norm"):
-        sw.compile(model, ["cpu"], (x,), clip_grad_norm=1.0, **kwargs)
+    with pytest.raises(OptionError, match="compile_stages"):
+        sw.compile(model, ["cpu"], (x,), compile_stages=True, **kwargs)
     with pytest.raises(OptionError, match="one pipeline device"):
         sw.compile(model, ["cpu", "cpu"], (x,), **kwargs)

@@ -293,7 +293,7 @@ class CompileRequest:
             raise OptionError(f"cost='{options.cost}' times layers on this machine's devices; a plan for devices that "
                               "need not be here is costed from their figures: cost='analytic'")
         _check_model_precision(model, options.precision, resolved)
-        check_supported(options.tensor_parallel, len(resolved), options.clip_grad_norm, options.precision,
+        check_supported(options.tensor_parallel, len(resolved), options.precision,
                         options.acceleration.compile_stages or options.acceleration.cuda_graphs)
         if runs_here and options.tensor_parallel > 1:
             tensor_parallel_rank(options.tensor_parallel)

@@ -74,8 +74,10 @@ def start_runtime(plan: Plan, modules: Sequence[fx.GraphModule | None], optimize
         )
         for stage, module in _local_modules(plan, modules, local)
     ]
+    sharded = frozenset(plan.tensor_parallel.sharded()) if plan.tensor_parallel is not None else frozenset()
     for worker in workers:
         worker.call = stage_call(worker.module, worker.stage.index, plan.precision, acceleration)
+        worker.sharded = sharded & {name for name, _ in worker.module.named_parameters()}
     executor = StreamExecutor(tuple(p for p in plan.programs if p.device in local), workers, transport,
                               clip_grad_norm, {s.index: s.device for s in plan.stages}, seed=plan.seed,
                               precision=plan.precision,

@@ -26,14 +26,12 @@ def check_tensor_parallel(degree: object) -> None:
                           "(e.g. tensor_parallel=2 under `torchrun --nproc-per-node 2`), or 1 for none")
 
 
-def check_supported(degree: int, devices: int, clip_grad_norm: float | None, precision: str,
-                    compiled: bool) -> None:
+def check_supported(degree: int, devices: int, precision: str, compiled: bool) -> None:
     """What this slice of tensor parallelism does not run yet, refused before anything is traced."""
     if degree == 1:
         return
     unsupported = {
-        "clip_grad_norm": clip_grad_norm is not None,  # the norm would need the shards' squares summed
-        "precision='fp16'": precision == "fp16",  # its overflow check is a global norm too
+        "precision='fp16'": precision == "fp16",  # its loss scaling over split stages is untested
         "compile_stages / cuda_graphs": compiled,
     }
     refused = [name for name, given in unsupported.items() if given]
