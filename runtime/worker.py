@@ -23,9 +23,9 @@ import torch.fx as fx
 
 from stagewise.ir.errors import PlanError
 from stagewise.ir.plan import Stage
-from stagewise.ir.tensor_parallel_ops import summed_over_ranks
 from stagewise.runtime.checkpoint_access import CheckpointAccess
 from stagewise.runtime.grad_bytes import GradBytes
+from stagewise.runtime.grad_norm import square_sum
 from stagewise.runtime.host_step import host_step
 from stagewise.runtime.pool import MemoryPool, nbytes
 from stagewise.runtime.split_backward import WeightPass, input_grads
@@ -249,19 +249,8 @@ class StageWorker(CheckpointAccess):
 
     def grad_square_sum(self) -> torch.Tensor:
         """Sum of squared gradient entries over the parameters this stage counts in the norm, where
-        the gradients are: on the device, or in host memory (swapped out, or sent to a host optimizer).
-        A tensor-parallel stage's shards add every rank's squares (its replicated parameters once)."""
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        shards = torch.zeros((), dtype=torch.float64, device=self.device)
-        for name, param in sorted(self.module.named_parameters()):  # one order, also after sw.load
-            grad = param.grad if param.grad is not None else self.host.get(("grads", name))
-            if name in self.owned and grad is not None:
-                part = grad.detach().double().pow(2).sum().to(self.device)
-                if name in self.sharded:
-                    shards += part
-                else:
-                    total += part
-        return total + summed_over_ranks(shards) if self.sharded else total
+        the gradients are: on the device, or in host memory (runtime/grad_norm.py)."""
+        return square_sum(self.module, self.owned, self.sharded, self.host, self.device)
 
     def count_grad_norm(self) -> None:
         """Count this stage's part of the global norm now (its gradients are final, and may leave the
