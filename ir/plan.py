@@ -17,6 +17,7 @@ from stagewise.ir.instructions import Phase
 from stagewise.ir.plan_checks import activations_run, check_plan
 from stagewise.ir.program import Program, programs_from_text
 from stagewise.ir.report import plan_group, render_plan
+from stagewise.ir.tensor_parallel import Placement, ShardedBlock, ShardedParameter, SizeEdit, TensorParallel
 from stagewise.ir.time_split import Bound, TimeSplit
 from stagewise.ir.topology import Level, Topology
 
@@ -192,6 +193,7 @@ class Plan:
         precision: 'fp32', 'bf16' or 'fp16'.
         output_spec: the model output's pytree structure, what `pipe.predict` rebuilds.
         output_nodes: per leaf of `output_spec`, the graph node computing it.
+        tensor_parallel: the ranks each stage spans and its sharded parameters; None: one rank each.
 
     Example:
         >>> pipe.plan.model, pipe.plan.microbatches, len(pipe.plan.stages), pipe.plan.state_names[:2]
@@ -232,6 +234,7 @@ class Plan:
     precision: str = "fp32"  # "bf16" | "fp16": stage forwards run under torch.autocast (ir/precision.py)
     output_spec: str | None = None  # the model output's structure, pytree JSON: what pipe.predict returns
     output_nodes: tuple[str | None, ...] = ()  # per leaf of output_spec, the graph node computing it (None: none)
+    tensor_parallel: TensorParallel | None = None  # each stage over several ranks (ir/tensor_parallel.py)
 
     def to_json(self) -> str:
         """The plan as JSON text, what a checkpoint's plan.json holds.
@@ -315,6 +318,8 @@ def _convert(hint: str, value):
         return None if value in (None, "") else parse_choice(CostModel, value, "cost_model=")
     if hint == "Bound":
         return Bound(value)
+    if hint == "Placement":
+        return Placement(value)
     if isinstance(value, dict):  # a nested dataclass: `Name` or `Name | None`
         return _build(_NESTED[hint.split("|")[0].strip()], value)
     if isinstance(value, list):
@@ -369,6 +374,6 @@ _NESTED.update(
     {
         cls.__name__: cls
         for cls in (Layer, InputSpec, CrossingValue, Cut, SharedTensor, Transfer, Stage, DeviceSpec, LayerCost, PlanCosts, Topology,
-                    Level, RuntimeCosts, TimeSplit)
+                    Level, RuntimeCosts, TimeSplit, TensorParallel, ShardedBlock, ShardedParameter, SizeEdit)
     }
 )

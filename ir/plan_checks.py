@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
     from stagewise.ir.plan import InputSpec, Plan
     from stagewise.ir.program import Program
+    from stagewise.ir.tensor_parallel import TensorParallel
 
 MAX_COUNT = 1 << 16  # devices, stages, microbatches: far above any pipeline
 MAX_MICROBATCH_SIZE = 1 << 24  # samples in one microbatch
@@ -41,6 +42,8 @@ def check_plan(plan: Plan) -> Plan:
     _count("the number of stages", len(plan.stages), 1, MAX_COUNT)
     if plan.input_kind not in ("positional", "keyword"):
         _refuse("input_kind", plan.input_kind, "'positional' or 'keyword'")
+    if plan.tensor_parallel is not None:
+        _check_tensor_parallel(plan.tensor_parallel, len(plan.layers))
     for position, stage in enumerate(plan.stages):
         name = f"stages[{position}]"
         _count(f"{name}.index", stage.index, position, position)
@@ -152,6 +155,19 @@ def _shape(name: str, value: object) -> tuple[int, ...]:
 def _count(name: str, value: object, low: int, high: int) -> None:
     if type(value) is not int or not low <= value <= high:
         _refuse(name, value, f"an int from {low} to {high}")
+
+
+def _check_tensor_parallel(parallel: TensorParallel, layers: int) -> None:
+    """Ranks, layers, dims and sizes in range: what a stage's code would be cut and sliced by."""
+    _count("tensor_parallel.degree", parallel.degree, 2, MAX_COUNT)
+    for position, block in enumerate(parallel.blocks):
+        name = f"tensor_parallel.blocks[{position}]"
+        _count(f"{name}.layer", block.layer, 0, layers - 1)
+        for parameter in block.parameters:
+            _count(f"{name} {parameter.name!r} dim", parameter.dim, 0, 1)
+            _count(f"{name} {parameter.name!r} groups", parameter.groups, 1, MAX_COUNT)
+        for edit in block.edits:
+            _count(f"{name} size of {edit.node!r}", edit.value, 1, MAX_MICROBATCH_SIZE)
 
 
 def _refuse(name: str, value: object, expected: str) -> None:

@@ -64,6 +64,8 @@ def plan_parts(plan) -> list[Table | str]:
         parts.append(_split_order(plan))
     if plan.precision != "fp32":
         parts.append(f"precision: {plan.precision} (forwards under torch.autocast; fp32 weights, gradients, optimizer)")
+    if plan.tensor_parallel is not None:
+        parts.append(plan.tensor_parallel.describe(tuple(layer.name for layer in plan.layers), len(plan.devices)))
     if plan.considered:
         parts.append("plans considered:\n  " + "\n  ".join(plan.considered))
     if plan.shared:

@@ -25,6 +25,7 @@ from stagewise.ir.errors import PlanError
 from stagewise.ir.plan import Stage
 from stagewise.runtime.checkpoint_access import CheckpointAccess
 from stagewise.runtime.grad_bytes import GradBytes
+from stagewise.runtime.grad_norm import square_sum
 from stagewise.runtime.host_step import host_step
 from stagewise.runtime.pool import MemoryPool, nbytes
 from stagewise.runtime.split_backward import WeightPass, input_grads
@@ -68,6 +69,7 @@ class StageWorker(CheckpointAccess):
         self.module = module.to(self.device)
         self.dtypes = {n: p.dtype for n, p in self.params.items()}
         self.owned = owned  # parameter names whose gradient counts in global reductions
+        self.sharded: frozenset[str] = frozenset()  # tensor-parallel shards: squares summed over the stage's ranks
         self.grad_inputs = grad_inputs  # received values whose gradient goes back to their sender
         self.is_last = is_last
         self.shared_names = shared_names  # canonical FQN of a shared tensor -> this stage's name for it
@@ -247,13 +249,8 @@ class StageWorker(CheckpointAccess):
 
     def grad_square_sum(self) -> torch.Tensor:
         """Sum of squared gradient entries over the parameters this stage counts in the norm, where
-        the gradients are: on the device, or in host memory (swapped out, or sent to a host optimizer)."""
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for name, param in sorted(self.module.named_parameters()):  # one order, also after sw.load
-            grad = param.grad if param.grad is not None else self.host.get(("grads", name))
-            if name in self.owned and grad is not None:
-                total += grad.detach().double().pow(2).sum().to(self.device)
-        return total
+        the gradients are: on the device, or in host memory (runtime/grad_norm.py)."""
+        return square_sum(self.module, self.owned, self.sharded, self.host, self.device)
 
     def count_grad_norm(self) -> None:
         """Count this stage's part of the global norm now (its gradients are final, and may leave the

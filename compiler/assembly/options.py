@@ -14,6 +14,11 @@ import torch
 from stagewise.compiler.assembly.batches import batch_size, check_microbatches, input_specs
 from stagewise.compiler.assembly.optimizer_groups import ParamGroups, check_param_groups, sample_optimizer
 from stagewise.compiler.assembly.stage_acceleration import check_devices
+from stagewise.compiler.assembly.tensor_parallel import (
+    check_supported,
+    check_tensor_parallel,
+    tensor_parallel_rank,
+)
 from stagewise.ir.choices import ActivationPolicy, CostModel, Schedule, parse_choice
 from stagewise.ir.devices import Device, check_present, resolve_devices
 from stagewise.ir.errors import (
@@ -32,7 +37,7 @@ from stagewise.passes.capture import input_names
 from stagewise.passes.contention import available_cores, computes_at_full_speed
 from stagewise.passes.layout import PER_STAGE
 from stagewise.passes.swap import SwapMode
-from stagewise.runtime.launch import DistributedContext, distributed_context
+from stagewise.runtime.launch import DistributedContext, pipeline_context
 from stagewise.runtime.stage_calls import EAGER, Acceleration
 
 DEFAULT_OPTIMIZER = functools.partial(torch.optim.SGD, lr=0.01)
@@ -63,6 +68,7 @@ class CompileOptions:
     # (compiler/elastic/replan.py); None: any
     microbatch_sizes: tuple[int, int] | None = None
     acceleration: Acceleration = EAGER  # compile_stages, cuda_graphs (runtime/stage_calls.py)
+    tensor_parallel: int = 1  # ranks each stage spans (compiler/assembly/tensor_parallel.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.replicas, list):  # replicas=[2, 1] reads as (2, 1)
@@ -72,6 +78,7 @@ class CompileOptions:
         _check_scalars(self)
         _check_layout(self)
         _check_precision(self)
+        check_tensor_parallel(self.tensor_parallel)
 
     @property
     def searched(self) -> bool:
@@ -286,7 +293,11 @@ class CompileRequest:
             raise OptionError(f"cost='{options.cost}' times layers on this machine's devices; a plan for devices that "
                               "need not be here is costed from their figures: cost='analytic'")
         _check_model_precision(model, options.precision, resolved)
-        distributed = distributed_context() if runs_here else None
+        check_supported(options.tensor_parallel, len(resolved), options.precision,
+                        options.acceleration.compile_stages or options.acceleration.cuda_graphs)
+        if runs_here and options.tensor_parallel > 1:
+            tensor_parallel_rank(options.tensor_parallel)
+        distributed = pipeline_context(options.tensor_parallel) if runs_here else None
         if runs_here:
             _warn_if_oversubscribed(_sharing_cpu_devices(resolved, distributed))
         names, kind = input_names(model, example_inputs)

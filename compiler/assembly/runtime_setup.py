@@ -20,7 +20,7 @@ from stagewise.ir.plan import Plan, Stage
 from stagewise.ir.precision import LossScaling
 from stagewise.runtime.distributed import DistributedTransport
 from stagewise.runtime.executor import DEFAULT_TIMEOUT_S, StreamExecutor
-from stagewise.runtime.launch import DistributedContext, distributed_context
+from stagewise.runtime.launch import DistributedContext, pipeline_context
 from stagewise.runtime.pool import MemoryPool
 from stagewise.runtime.stage_calls import EAGER, Acceleration, stage_call
 from stagewise.runtime.transport import LocalTransport
@@ -46,7 +46,7 @@ def start_runtime(plan: Plan, modules: Sequence[fx.GraphModule | None], optimize
     """Pools, transport, this process's stage workers (modules[i] runs stage i, None where another
     rank holds it; `swapped`: the stages whose state lives in host memory between uses; `acceleration`:
     compiled or graphed stage calls) and their executor (`loss_scaling`: fp16's, default LossScaling())."""
-    context = distributed_context()
+    context = pipeline_context(plan.tensor_parallel.degree if plan.tensor_parallel is not None else 1)
     local = set(range(len(plan.devices))) if context is None else {context.rank}
     pools = [MemoryPool(i, _torch_device(plan, i, context), d.memory) for i, d in enumerate(plan.devices)]
     transport: LocalTransport | DistributedTransport
@@ -74,8 +74,10 @@ def start_runtime(plan: Plan, modules: Sequence[fx.GraphModule | None], optimize
         )
         for stage, module in _local_modules(plan, modules, local)
     ]
+    sharded = frozenset(plan.tensor_parallel.sharded()) if plan.tensor_parallel is not None else frozenset()
     for worker in workers:
         worker.call = stage_call(worker.module, worker.stage.index, plan.precision, acceleration)
+        worker.sharded = sharded & {name for name, _ in worker.module.named_parameters()}
     executor = StreamExecutor(tuple(p for p in plan.programs if p.device in local), workers, transport,
                               clip_grad_norm, {s.index: s.device for s in plan.stages}, seed=plan.seed,
                               precision=plan.precision,

@@ -80,6 +80,7 @@ def compile(  # noqa: A001 - the public name of the API
     shape_buckets: int | tuple[int, ...] | list[int] | None = None,
     compile_stages: bool = False,
     cuda_graphs: bool = False,
+    tensor_parallel: int = 1,
 ) -> Pipeline:
     """Compile `model` into a pipeline over `devices` that trains exactly like eager training.
 
@@ -104,6 +105,8 @@ def compile(  # noqa: A001 - the public name of the API
             compile_stages, cuda_graphs.
         microbatches ... cuda_graphs: each option of the three groups may instead be given as
             a keyword of its own (`microbatches=4`), the same value as in its group.
+        tensor_parallel: the ranks each stage spans (Megatron's pairs split over them, the rest
+            replicated); this version runs one device over all `torchrun --nproc-per-node T` ranks.
 
     Returns:
         The sw.Pipeline: `pipe.step(x, target=y)` trains one step and returns its loss.
@@ -137,7 +140,7 @@ def compile(  # noqa: A001 - the public name of the API
     loss_reduction = loss_reduction or model_reduction(model, input_names(model, example_inputs)[0], loss_fn)
     devices = virtual_layout(devices, virtual)
     options = make_options(loss_fn=loss_fn, example_target=example_target, optimizer=optimizer,
-                           bucketed=buckets is not None, **chosen)
+                           bucketed=buckets is not None, tensor_parallel=tensor_parallel, **chosen)
     ctx = CompileContext(CompileRequest.make(model, devices, example_inputs, options))
     run_checked(ctx)
     chosen_plan = after(ctx.plan, "plan")

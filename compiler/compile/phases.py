@@ -13,13 +13,17 @@ from collections.abc import Callable, Sequence
 import torch
 
 from stagewise.codegen.stages import build_stage_modules
+from stagewise.codegen.tensor_parallel import shard_stage
 from stagewise.compiler.assembly.runtime_setup import start_runtime
 from stagewise.compiler.assembly.stage_acceleration import check_plan as check_acceleration
-from stagewise.compiler.compile.analysis import Analysis
+from stagewise.compiler.assembly.tensor_parallel import rank0_state, tensor_parallel_rank
+from stagewise.compiler.compile.analysis import Analysed, Analysis
 from stagewise.compiler.compile.context import CompileContext, after
 from stagewise.compiler.compile.costing import measure_costs
 from stagewise.compiler.compile.planning import choose_plan
 from stagewise.ir.plan import Plan
+from stagewise.ir.tensor_parallel import TensorParallel
+from stagewise.passes.megatron import find_blocks
 from stagewise.passes.planner import recorded_costs
 from stagewise.passes.random_ops import key_random_ops
 from stagewise.passes.shared import alias_groups
@@ -89,7 +93,13 @@ def plan(ctx: CompileContext) -> None:
         predicted_split=prediction.split,
         considered=ctx.choice.considered,
         costs=recorded_costs(chosen, costs.layers.at(graph.microbatch_size), costs.topology, costs.runtime),
+        tensor_parallel=_tensor_parallel(graph, request.options.tensor_parallel),
     )
+
+
+def _tensor_parallel(graph: Analysed, degree: int) -> TensorParallel | None:
+    """Megatron's pairs of the graph split over `degree` ranks (passes/megatron.py); None for one rank."""
+    return find_blocks(graph.graph, graph.layers, degree) if degree > 1 else None
 
 
 def codegen(ctx: CompileContext) -> None:
@@ -97,7 +107,13 @@ def codegen(ctx: CompileContext) -> None:
     drawing from keyed streams (passes/random_ops.py): `ctx.modules`."""
     chosen = after(ctx.choice, "plan").plan
     graph = after(ctx.analysis, "capture").at(chosen.microbatches)
-    ctx.modules = build_stage_modules(key_random_ops(graph.graph), graph.layers, chosen.stages)
+    modules = build_stage_modules(key_random_ops(graph.graph), graph.layers, chosen.stages)
+    parallel = after(ctx.plan, "plan").tensor_parallel
+    if parallel is not None:  # this rank's part of each stage, the collectives in its code
+        rank = tensor_parallel_rank(parallel.degree)
+        rank0_state(modules)
+        modules = [shard_stage(module, parallel, rank) for module in modules]
+    ctx.modules = modules
 
 
 def runtime(ctx: CompileContext) -> None:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from stagewise.compiler.assembly.optimizer_groups import ParamGroups, sample_optimizer
 from stagewise.compiler.assembly.state_dict import model_name
+from stagewise.compiler.assembly.tensor_parallel import full_optimizer_state, local_optimizer_state
 from stagewise.ir.errors import OptionError, StateDictError
 from stagewise.ir.plan import Plan
 from stagewise.runtime.worker import StageWorker
@@ -42,6 +43,7 @@ class PipelineOptimizer(torch.optim.Optimizer):
         self._settle = settle
         self._distributed = distributed
         self._factory = factory
+        self._parallel = plan.tensor_parallel  # sharded parameters' state is gathered whole, cut on load
         self._names = {id(p): model_name(plan, n) for w in self._stages for n, p in w.params.items()}
         self._position = {n: i for i, n in enumerate(plan.state_names)}  # the model's order
         if self._stages:
@@ -129,6 +131,8 @@ class PipelineOptimizer(torch.optim.Optimizer):
                 for name, values in part_state.items():
                     state.setdefault(name, values)
             names = self._merged([part_names for _, part_names in parts])
+        if self._parallel is not None:  # the ranks' moments of each sharded parameter, whole
+            state = full_optimizer_state(state, self._parallel)
         state = {name: state[name] for name in sorted(state, key=self._ordered)}  # the model's order, however made
         groups = [{**{k: copy.deepcopy(v) for k, v in g.items() if k not in _OWN_KEYS}, "param_names": group_names}
                   for g, group_names in zip(self.param_groups, names, strict=True)]
@@ -144,6 +148,8 @@ class PipelineOptimizer(torch.optim.Optimizer):
             dist.all_gather_object(parts, names)
             names = self._merged(parts)
         groups = _checked_groups(state_dict, names)
+        if self._parallel is not None:
+            state_dict = {**state_dict, "state": local_optimizer_state(state_dict["state"], self._parallel)}
         self._settle(broken_ok=True)
         for worker in self._stages:
             order = [p for group in _optimizer(worker).param_groups for p in group["params"]]

@@ -13,6 +13,7 @@ import torch
 from stagewise.compiler.assembly.options import check_flags
 from stagewise.compiler.assembly.runtime_setup import Runtime
 from stagewise.compiler.assembly.state_dict import IncompatibleKeys, aliases_of, check_state_dict
+from stagewise.compiler.assembly.tensor_parallel import full_state, local_part
 from stagewise.compiler.pipeline.optimizer_view import PipelineOptimizer
 from stagewise.compiler.pipeline.readings import Compiled, PipelineReadings
 from stagewise.compiler.pipeline.training_state import TrainingState, resume_scheduler
@@ -97,6 +98,8 @@ class PipelineState(PipelineReadings):
         """
         self._executor.settle(broken_ok=True)
         found = self._local_state()
+        if self.plan.tensor_parallel is not None:  # every rank its shards: the full tensors gathered
+            found = full_state(found, self.plan.tensor_parallel)
         if self.context is not None:
             gathered: list[dict[str, torch.Tensor] | None] = [None] * len(self.plan.devices)
             mine = {k: v.detach().cpu() for k, v in found.items() if k not in self._unheld}  # every rank has those
@@ -146,6 +149,8 @@ class PipelineState(PipelineReadings):
             for held in holders:
                 for name, tensor in held.items():
                     source = next((state_dict[a] for a in aliases_of(self.plan, name) if a in state_dict), None)
+                    if source is not None and self.plan.tensor_parallel is not None:
+                        source = local_part(self.plan.tensor_parallel, name, source)
                     if source is not None:
                         tensor.copy_(source)
         return result
