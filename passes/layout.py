@@ -4,6 +4,7 @@
   (instance (s, r) on device r * P + s: the P x D configurations of Varuna §4.4); a smaller P
   (`stages`) leaves the last N - P x D devices idle.
 - interleaved: P = v N positions, stage s on device s mod N (Megatron's virtual stages).
+- zb-v: P = 2N positions in a V, stage s on device s for s < N, else 2N - 1 - s (Qi et al. §6).
 - harmony-pp: P packs bound wrap-around, pack k on device k mod N (Harmony §3.2).
 - harmony-dp: P packs, every device runs all of them on its own microbatches (D = N).
 - gpipe, 1f1b with stages replicated each their own way (replicas=(2, 1) or "per-stage",
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 from stagewise.ir.choices import Schedule
 from stagewise.ir.errors import PartitionError
+from stagewise.passes.zb_v import v_device
 
 VIRTUAL_STAGES = 2  # model chunks per device under the interleaved schedule
 PER_STAGE = "per-stage"  # replicas=: PipeDream's DP replicates each stage its own way (passes/pipedream_partition.py)
@@ -50,9 +52,25 @@ def choose_layout(schedule: Schedule, n_devices: int, replicas: int, legal_cuts:
         if d != 1:
             raise PartitionError("the interleaved schedule runs without data-parallel replicas; drop replicas=")
         return Layout(n * VIRTUAL_STAGES, 1, lambda s, r: s % n)
+    if schedule == Schedule.ZB_V:
+        return _v_layout(n, d, legal_cuts)
     if n % d:
         raise PartitionError(f"replicas={d} must divide the {n} devices")
     p = n // d if stages is None else stages
     if not 1 <= p <= n // d:
         raise PartitionError(f"stages={stages} with replicas={d} needs {p * d} of the {n} devices; use at most {n // d}")
     return Layout(p, d, lambda s, r: r * p + s)
+
+
+def _v_layout(n: int, replicas: int, legal_cuts: int) -> Layout:
+    """ZB-V's 2N stages in a V; refused where the model has too few legal cuts for two stages per device."""
+    if replicas != 1:
+        raise PartitionError("the zb-v schedule runs without data-parallel replicas; drop replicas=")
+    if 2 * n > legal_cuts + 1:
+        fewer = (legal_cuts + 1) // 2
+        raise PartitionError(
+            f"the zb-v schedule runs two stages per device in a V: {2 * n} stages on {n} devices, and the model has "
+            f"only {legal_cuts} legal cut-points ({legal_cuts + 1} stages at most); use schedule='zb-h1' (one stage "
+            "per device, the same split backward)" + (f", {fewer} devices or fewer" if fewer else "")
+            + ", or make the model's blocks finer-grained modules")
+    return Layout(2 * n, 1, lambda s, r: v_device(s, n))
