@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,9 +17,11 @@ from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble, _Compu
 import stagewise as sw
 from stagewise.ir.instructions import Phase
 from stagewise.passes.lower import lower
+from stagewise.passes.planner import Candidate, Prediction
 from stagewise.passes.schedule import schedule_tasks
 from stagewise.passes.simulate import SimCost, simulate
 from stagewise.passes.zb_v import v_device, zb_v
+from stagewise.passes.zero_bubble_plans import finalists, zero_bubble_candidates
 from tests.harness.stages import chain
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.models.mlp import mlp
@@ -145,3 +148,43 @@ def test_refuses_what_it_cannot_run(options: dict, problem: str) -> None:
         sw.compile(model, 2 if not options else 4, (x,), loss_fn=F.cross_entropy, example_target=y, microbatches=4,
                    schedule="zb-v", cost="analytic", **options)
     assert options or "schedule='zb-h1'" in str(refused.value) and "1 devices or fewer" in str(refused.value)
+
+
+# ---- the planner weighs them -----------------------------------------------------------------------
+def _scored(schedule: str, m: int, seconds: float, fits: bool = True, **options) -> tuple[Candidate, Prediction]:
+    return Candidate(sw.Schedule(schedule), m, **options), Prediction(seconds, (), (), fits)
+
+
+def test_zero_bubble_candidates_come_from_the_fastest_fitting_1f1b_and_interleaved() -> None:
+    """ZB-H1 on the fastest 1F1B that fits (its microbatches, replicas, depth), ZB-V at its count and the
+    fastest fitting interleaved count; no ZB-V without 2N stages' cuts or where NCCL would refuse it."""
+    tried = [_scored("gpipe", 4, 3.9), _scored("1f1b", 2, 5.0), _scored("1f1b", 4, 4.0, replicas=2, stages=1),
+             _scored("1f1b", 8, 3.0, fits=False), _scored("interleaved", 4, 4.5), _scored("interleaved", 8, 4.2),
+             (Candidate(sw.Schedule.INTERLEAVED, 2), "cannot split")]
+    h1, v4, v8 = (Candidate(sw.Schedule.ZB_H1, 4, 2, 1), Candidate(sw.Schedule.ZB_V, 4), Candidate(sw.Schedule.ZB_V, 8))
+    assert zero_bubble_candidates(tried, 2, legal_cuts=3, v_allowed=True) == [h1, v4, v8]
+    assert zero_bubble_candidates(tried, 2, legal_cuts=2, v_allowed=True) == [h1]
+    assert zero_bubble_candidates(tried, 2, legal_cuts=3, v_allowed=False) == [h1]
+    replicated = [_scored("1f1b", 4, 4.0, stage_replicas=(2, 1))]
+    assert zero_bubble_candidates(replicated, 3, legal_cuts=9, v_allowed=True) == [Candidate(sw.Schedule.ZB_V, 4)]
+    assert zero_bubble_candidates([_scored("1f1b", 4, 4.0, fits=False)], 2, 9, True) == []
+
+
+def test_the_second_round_rescores_only_the_first_rounds_plans_within_the_margin() -> None:
+    """Any plan within the margin of a faster zero-bubble plan is within it of the first round's fastest."""
+    dp = Candidate(sw.Schedule.ONE_F_ONE_B, 4, dp_replication=True)
+    tried = [_scored("gpipe", 4, 4.3), _scored("1f1b", 4, 4.5), _scored("1f1b", 2, 4.0, fits=False),
+             _scored("interleaved", 4, 4.0), (replace(dp, stage_replicas=(2, 1)), Prediction(4.39, (), (), True)),
+             (Candidate(sw.Schedule.INTERLEAVED, 2), "cannot split")]
+    assert finalists(tried) == [Candidate(sw.Schedule.GPIPE, 4), Candidate(sw.Schedule.INTERLEAVED, 4), dp]
+
+
+def test_auto_weighs_zb_h1_and_zb_v_beside_the_others() -> None:
+    """schedule="auto" scores them from the simulator like every candidate; the table shows them."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (8, 9))
+    pipe = sw.compile(TinyGPT(), 2, (ids[:, :-1],), loss_fn=lm_loss, example_target=ids[:, 1:], cost="analytic",
+                      microbatches=2)
+    rows = {" ".join(line.split()[:2]): line for line in pipe.plan.considered}
+    assert {"gpipe x2", "1f1b x2", "interleaved x2", "zb-h1 x2", "zb-v x2"} == set(rows)
+    assert all("ms/iteration, fits" in line for line in rows.values())
