@@ -188,3 +188,14 @@ def test_auto_weighs_zb_h1_and_zb_v_beside_the_others() -> None:
     rows = {" ".join(line.split()[:2]): line for line in pipe.plan.considered}
     assert {"gpipe x2", "1f1b x2", "interleaved x2", "zb-h1 x2", "zb-v x2"} == set(rows)
     assert all("ms/iteration, fits" in line for line in rows.values())
+
+
+def test_auto_leaves_them_out_where_stages_run_their_backward_whole(monkeypatch) -> None:
+    """compile_stages (and cuda_graphs) run each stage's backward as one piece: a split plan is refused
+    there (compiler/assembly/stage_acceleration.py), so auto must not choose one (torch.compile counted)."""
+    monkeypatch.setattr(torch, "compile", lambda module: module)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (8, 9))
+    pipe = sw.compile(TinyGPT(), 2, (ids[:, :-1],), loss_fn=lm_loss, example_target=ids[:, 1:], cost="analytic",
+                      microbatches=2, compile_stages=True)
+    assert not any(line.startswith("zb-") for line in pipe.plan.considered)

@@ -281,7 +281,8 @@ def _choose_among(request: CompileRequest, builder: PlanBuilder, analysis: Analy
         fewest, most = options.microbatch_sizes
         options_to_try = [c for c in options_to_try if fewest <= request.batch // c.microbatches <= most]
     search = builder.pack_search(analysis.first, exact=False)
-    if options.schedule != Schedule.AUTO or needs_swap:
+    whole_backward = options.acceleration.compile_stages or options.acceleration.cuda_graphs  # stage_acceleration.py
+    if options.schedule != Schedule.AUTO or needs_swap or whole_backward:
         return choose_with_harmony(options_to_try, builder.build, search)
     build = _built_once(builder.build)
     first = choose_with_harmony(options_to_try, build, search)
