@@ -41,7 +41,7 @@ def test_auto_keeps_the_simplest_candidate_within_the_margin_of_the_fastest():
     assert min(times) - 0.01 <= pipe.plan.predicted_iteration_s * 1e3 <= min(times) * (1 + PLAN_MARGIN) + 0.01
     (chosen,) = [line for line in pipe.plan.considered if "<- chosen" in line]
     assert float(chosen.split()[2]) == pytest.approx(pipe.plan.predicted_iteration_s * 1e3, abs=0.01)
-    assert pipe.plan.schedule in ("gpipe", "1f1b", "zb-h1", "interleaved", "zb-v")
+    assert pipe.plan.schedule in ("gpipe", "1f1b", "interleaved")
     assert "plans considered" in str(pipe.plan) and "predicted (analytic costs)" in str(pipe.plan)
 
 

@@ -21,7 +21,7 @@ from stagewise.passes.planner import Candidate, Prediction
 from stagewise.passes.schedule import schedule_tasks
 from stagewise.passes.simulate import SimCost, simulate
 from stagewise.passes.zb_v import v_device, zb_v
-from stagewise.passes.zero_bubble_plans import finalists, zero_bubble_candidates
+from stagewise.passes.zero_bubble_plans import finalists, weighs_split_backward, zero_bubble_candidates
 from tests.harness.stages import chain
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.models.mlp import mlp
@@ -179,23 +179,27 @@ def test_the_second_round_rescores_only_the_first_rounds_plans_within_the_margin
     assert finalists(tried) == [Candidate(sw.Schedule.GPIPE, 4), Candidate(sw.Schedule.INTERLEAVED, 4), dp]
 
 
-def test_auto_weighs_zb_h1_and_zb_v_beside_the_others() -> None:
-    """schedule="auto" scores them from the simulator like every candidate; the table shows them."""
+def test_auto_weighs_zb_h1_and_zb_v_beside_the_others_on_gpus() -> None:
+    """schedule="auto" for 2 GPUs (sw.plan: analytic, nothing run) scores them from the simulator like every
+    candidate, and the table shows them."""
     torch.manual_seed(0)
     ids = torch.randint(0, 64, (8, 9))
-    pipe = sw.compile(TinyGPT(), 2, (ids[:, :-1],), loss_fn=lm_loss, example_target=ids[:, 1:], cost="analytic",
-                      microbatches=2)
-    rows = {" ".join(line.split()[:2]): line for line in pipe.plan.considered}
+    gpus = [sw.Device(f"cuda:{i}", memory="80GiB", peak_flops="989TFLOPS", memory_bandwidth="3.35TB/s") for i in (0, 1)]
+    plan = sw.plan(TinyGPT(), gpus, (ids[:, :-1],), loss_fn=lm_loss, example_target=ids[:, 1:], microbatches=2)
+    rows = {" ".join(line.split()[:2]): line for line in plan.considered}
     assert {"gpipe x2", "1f1b x2", "interleaved x2", "zb-h1 x2", "zb-v x2"} == set(rows)
     assert all("ms/iteration, fits" in line for line in rows.values())
 
 
-def test_auto_leaves_them_out_where_stages_run_their_backward_whole(monkeypatch) -> None:
-    """compile_stages (and cuda_graphs) run each stage's backward as one piece: a split plan is refused
-    there (compiler/assembly/stage_acceleration.py), so auto must not choose one (torch.compile counted)."""
-    monkeypatch.setattr(torch, "compile", lambda module: module)
+def test_auto_leaves_them_out_on_cpus_and_where_stages_run_their_backward_whole() -> None:
+    """On a CPU the split's own time, which the simulator does not charge, outweighs its gain on small
+    layers (passes/zero_bubble_plans.py); compile_stages and cuda_graphs run each backward whole, so a split
+    plan would be refused (compiler/assembly/stage_acceleration.py)."""
+    assert weighs_split_backward(["cuda", "cuda"], whole_backward=False)
+    assert not weighs_split_backward(["cuda", "cuda"], whole_backward=True)
+    assert not weighs_split_backward(["cuda", "cpu"], whole_backward=False)
     torch.manual_seed(0)
     ids = torch.randint(0, 64, (8, 9))
     pipe = sw.compile(TinyGPT(), 2, (ids[:, :-1],), loss_fn=lm_loss, example_target=ids[:, 1:], cost="analytic",
-                      microbatches=2, compile_stages=True)
+                      microbatches=2)
     assert not any(line.startswith("zb-") for line in pipe.plan.considered)

@@ -51,7 +51,7 @@ from stagewise.passes.planner import (
 )
 from stagewise.passes.simulate import SimCost
 from stagewise.passes.swap import SwapMode
-from stagewise.passes.zero_bubble_plans import finalists, zero_bubble_candidates
+from stagewise.passes.zero_bubble_plans import finalists, weighs_split_backward, zero_bubble_candidates
 
 
 class Built(NamedTuple):
@@ -281,8 +281,9 @@ def _choose_among(request: CompileRequest, builder: PlanBuilder, analysis: Analy
         fewest, most = options.microbatch_sizes
         options_to_try = [c for c in options_to_try if fewest <= request.batch // c.microbatches <= most]
     search = builder.pack_search(analysis.first, exact=False)
-    whole_backward = options.acceleration.compile_stages or options.acceleration.cuda_graphs  # stage_acceleration.py
-    if options.schedule != Schedule.AUTO or needs_swap or whole_backward:
+    whole_backward = options.acceleration.compile_stages or options.acceleration.cuda_graphs
+    if options.schedule != Schedule.AUTO or needs_swap or not weighs_split_backward(
+            [spec.kind for spec in request.specs], whole_backward):
         return choose_with_harmony(options_to_try, builder.build, search)
     build = _built_once(builder.build)
     first = choose_with_harmony(options_to_try, build, search)
