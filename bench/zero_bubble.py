@@ -1,13 +1,16 @@
-"""ZB-H1 against 1F1B on 2 in-process CPU devices: step time, simulated and measured bubble, peak memory.
+"""1F1B, interleaved, ZB-H1 and ZB-V on 2 in-process CPU devices: step time, simulated and measured bubble, peak memory.
 
     python bench/zero_bubble.py                 # 3 warm-up + 15 timed steps per schedule
     python bench/zero_bubble.py --steps 40 --microbatches 8
 
 The model is the test zoo's GPT (tests/models/gpt.py: tied embedding and head) widened so that compute
-dominates (d=256, 4 blocks, vocabulary 512), batch 16 x 64 tokens, SGD. Both schedules run the same
-plan: 2 stages (one per device) split after block 1, analytic costs, so only the order of the passes
-differs: 1F1B runs each backward whole, ZB-H1 splits it into its input gradient (B) and weight
-gradient (W) and runs stage 1's first W passes later (issue 25; Qi et al. §2.1).
+dominates (d=256, 4 blocks, vocabulary 512), batch 16 x 64 tokens, SGD, analytic costs. The model is cut
+into four chunks at blocks 1, 2 and 3: 1F1B and ZB-H1 run two stages (chunks 0-1 and 2-3, one per
+device), interleaved and ZB-V the four chunks, two per device (interleaved: chunks 0 and 2 on dev0;
+ZB-V's V: chunks 0 and 3). So each device computes the same layers' passes under every schedule, and
+only their order differs: 1F1B runs each backward whole, ZB-H1 splits it into its input gradient (B) and
+weight gradient (W) and runs stage 1's first W passes later (issue 25; Qi et al. §2.1), ZB-V splits
+them too and orders the V's passes so that W fills what is left of the bubble (§6).
 
 Per schedule: the median step (the schedules' steps alternate, round robin, so drift in the machine's
 speed affects both alike), the simulator's predicted iteration and bubble (idle over the busiest
@@ -33,7 +36,8 @@ from rich.table import Table
 import stagewise as sw
 from stagewise.ir.devices import format_bytes
 
-SCHEDULES = ("1f1b", "zb-h1")
+CHUNKS = ["blocks.1", "blocks.2", "blocks.3"]  # four chunks; a two-stage plan cuts at the middle one
+SPLITS = {"1f1b": ["blocks.2"], "interleaved": CHUNKS, "zb-h1": ["blocks.2"], "zb-v": CHUNKS}
 
 
 @dataclass
@@ -67,10 +71,10 @@ def compile_runs(microbatches: int) -> tuple[list[Run], torch.Tensor, torch.Tens
     tokens = torch.randint(0, 512, (16, 65))
     ids, target = tokens[:, :-1], tokens[:, 1:]  # next-token prediction
     runs = []
-    for schedule in SCHEDULES:
+    for schedule, split in SPLITS.items():
         pipe = sw.compile(copy.deepcopy(model), 2, (ids,), loss_fn=gpt.lm_loss, example_target=target,
                           optimizer=lambda params: torch.optim.SGD(params, lr=1e-4), microbatches=microbatches,
-                          schedule=schedule, split_points=["blocks.1"], cost="analytic")
+                          schedule=schedule, split_points=split, cost="analytic")
         runs.append(Run(schedule, pipe))
     return runs, ids, target
 
@@ -95,7 +99,7 @@ def measure(runs: list[Run], ids: torch.Tensor, target: torch.Tensor, warmup: in
 
 
 def table(runs: list[Run]) -> Table:
-    out = Table(title="1F1B vs ZB-H1, 2 CPU devices, the same split (medians)")
+    out = Table(title="1F1B, interleaved, ZB-H1, ZB-V: 2 CPU devices, the same layers per device (medians)")
     for column in ("schedule", "step", "vs 1f1b", "simulated step", "simulated bubble", "measured bubble",
                    "peak dev0 / dev1", "last loss"):
         out.add_column(column)

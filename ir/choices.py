@@ -31,6 +31,7 @@ class Schedule(enum.StrEnum):
     ONE_F_ONE_B = "1f1b"
     ZB_H1 = "zb-h1"
     INTERLEAVED = "interleaved"
+    ZB_V = "zb-v"
     VARUNA = "varuna"
     HARMONY_PP = "harmony-pp"
     HARMONY_DP = "harmony-dp"

@@ -81,11 +81,14 @@ def plan_parts(plan) -> list[Table | str]:
 
 
 def _split_order(plan) -> str:
-    """Where backwards are split (zero bubble): each device's compute order, B (`Bi`) and W apart."""
+    """Where backwards are split (zero bubble): each device's compute order, B (`Bi`) and W apart; on a
+    device that runs several stages (ZB-V's two chunks) each pass names its stage (`F0@s3`)."""
     lines = ["backwards split into input gradient (Bi) and weight gradient (W); compute order per device:"]
     for program in plan.programs:
-        order = [ins.opcode if (mb := microbatch_of(ins)) is None else f"{ins.opcode}{mb}"
-                 for ins in program.instructions if isinstance(ins, COMPUTES)]
+        computes = [ins for ins in program.instructions if isinstance(ins, COMPUTES)]
+        several = len({ins.stage for ins in computes}) > 1
+        order = [(ins.opcode if (mb := microbatch_of(ins)) is None else f"{ins.opcode}{mb}")
+                 + (f"@s{ins.stage}" if several else "") for ins in computes]
         more = " ..." if len(order) > _ORDER_SHOWN else ""
         lines.append(f"  dev{program.device}: {' '.join(order[:_ORDER_SHOWN])}{more}")
     return "\n".join(lines)

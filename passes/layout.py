@@ -9,6 +9,7 @@
   link inside a server and a slow one between servers. A smaller P (`stages`) leaves the last
   N - P x D devices idle.
 - interleaved: P = v N positions, stage s on device s mod N (Megatron's virtual stages).
+- zb-v: P = 2N positions in a V, stage s on device s for s < N, else 2N - 1 - s (Qi et al. §6).
 - harmony-pp: P packs bound wrap-around, pack k on device k mod N (Harmony §3.2).
 - harmony-dp: P packs, every device runs all of them on its own microbatches (D = N).
 - gpipe, 1f1b with stages replicated each their own way (replicas=(2, 1) or "per-stage",
@@ -27,6 +28,7 @@ from enum import StrEnum
 
 from stagewise.ir.choices import Schedule
 from stagewise.ir.errors import PartitionError
+from stagewise.passes.zb_v import v_device
 
 VIRTUAL_STAGES = 2  # model chunks per device under the interleaved schedule
 PER_STAGE = "per-stage"  # replicas=: PipeDream's DP replicates each stage its own way (passes/pipedream_partition.py)
@@ -66,6 +68,8 @@ def choose_layout(schedule: Schedule, n_devices: int, replicas: int, legal_cuts:
         if d != 1:
             raise PartitionError("the interleaved schedule runs without data-parallel replicas; drop replicas=")
         return Layout(n * VIRTUAL_STAGES, 1, lambda s, r: s % n)
+    if schedule == Schedule.ZB_V:
+        return _v_layout(n, d, legal_cuts)
     if n % d:
         raise PartitionError(f"replicas={d} must divide the {n} devices")
     p = n // d if stages is None else stages
@@ -86,3 +90,17 @@ def groupings(schedule: Schedule, replicas: int, depth: int, hosts: Sequence[int
     if not replicating or replicas < 2 or depth < 2 or len(set(hosts[:depth * replicas])) < 2:
         return [Grouping.PIPELINES]
     return [Grouping.STAGE_COPIES, Grouping.PIPELINES]
+
+
+def _v_layout(n: int, replicas: int, legal_cuts: int) -> Layout:
+    """ZB-V's 2N stages in a V; refused where the model has too few legal cuts for two stages per device."""
+    if replicas != 1:
+        raise PartitionError("the zb-v schedule runs without data-parallel replicas; drop replicas=")
+    if 2 * n > legal_cuts + 1:
+        fewer = (legal_cuts + 1) // 2
+        raise PartitionError(
+            f"the zb-v schedule runs two stages per device in a V: {2 * n} stages on {n} devices, and the model has "
+            f"only {legal_cuts} legal cut-points ({legal_cuts + 1} stages at most); use schedule='zb-h1' (one stage "
+            "per device, the same split backward)" + (f", {fewer} devices or fewer" if fewer else "")
+            + ", or make the model's blocks finer-grained modules")
+    return Layout(2 * n, 1, lambda s, r: v_device(s, n))

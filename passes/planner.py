@@ -174,7 +174,7 @@ def partition(
             f"({sum(legal) + 1} stages at most). Use at most {sum(legal) + 1} devices, or make the model's "
             "blocks finer-grained modules."
         )
-    if schedule == Schedule.INTERLEAVED:
+    if schedule in (Schedule.INTERLEAVED, Schedule.ZB_V):
         starts = _balanced_at_legal(times, legal, positions, layers, cuts)
         return starts, [layout.device_of(s, 0) for s in range(len(starts))]
     if schedule in HARMONY:  # never partitioned alike: a silent straight pipeline would be wrong

@@ -18,6 +18,8 @@ statistics take the microbatches in one order (tests/test_gradient_order.py).
   the W passes fill the cool-down: with equal F, B and W the bubble is (p - 1)/3m.
 - Interleaved 1F1B (Megatron, Narayanan §4.2.2, Fig. 4.4 bottom): v model chunks per device,
   stage s on device s mod p; the bubble shrinks to (1/v)(p - 1)/m.
+- ZB-V (Qi et al. §6, Fig. 8; passes/zb_v.py): two chunks per device in a V (device d holds stages d
+  and 2p - 1 - d), backwards split as in ZB-H1: a near-zero bubble at 1F1B's peak of activations.
 - Varuna (Varuna §3.2, Fig. 4): recompute instead of stash on every stage but the last, with
   the static order produced by rules 1-3; at run time a forward that is ready runs ahead of a
   recompute whose gradient is late (the opportunistic policy, runtime/executor.py).
@@ -44,6 +46,7 @@ from stagewise.ir.choices import Schedule, choice_names, parse_choice
 from stagewise.ir.errors import OptionError, PlanError
 from stagewise.ir.instructions import Phase
 from stagewise.ir.plan import Stage, Task
+from stagewise.passes.zb_v import zb_v
 
 SCHEDULES = tuple(Schedule)
 REPLICATED_STAGE_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B)  # the schedules that run stages replicated unevenly
@@ -224,6 +227,8 @@ def lane_tasks(name: Schedule, n_stages: int, microbatches: int, n_devices: int,
         return zb_h1(n_stages, microbatches)
     if name == Schedule.INTERLEAVED:
         return interleaved(n_devices, n_stages // n_devices, microbatches)
+    if name == Schedule.ZB_V:
+        return zb_v(n_devices, microbatches)
     if name == Schedule.VARUNA:
         return varuna(n_stages, microbatches)
     if name == Schedule.HARMONY_PP:

@@ -28,6 +28,7 @@ CASES = {
     "1f1b": dict(devices=3, split_points=["blocks.1", "blocks.3"]),
     "zb-h1": dict(devices=3, split_points=["blocks.1", "blocks.3"], clip_grad_norm=1.0),
     "interleaved": dict(devices=2, split_points=["blocks.0", "blocks.2", "blocks.3"]),
+    "zb-v": dict(devices=2, split_points=["blocks.0", "blocks.2", "blocks.3"], clip_grad_norm=1.0),
     "varuna": dict(devices=3, split_points=["blocks.1", "blocks.3"]),
     "harmony-pp": dict(devices=2, split_points=["blocks.0", "blocks.2", "blocks.3"], swap="on", clip_grad_norm=1.0),
     "harmony-dp": dict(devices=2, split_points=["blocks.2"], swap="on"),

@@ -68,7 +68,7 @@ def _passes_per_stage(tasks) -> dict[tuple[Phase, int], list[int]]:
 def test_every_schedule_runs_each_stage_in_microbatch_order(schedule, stages, devices, m):
     """Forwards and backwards of every stage in microbatch order (0 first): BatchNorm's running statistics
     and every gradient's sum over microbatches then come out bitwise alike under every schedule."""
-    n = stages if schedule in ("interleaved", "harmony-pp", "harmony-dp") else devices
+    n = stages if schedule in ("interleaved", "zb-v", "harmony-pp", "harmony-dp") else devices
     _, tasks = schedule_tasks(schedule, n, m, devices)
     passes = _passes_per_stage(tasks)
     assert {stage for _, stage in passes} == set(range(n))

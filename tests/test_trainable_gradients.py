@@ -136,12 +136,16 @@ CASES = [  # precision, schedule, frozen pattern, devices (a covering of the pai
     ("fp32", "zb-h1", "lora", 2),
     ("bf16", "zb-h1", "frozen-tied", 3),
     ("fp16", "zb-h1", "frozen-bottom", 1),
+    ("fp32", "zb-v", "frozen-tied", 2),
+    ("bf16", "zb-v", "idle-stage", 3),
+    ("fp16", "zb-v", "lora", 1),
 ]
 
 
 def stage_count(schedule: str, devices: int) -> int:
-    """Interleaved and Harmony-PP run two stages per device, Harmony-DP two packs on every device."""
-    return {"interleaved": 2 * devices, "harmony-pp": 2 * devices, "harmony-dp": 2}.get(schedule, devices)
+    """Interleaved, ZB-V and Harmony-PP run two stages per device, Harmony-DP two packs on every device."""
+    return {"interleaved": 2 * devices, "zb-v": 2 * devices, "harmony-pp": 2 * devices,
+            "harmony-dp": 2}.get(schedule, devices)
 
 
 def eager_gradients(model: nn.Module, batch, precision: str, microbatches: int) -> dict[str, torch.Tensor | None]:
@@ -201,7 +205,7 @@ def test_every_trainable_parameter_gets_eager_gradient(precision: str, schedule:
 
 
 def test_the_cases_cover_every_pair_the_sweep_names() -> None:
-    """The 21 cases hold every pair of precision and schedule, precision and pattern, pattern and
+    """The 24 cases hold every pair of precision and schedule, precision and pattern, pattern and
     device count, schedule and device count (a covering array: the full product is 270 compiles)."""
     schedules = tuple(s for s in SCHEDULES if s != "auto")  # every schedule compile accepts ("auto" picks one)
     axes = {"precision": tuple(AUTOCAST_DTYPES), "schedule": schedules, "pattern": tuple(PATTERNS), "devices": (1, 2, 3)}

@@ -34,7 +34,7 @@ class PlanOptions:
     Args:
         microbatches: microbatches per step; None lets the planner choose.
         schedule: sw.Schedule or its name ("auto" simulates every schedule and keeps the fastest
-            that fits; "gpipe", "1f1b", "zb-h1", "interleaved", "varuna", "harmony-pp", "harmony-dp").
+            that fits; "gpipe", "1f1b", "zb-h1", "interleaved", "zb-v", "varuna", "harmony-pp", "harmony-dp").
         cost: sw.CostModel or its name: "profile" times each layer here (cached on disk),
             "analytic" derives times from FLOPs and the devices' peak rates; None: compile
             profiles, sw.plan (whose devices need not be here) is analytic.

@@ -21,6 +21,7 @@ from stagewise.ir.errors import (
     DoesNotFitWarning,
     OptionError,
     PartitionError,
+    StagewiseError,
 )
 from stagewise.ir.plan import LayerCost
 from stagewise.passes.activations import PER_STAGE_SCHEDULES, Policies, Scored, choose_policies
@@ -52,6 +53,7 @@ from stagewise.passes.planner import (
 )
 from stagewise.passes.simulate import SimCost
 from stagewise.passes.swap import SwapMode
+from stagewise.passes.zero_bubble_plans import finalists, weighs_split_backward, zero_bubble_candidates
 
 
 class Built(NamedTuple):
@@ -293,7 +295,9 @@ def _search(request: CompileRequest, builder: PlanBuilder, analysis: Analysis,
 
 def _choose_among(request: CompileRequest, builder: PlanBuilder, analysis: Analysis,
                   needs_swap: bool) -> tuple[Assembled, Prediction, list, Verdict]:
-    """The planner's choice among the candidates the options allow (Harmony's where `needs_swap`)."""
+    """The planner's choice among the candidates the options allow (Harmony's where `needs_swap`); with
+    schedule="auto", then among the zero-bubble candidates derived from the best of them and those
+    within the margin of the fastest, built once (passes/zero_bubble_plans.py); one table of all."""
     options = request.options
     options_to_try = candidates(options.schedule, options.microbatches, request.batch, len(request.devices),
                                 analysis.first.legal_cuts, needs_swap, options.replicas, options.stages,
@@ -301,7 +305,36 @@ def _choose_among(request: CompileRequest, builder: PlanBuilder, analysis: Analy
     if options.microbatch_sizes is not None:
         fewest, most = options.microbatch_sizes
         options_to_try = [c for c in options_to_try if fewest <= request.batch // c.microbatches <= most]
-    return choose_with_harmony(options_to_try, builder.build, builder.pack_search(analysis.first, exact=False))
+    search = builder.pack_search(analysis.first, exact=False)
+    whole_backward = options.acceleration.compile_stages or options.acceleration.cuda_graphs
+    if options.schedule != Schedule.AUTO or needs_swap or not weighs_split_backward(
+            [spec.kind for spec in request.specs], whole_backward):
+        return choose_with_harmony(options_to_try, builder.build, search)
+    build = _built_once(builder.build)
+    first = choose_with_harmony(options_to_try, build, search)
+    v_allowed = request.distributed is None or torch.distributed.get_backend() == "gloo"  # runtime/links.py
+    derived = zero_bubble_candidates(first[2], len(request.devices), analysis.first.legal_cuts, v_allowed)
+    if not derived:
+        return first
+    plan, prediction, rows, verdict = choose_with_harmony(finalists(first[2]) + derived, build, search)
+    return plan, prediction, first[2] + [row for row in rows if row[0] in derived], verdict
+
+
+def _built_once(build: Callable[[Candidate], Built]) -> Callable[[Candidate], Built]:
+    """`build`, each candidate built (or refused) once."""
+    done: dict[Candidate, Built | StagewiseError] = {}
+
+    def once(candidate: Candidate) -> Built:
+        if candidate not in done:
+            try:
+                done[candidate] = build(candidate)
+            except StagewiseError as error:
+                done[candidate] = error
+        found = done[candidate]
+        if isinstance(found, StagewiseError):
+            raise found
+        return found
+    return once
 
 
 def _stages_at_full_speed(request: CompileRequest) -> int | None:
