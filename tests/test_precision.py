@@ -129,11 +129,10 @@ def test_fp16_scale_grows_and_resumes_bitwise(tmp_path) -> None:
     scaling = sw.LossScaling(init=2.0**10, growth_interval=2)
     batches = gpt_batches(4)
     whole, _ = compile_gpt(scaling, devices=2)
-    uninterrupted = run_pipeline(whole, batches)
+    uninterrupted = run_pipeline(whole, batches[:3])
+    whole.save(tmp_path / "ckpt")  # saving leaves the run as it was: it goes on as the uninterrupted one
+    uninterrupted += run_pipeline(whole, batches[3:])
     assert whole.loss_scale == 2.0**12  # grew after steps 2 and 4
-    first, _ = compile_gpt(scaling, devices=2)
-    run_pipeline(first, batches[:3])
-    first.save(tmp_path / "ckpt")
     resumed = sw.load(tmp_path / "ckpt")
     assert resumed.loss_scale == 2.0**11 and resumed._executor.state.scaler.clean_steps == 1
     assert run_pipeline(resumed, batches[3:]) == uninterrupted[3:]

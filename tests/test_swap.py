@@ -62,6 +62,18 @@ def _weight_swap_volume(schedule, swap, devices, microbatches):
     return pipe, sum(s["swap_weights_bytes"] for s in pipe.stats) - before, weight_bytes(model)
 
 
+@pytest.fixture(scope="module")
+def swap_volume():
+    """`_weight_swap_volume` once per set of arguments: the tests below only read the pipelines."""
+    cache: dict = {}
+
+    def get(*args):
+        if args not in cache:
+            cache[args] = _weight_swap_volume(*args)
+        return cache[args]
+    return get
+
+
 def _last_packs_bytes(pipe) -> int:
     """Weights of each device's last pack (on one lane): its forward and backward runs are adjacent,
     so it stays resident in between (Harmony's jit-compute) and saves one swap-in."""
@@ -72,26 +84,26 @@ def _last_packs_bytes(pipe) -> int:
     return sum(pipe.plan.layers[i].param_bytes for s in last.values() for i in s.layers)
 
 
-def test_swap_volume_harmony_pp_is_three_times_the_weights():
+def test_swap_volume_harmony_pp_is_three_times_the_weights(swap_volume):
     """Table 3, Harmony PP: 3|W| per iteration (in for F, in for B, out after the jit-update)."""
-    pipe, moved, w = _weight_swap_volume("harmony-pp", "on", 2, 4)
+    pipe, moved, w = swap_volume("harmony-pp", "on", 2, 4)
     assert len(pipe.plan.stages) == 4
     assert moved == 3 * w - _last_packs_bytes(pipe)
 
 
-def test_swap_volume_harmony_dp_is_three_n_times_the_weights():
+def test_swap_volume_harmony_dp_is_three_n_times_the_weights(swap_volume):
     """Table 3, Harmony DP: 3N|W| (each of the N devices runs every pack)."""
     n = 2
-    pipe, moved, w = _weight_swap_volume("harmony-dp", "on", n, 4)
+    pipe, moved, w = swap_volume("harmony-dp", "on", n, 4)
     assert moved == n * (3 * w - _last_packs_bytes(pipe))
 
 
-def test_swap_volume_per_device_dp_is_4m_plus_2_n_times_the_weights():
+def test_swap_volume_per_device_dp_is_4m_plus_2_n_times_the_weights(swap_volume):
     """Table 3, DP with per-GPU swap: (4m + 2)N|W|, m microbatches per device."""
     n, m = 2, 4
-    pipe, moved, w = _weight_swap_volume("harmony-dp", "per-device", n, m)
+    pipe, moved, w = swap_volume("harmony-dp", "per-device", n, m)
     assert moved == (4 * (m // n) + 2) * n * w
-    harmony = _weight_swap_volume("harmony-dp", "on", n, m)[1]
+    harmony = swap_volume("harmony-dp", "on", n, m)[1]
     assert moved > 2 * harmony
 
 
