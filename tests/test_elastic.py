@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
-import io
 import os
-import re
 import shutil
 import signal
 import socket
@@ -37,13 +34,13 @@ import torch.nn.functional as F
 
 import stagewise as sw
 from stagewise.compiler.checkpoint import write as checkpoint_write
+from tests.harness.elastic_example import EXAMPLE, LINE, run_uninterrupted
+from tests.harness.two_hosts import pids_naming
 from tests.models.mlp import mlp
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "elastic.py"
 TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
 DEADLINE_S = 90.0  # a torchrun job that outlives this is killed and the test fails (never a hung suite)
 STEPS, EVERY, KEEP, DIE_AT = 8, 2, 3, 5
-LINE = re.compile(r"step (\d+) loss ([0-9.]+) world (\d+)")
 
 
 # ---- in one process ----------------------------------------------------------------------------
@@ -156,16 +153,9 @@ def test_settings_that_would_never_save_or_keep_nothing_are_refused(kwargs):
 def uninterrupted(tmp_path_factory) -> tuple[dict, list[tuple[str, str]]]:
     """The example's run in this process, on one device, never interrupted: its final state and losses."""
     where = tmp_path_factory.mktemp("uninterrupted")
-    spec = importlib.util.spec_from_file_location("elastic_example", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    printed = io.StringIO()
-    with torch.random.fork_rng(), contextlib.redirect_stdout(printed):
-        example.main(["--checkpoints", str(where / "ck"), "--final", str(where / "final.pt"), *_schedule()])
-    losses = [(step, loss) for step, loss, _ in LINE.findall(printed.getvalue())]
+    state, losses = run_uninterrupted(["--checkpoints", str(where / "ck"), *_schedule()], where / "final.pt")
     assert [int(step) for step, _ in losses] == list(range(STEPS))
-    return torch.load(where / "final.pt"), losses
+    return state, losses
 
 
 def _schedule() -> list[str]:
@@ -207,19 +197,9 @@ def _jobs(tag: str):
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGKILL)
                 process.wait(timeout=10)
-        for pid in _pids_naming(tag):
+        for pid in pids_naming(tag):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-
-
-def _pids_naming(tag: str) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            with contextlib.suppress(OSError):
-                if tag in (entry / "cmdline").read_bytes().decode(errors="replace"):
-                    pids.append(int(entry.name))
-    return pids
 
 
 def _finish(process: subprocess.Popen, deadline: float) -> int | None:

@@ -15,11 +15,7 @@ ends is killed at its limit, its workers too.
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
-import io
 import pickle
-import re
 import signal
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -28,6 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.harness.elastic_example import EXAMPLE, LINE, run_uninterrupted
 from tests.harness.host_worker import MICROBATCHES, SGD, batches, build_model
 from tests.harness.two_hosts import namespaces, pids_naming, run_job, two_hosts, unavailable
 from tests.reference import ATOL, RTOL, eager_train
@@ -36,9 +33,7 @@ pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailabl
 
 STEPS, PER_HOST, LIMIT_S = 3, 2, 150.0
 HUNG_LIMIT_S = 25.0  # long enough for both agents to start their workers on a loaded machine; the other jobs take longer
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "elastic.py"
 ELASTIC_STEPS, DIE_AT = 8, 5  # checkpoints every 2 steps: the survivor goes on from step 4
-LINE = re.compile(r"step (\d+) loss ([0-9.]+) world (\d+)")
 GIGABIT = 125e6  # bytes/s: the tbf rate of the link between the hosts
 
 
@@ -155,19 +150,6 @@ def _lost_host_job(out: Path) -> tuple[Path, list[tuple[int | None, str]]]:
         return out, run_job(hosts, None, [survivor, lost], out, LIMIT_S)
 
 
-def _uninterrupted(folder: Path) -> tuple[dict, dict[str, str]]:
-    """examples/elastic.py in this process on one device, never interrupted: its final state and
-    its loss per step."""
-    spec = importlib.util.spec_from_file_location("elastic_example", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    printed = io.StringIO()
-    with torch.random.fork_rng(), contextlib.redirect_stdout(printed):
-        example.main([*_elastic_args(folder), "--final", str(folder / "final.pt")])
-    return torch.load(folder / "final.pt"), {step: loss for step, loss, _ in LINE.findall(printed.getvalue())}
-
-
 def test_losing_a_host_the_survivor_goes_on_from_the_last_checkpoint_as_uninterrupted(lost_host, tmp_path):
     out, ((survivor_code, text), (lost_code, lost_text)) = lost_host
     assert survivor_code == 0, text[-4000:]
@@ -176,7 +158,8 @@ def test_losing_a_host_the_survivor_goes_on_from_the_last_checkpoint_as_uninterr
     printed = LINE.findall(text)
     assert [(int(s), w) for s, _, w in printed] == [(s, "2") for s in range(DIE_AT)] + [
         (s, "1") for s in range(4, ELASTIC_STEPS)], printed
-    want_state, want_losses = _uninterrupted(tmp_path)
+    want_state, want_lines = run_uninterrupted(_elastic_args(tmp_path), tmp_path / "final.pt")
+    want_losses = dict(want_lines)
     for step, loss, _ in printed:  # printed to 6 decimals
         assert abs(float(loss) - float(want_losses[step])) <= 2e-6, (step, loss, want_losses[step])
     got = torch.load(out / "final.pt")

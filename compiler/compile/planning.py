@@ -4,7 +4,6 @@ and keep the simplest that fits within a margin of the fastest, agree on it acro
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
@@ -14,19 +13,16 @@ import torch
 from stagewise.compiler.assembly.options import CompileRequest
 from stagewise.compiler.compile.analysis import Analysed, Analysis
 from stagewise.compiler.compile.costing import Costs
+from stagewise.compiler.compile.plan_warnings import warn_assumed_rates, warn_does_not_fit
 from stagewise.ir.choices import ActivationPolicy, Schedule
 from stagewise.ir.errors import (
-    AssumedFiguresWarning,
     CapacityError,
-    DoesNotFitWarning,
     OptionError,
     PartitionError,
     StagewiseError,
 )
 from stagewise.ir.plan import LayerCost
 from stagewise.passes.activations import PER_STAGE_SCHEDULES, Policies, Scored, choose_policies
-from stagewise.passes.analytic import DEFAULT_PEAK_FLOPS
-from stagewise.passes.capacity import shortfalls
 from stagewise.passes.harmony_plan import HARMONY
 from stagewise.passes.harmony_search import PackSearch, choose_with_harmony
 from stagewise.passes.layout import Grouping, choose_layout, groupings
@@ -203,7 +199,7 @@ def choose_plan(request: CompileRequest, analysis: Analysis, costs: Costs) -> Ch
     """The one plan asked for, or the fastest candidate that fits; the same on every rank, and
     built at its own microbatch size."""
     if not request.runs_here:
-        _warn_assumed_rates(request)
+        warn_assumed_rates(request)
     builder = PlanBuilder(request, analysis, costs)
     options = request.options
     if options.searched:
@@ -238,7 +234,7 @@ def _asked(request: CompileRequest, builder: PlanBuilder, costs: Costs) -> tuple
     kept = keep_simplest(fitting)[0] if any(prediction.fits for _, prediction in fitting) else 0
     _, found, prediction = tried[kept]
     if not prediction.fits:
-        _warn_does_not_fit(prediction, request)
+        warn_does_not_fit(prediction, request)
     return found, prediction, tuple(_describe(option, result) for option, _, result in tried) if len(tried) > 1 else ()
 
 
@@ -246,28 +242,6 @@ def _hosts(builder: PlanBuilder) -> tuple[int, ...]:
     """The host of each device, from the links measured or given (one host for in-process devices)."""
     topology = builder.costs.topology
     return tuple(topology.host_of(d) for d in range(topology.n_devices))
-
-
-def _warn_does_not_fit(prediction: Prediction, request: CompileRequest) -> None:
-    """The plan asked for is kept as asked, but its first step would fail for memory: say so now,
-    with what would fit instead (the planner's search refuses such a candidate: passes/planner.py)."""
-    over = shortfalls(prediction.peak_bytes, prediction.hosts_over, request.specs)
-    warnings.warn(DoesNotFitWarning(
-        f"the plan asked for does not fit: {'; '.join(over)}. Its first step will fail with a CapacityError; "
-        "let the planner choose (schedule='auto'), swap or recompute activations (swap='on', activations='auto'), "
-        "or add devices"), stacklevel=2)
-
-
-def _warn_assumed_rates(request: CompileRequest) -> None:
-    """`sw.plan` models every time from the devices' figures; a GPU described without `peak_flops` would
-    be timed at an assumed rate (passes/analytic.py) whatever it is: say so, naming the option."""
-    unrated = sorted({spec.name for spec in request.specs if spec.kind == "cuda" and spec.peak_flops is None})
-    if unrated:
-        warnings.warn(AssumedFiguresWarning(
-            f"sw.plan: {', '.join(unrated)} has no peak_flops, so the plan's times assume "
-            f"{DEFAULT_PEAK_FLOPS['cuda']:.0e} FLOP/s, whatever GPU it is; describe it, e.g. sw.Device('cuda', "
-            "memory='80GiB', peak_flops='989TFLOPS', memory_bandwidth='3.35TB/s'), or name it from the catalogue "
-            "(devices='8xH100')"), stacklevel=2)
 
 
 def _search(request: CompileRequest, builder: PlanBuilder, analysis: Analysis,
