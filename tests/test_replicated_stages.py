@@ -343,3 +343,24 @@ def test_1f1b_rr_keeps_noam_inputs_in_flight() -> None:
     tasks = instance_tasks("1f1b", instances, 6, 3, jit_update=True)
     spelled = [" ".join(f"{t.phase.value}{'' if t.microbatch is None else t.microbatch}" for t in d) for d in tasks]
     assert spelled == ["F0 F2 B0 F4 B2 B4 U", "F1 F3 B1 F5 B3 B5 U", "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 U"]
+
+
+class _Untraceable(torch.nn.Linear):
+    """A model whose forward fails: a compile that reaches the trace says so."""
+
+    def forward(self, x):
+        raise RuntimeError("the model was traced")
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    (dict(replicas=(2, 2)), "need 4 devices, there are 3"),
+    (dict(replicas=(2, 1), schedule="varuna"), "varuna cannot run stages replicated"),
+    (dict(replicas=(2, 1), split_points=["a", "b"]), "one count per stage"),
+    (dict(schedule="interleaved", stages=2), "interleaved places its own"),
+    (dict(schedule="zb-v", replicas=3), "zb-v schedule runs without data-parallel replicas"),
+])
+def test_layout_contradictions_are_refused_before_the_model_is_traced(kwargs, match) -> None:
+    """Known from the options and the device count alone: refused at once, not after torch.export."""
+    x = torch.randn(8, 4)
+    with pytest.raises(sw.PartitionError, match=match):
+        sw.compile(_Untraceable(4, 4), 3, (x,), loss_fn=lambda out, y: out.sum(), example_target=x, **kwargs)

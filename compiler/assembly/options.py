@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from stagewise.compiler.assembly.batches import batch_size, check_microbatches, input_specs
+from stagewise.compiler.assembly.layout_options import check_layout_options
 from stagewise.compiler.assembly.optimizer_groups import ParamGroups, check_param_groups, sample_optimizer
 from stagewise.compiler.assembly.stage_acceleration import check_devices
 from stagewise.compiler.assembly.tensor_parallel import (
@@ -287,6 +288,7 @@ class CompileRequest:
         resolved = resolve_devices(devices)
         check_devices(options.acceleration, resolved)
         _check_topology(options.topology, len(resolved))
+        check_layout_options(options.schedule, options.replicas, options.stages, options.split_points, len(resolved))
         if runs_here:
             check_present(resolved)
         elif options.cost != CostModel.ANALYTIC:

@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import torch
 
+from stagewise.compiler.assembly.layout_options import check_stage_count
 from stagewise.compiler.assembly.options import CompileRequest
 from stagewise.compiler.compile.analysis import Analysed, Analysis
 from stagewise.compiler.compile.costing import Costs
@@ -183,10 +184,7 @@ class PlanBuilder:
         key = (size, candidate.stage_replicas)  # () when the DP chooses
         if key not in self.replicated and split_points is not None:
             starts = starts_from_split_points(graph.layers, graph.cuts, list(split_points))
-            if len(starts) != len(candidate.stage_replicas):
-                raise PartitionError(f"split_points gives {len(starts)} stages but replicas="
-                                     f"{candidate.stage_replicas} replicates {len(candidate.stage_replicas)}; give one "
-                                     "count per stage")
+            check_stage_count(len(starts), candidate.stage_replicas)
             self.replicated[key] = (starts, consecutive_devices(candidate.stage_replicas, len(request.devices)))
         elif key not in self.replicated:
             found = replicated_partition(candidate.schedule, graph.layers, graph.cuts, self.costs.layers.at(size),
