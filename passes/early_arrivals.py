@@ -33,12 +33,11 @@ def early_arrival_peaks(programs: Sequence[Program], cost: SimCost, devices: Seq
     """Per device, the larger of its `simulated` peak and its peak when its messages arrive as early
     as they can: for each device with a memory limit that receives messages and fits nominally (one
     that does not fit is out already)."""
-    peaks = [int(simulated.get(d, 0)) for d in range(len(devices))]
-    worst = list(peaks)
-    for program in programs:
+    worst = [int(simulated.get(d, 0)) for d in range(len(devices))]
+    for program in programs:  # one per device: its entry is still the simulated peak here
         device = program.device
         limit = devices[device].memory
-        if limit is None or peaks[device] > limit or not _receives(program):
+        if limit is None or worst[device] > limit or not _receives(program):
             continue
         slowed = simulate(programs, replace(cost, slowed={device: SLOWED}))
         worst[device] = max(worst[device], int(slowed.peak_bytes.get(device, 0)))

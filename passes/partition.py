@@ -4,13 +4,15 @@ Each layer costs its share of the model's forward FLOPs plus its share of the pa
 bytes (so a FLOP-free embedding still weighs what it stores). Stages are contiguous and
 start only after legal cuts; the split minimises the most expensive stage (binary search
 over the bottleneck with a greedy feasibility check, optimal for contiguous partitions).
-The full planner (profiled costs, DP, CP-SAT) replaces this pass.
+The full planner (profiled costs, DP, CP-SAT) replaces this pass, but for the schedules that place
+their own stages (interleaved, zb-v): `balanced_at_legal_cuts` splits by profiled time, Harmony's way.
 """
 
 from __future__ import annotations
 
 from stagewise.ir.errors import PartitionError
 from stagewise.ir.plan import Cut, Layer
+from stagewise.passes.harmony_packing import split_balanced
 
 
 def layer_costs(layers: tuple[Layer, ...]) -> list[float]:
@@ -94,4 +96,21 @@ def starts_from_split_points(layers: tuple[Layer, ...], cuts: tuple[Cut, ...], s
         if start <= starts[-1]:
             raise PartitionError(f"split_points must be distinct and in model order; {name!r} is not")
         starts.append(start)
+    return starts
+
+
+def balanced_at_legal_cuts(times: list[float], legal: list[bool], count: int, layers: tuple[Layer, ...],
+                           cuts: tuple[Cut, ...]) -> list[int]:
+    """Harmony's balanced time packing (Alg. 2 l. 7-11), each start moved to the nearest legal cut (the
+    interleaved and zb-v stages); `balanced_starts` where too few legal cuts are left."""
+    packs = split_balanced(times, count)
+    starts = [0]
+    allowed = [i + 1 for i, ok in enumerate(legal) if ok]
+    for pack in packs[1:]:
+        later = [a for a in allowed if a > starts[-1]]
+        if not later:
+            break
+        starts.append(min(later, key=lambda a: abs(a - pack.start)))
+    if len(starts) < count:
+        return balanced_starts(layers, cuts, count)
     return starts

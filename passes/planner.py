@@ -42,11 +42,10 @@ from stagewise.passes.capacity import HostOver, check_fit, host_bytes, nothing_f
 from stagewise.passes.costs import stage_charges
 from stagewise.passes.cpsat import partition_and_bind
 from stagewise.passes.early_arrivals import early_arrival_peaks
-from stagewise.passes.harmony_packing import split_balanced
 from stagewise.passes.harmony_plan import HARMONY
 from stagewise.passes.layout import PER_STAGE, Grouping, Layout, choose_layout, groupings
 from stagewise.passes.lower import lower
-from stagewise.passes.partition import balanced_starts
+from stagewise.passes.partition import balanced_at_legal_cuts
 from stagewise.passes.pipedream_dp import NoFeasiblePlan
 from stagewise.passes.pipedream_partition import straight_partition
 from stagewise.passes.replicate import replicate, replicate_stages
@@ -175,7 +174,7 @@ def partition(
             "blocks finer-grained modules."
         )
     if schedule in (Schedule.INTERLEAVED, Schedule.ZB_V):
-        starts = _balanced_at_legal(times, legal, positions, layers, cuts)
+        starts = balanced_at_legal_cuts(times, legal, positions, layers, cuts)
         return starts, [layout.device_of(s, 0) for s in range(len(starts))]
     if schedule in HARMONY:  # never partitioned alike: a silent straight pipeline would be wrong
         raise PlanError(f"{schedule}'s packs come from Harmony's search (passes/harmony_search.py), not partition()")
@@ -183,22 +182,6 @@ def partition(
     if heterogeneous and layout.replicas == 1 and len(layers) <= CPSAT_MAX_LAYERS:
         return _cpsat(times, cuts, costs, devices, microbatch_size, topology)
     return straight_partition(layers, cuts, costs, layout, devices, microbatch_size, topology)
-
-
-def _balanced_at_legal(times: list[float], legal: list[bool], count: int, layers: tuple[Layer, ...],
-                       cuts: tuple[Cut, ...]) -> list[int]:
-    """Harmony's balanced time packing (Alg. 2 l. 7-11), moved to the nearest legal cut."""
-    packs = split_balanced(times, count)
-    starts = [0]
-    allowed = [i + 1 for i, ok in enumerate(legal) if ok]
-    for pack in packs[1:]:
-        later = [a for a in allowed if a > starts[-1]]
-        if not later:
-            break
-        starts.append(min(later, key=lambda a: abs(a - pack.start)))
-    if len(starts) < count:
-        return balanced_starts(layers, cuts, count)
-    return starts
 
 
 def _cpsat(times: list[float], cuts: tuple[Cut, ...], costs: Sequence[LayerCost], devices: Sequence[DeviceSpec],
@@ -233,7 +216,8 @@ class Candidate:
         return (f"{self.schedule:<11} x{self.microbatches:<3}" + (f" D={self.replicas}" if self.replicas > 1 else "")
                 + (f" P={self.stages}" if self.stages is not None else "")
                 + (f" replicas {ways}" if self.replicates_stages else "")
-                + (" (PipeDream DP)" if self.dp_replication else "") + (" stage copies together" if self.grouping is Grouping.STAGE_COPIES else ""))
+                + (" (PipeDream DP)" if self.dp_replication else "")
+                + (" stage copies together" if self.grouping is Grouping.STAGE_COPIES else ""))
 
 
 def candidates(schedule: Schedule, microbatches: int | None, batch: int, n_devices: int, legal_cuts: int,
@@ -271,7 +255,8 @@ def candidates(schedule: Schedule, microbatches: int | None, batch: int, n_devic
             if name not in REPLICATING:  # a number of replicas or stages given for these is refused by the layout
                 options.append(Candidate(name, m, 1 if given_replicas is None else given_replicas, given_stages))
                 continue
-            for d in [d for d in range(1, n_devices + 1) if n_devices % d == 0 and m % d == 0] if given_replicas is None else [given_replicas]:
+            replica_counts = [d for d in range(1, n_devices + 1) if n_devices % d == 0 and m % d == 0]
+            for d in replica_counts if given_replicas is None else [given_replicas]:
                 deepest = min(n_devices // d, legal_cuts + 1, max_stages or n_devices)
                 depths = list(range(1, deepest + 1)) if stages == "auto" else [given_stages]
                 options += [Candidate(name, m, d, p, grouping=g) for p in depths

@@ -5,7 +5,6 @@ plan.json is checked against its programs, and a mixed plan trains as eager does
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -17,9 +16,7 @@ from stagewise.ir.choices import ActivationPolicy
 from stagewise.ir.errors import CheckpointError, OptionError
 from stagewise.ir.instructions import Recompute, StashOut
 from stagewise.passes.activations import Scored, choose_policies
-from stagewise.passes.costs import plan_charges
-from stagewise.passes.early_arrivals import early_arrival_peaks
-from stagewise.passes.simulate import simulate
+from tests.harness.measured import nominal_and_early
 from tests.models.dropout import DropoutGPT
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.models.mlp import mlp
@@ -37,15 +34,6 @@ def _plan(flops: str, link: str, capacity: int | None = None, depth: int = 8, **
     options = {"split_points": [str(depth)], **options}
     return sw.plan(mlp(width=64, depth=depth), [device, device], (x,), loss_fn=F.cross_entropy, example_target=y,
                    microbatches=8, topology=sw.Topology.uniform(2, link), **options)
-
-
-def _charged_peaks(plan: sw.Plan) -> tuple[int, ...]:
-    """The peaks the planner charges devices with a memory limit about theirs: each device's messages
-    arriving as early as they can (passes/early_arrivals.py)."""
-    cost = plan_charges(plan)
-    nominal = simulate(plan.programs, cost).peak_bytes
-    return early_arrival_peaks(plan.programs, cost, [replace(d, memory=int(nominal[i])) for i, d in
-                                                     enumerate(plan.devices)], nominal)
 
 
 def _policies(plan: sw.Plan) -> list[ActivationPolicy]:
@@ -82,12 +70,12 @@ def test_planner_recomputes_the_stage_whose_1f1b_stashes_do_not_fit(slow_link_pe
 def test_a_plan_that_fits_only_with_recompute_is_found_not_refused():
     """The planner's own search (no split given, swap="off"): on 2 stages no candidate keeps 1F1B's
     stashes within the memory, one recomputing stage 0 does. Before, a CapacityError. Peaks are the
-    ones the planner charges a device with a limit (messages arriving early: `_charged_peaks`); at 16
-    layers the search's split for time keeps both stages within 8% of the recompute plan's peak, so
-    24 (the search partitions for time first and chooses policies on that split: a known limit)."""
+    ones the planner charges a device with a limit (messages arriving early: `nominal_and_early`); at
+    16 layers the search's split for time keeps both stages within 8% of the recompute plan's peak,
+    so 24 (the search partitions for time first and chooses policies on that split: a known limit)."""
     deep = {"depth": 24, "split_points": None, "schedule": "1f1b", "swap": "off"}
-    keep = _charged_peaks(_plan("1TFLOPS", "10GB/s", stages=2, activations="keep", **deep))
-    recompute = _charged_peaks(_plan("1TFLOPS", "10GB/s", stages=2, activations="recompute", **deep))
+    keep = nominal_and_early(_plan("1TFLOPS", "10GB/s", stages=2, activations="keep", **deep))[1]
+    recompute = nominal_and_early(_plan("1TFLOPS", "10GB/s", stages=2, activations="recompute", **deep))[1]
     memory = max(recompute) * 51 // 50
     assert memory < keep[0]  # the premise: keeping does not fit on stage 0, recomputing fits
     with pytest.raises(sw.CapacityError):

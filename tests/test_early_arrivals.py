@@ -22,6 +22,7 @@ from stagewise.ir.instructions import Recv
 from stagewise.passes.costs import plan_charges
 from stagewise.passes.early_arrivals import early_arrival_peaks
 from stagewise.passes.simulate import simulate
+from tests.harness.measured import nominal_and_early
 from tests.harness.precision import SGD
 from tests.models.gpt import TinyGPT, lm_loss
 
@@ -39,17 +40,9 @@ def unbounded() -> sw.Pipeline:
     return compile_at([None, None])
 
 
-def nominal_and_early(pipe: sw.Pipeline):
-    """The plan's nominal simulated peaks, and its early-arrival peaks were each device's memory that."""
-    programs, cost = pipe.plan.programs, plan_charges(pipe.plan)
-    nominal = simulate(programs, cost).peak_bytes
-    bounded = [replace(spec, memory=int(nominal[d])) for d, spec in enumerate(pipe.plan.devices)]
-    return nominal, early_arrival_peaks(programs, cost, bounded, nominal)
-
-
 def test_the_second_gradient_arriving_during_the_first_backward_is_charged(unbounded) -> None:
     programs, cost = unbounded.plan.programs, plan_charges(unbounded.plan)
-    nominal, worst = nominal_and_early(unbounded)
+    nominal, worst = nominal_and_early(unbounded.plan)
     second_gradient = next(ins for ins in programs[0].instructions if isinstance(ins, Recv) and ins.microbatch == 1)
     assert worst[0] == nominal[0] + cost.bytes_of(second_gradient) > nominal[0]
     assert worst[1] >= nominal[1]
@@ -59,7 +52,7 @@ def test_a_plan_at_its_nominal_peak_does_not_fit_and_the_planner_finds_one_that_
     """Memory equal to the nominal peak compiled without a word before, and could fail mid-step. Now
     the plan asked for is said not to fit; the planner, free to choose each stage's activations,
     recomputes device 0's instead; the early-arrival peak is the kept plan's predicted peak."""
-    nominal, worst = nominal_and_early(unbounded)
+    nominal, worst = nominal_and_early(unbounded.plan)
     with pytest.warns(sw.DoesNotFitWarning, match="device 0 would need"):
         compile_at([int(nominal[0]), None])
     with warnings.catch_warnings():

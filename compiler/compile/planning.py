@@ -224,12 +224,13 @@ def _asked(request: CompileRequest, builder: PlanBuilder, costs: Costs) -> tuple
         else [Grouping.PIPELINES]
     tried = []
     for grouping in ways:
-        built = builder.build(replace(asked, grouping=grouping), exact=True)
+        option = replace(asked, grouping=grouping)
+        built = builder.build(option, exact=True)
         prediction, _ = predict(built.plan, built.layer_costs, request.specs, built.microbatch_size, costs.topology,
                                 costs.runtime)
-        tried.append((replace(asked, grouping=grouping), built.plan, prediction))
-    fitting = [(simplicity(plan), prediction) for _, plan, prediction in tried]
-    kept = keep_simplest(fitting)[0] if any(prediction.fits for _, prediction in fitting) else 0
+        tried.append((option, built.plan, prediction))
+    scored = [(simplicity(plan), prediction) for _, plan, prediction in tried]
+    kept = keep_simplest(scored)[0] if any(prediction.fits for _, prediction in scored) else 0
     _, found, prediction = tried[kept]
     if not prediction.fits:
         warn_does_not_fit(prediction, request)

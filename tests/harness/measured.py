@@ -18,7 +18,8 @@ from stagewise.ir.instructions import (
     Update,
     WeightGrad,
 )
-from stagewise.passes.early_arrivals import SLOWED
+from stagewise.passes.costs import plan_charges
+from stagewise.passes.early_arrivals import SLOWED, early_arrival_peaks
 from stagewise.passes.sim_result import SimResult
 from stagewise.passes.simulate import SimCost, simulate, transfer_bytes
 
@@ -131,3 +132,12 @@ def assert_peaks_agree(run: Callable[[], tuple[Sequence[dict], SimulatedPeaks]])
     while attempts[-1] and len(attempts) < ATTEMPTS:
         attempts.append(peaks_outside(*run()))
     assert not attempts[-1], attempts
+
+
+def nominal_and_early(plan: sw.Plan) -> tuple[dict[int, float], tuple[int, ...]]:
+    """The plan's simulated peaks (its own costs), and the peaks the planner charges were each device's
+    memory exactly that: its messages arriving as early as they can (passes/early_arrivals.py)."""
+    cost = plan_charges(plan)
+    nominal = simulate(plan.programs, cost).peak_bytes
+    bounded = [replace(spec, memory=int(nominal[d])) for d, spec in enumerate(plan.devices)]
+    return nominal, early_arrival_peaks(plan.programs, cost, bounded, nominal)
