@@ -5,6 +5,7 @@ One compiled pipeline per model serves the file: inductor's compile is the cost 
 
 import copy
 import functools
+import io
 
 import pytest
 import torch
@@ -15,7 +16,8 @@ import stagewise as sw
 from stagewise.passes.capture import trace
 from stagewise.passes.layers import build_layers
 from stagewise.passes.profile import profile_layers
-from stagewise.runtime.stage_calls import CompiledStage
+from stagewise.runtime.stage_calls import Acceleration, CompiledStage
+from tests.harness.crafted import quiet_load, reseal
 from tests.models.dropout import MaskProbe
 from tests.models.mlp import mlp
 from tests.reference import ATOL, RTOL, SGD, eager_train, pipeline_train
@@ -120,3 +122,27 @@ def test_compile_profiles_compiled_layers_for_compiled_stages(tmp_path, monkeypa
                       loss_fn=F.cross_entropy, example_target=y, microbatches=2, cost="profile", compile_stages=True)
     assert len(compiled) == len(pipe.plan.layers) + len(pipe.plan.stages)
     pipe.step(x, target=y)
+
+
+def test_a_loaded_pipeline_compiles_its_stages_again_and_cuda_graphs_on_a_cpu_are_dropped_said(tmp_path, monkeypatch):
+    """The checkpoint keeps compile_stages: a loaded pipeline ran its stages eagerly before, however it was
+    compiled. Graphs saved for CUDA devices and loaded onto CPU ones run eagerly, with a warning."""
+    compiled: list[torch.nn.Module] = []
+    monkeypatch.setattr(torch, "compile", lambda module: compiled.append(module) or module)
+    x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+    pipe = sw.compile(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)), 2, (x,),
+                      loss_fn=F.cross_entropy, example_target=y, microbatches=2, cost="analytic", compile_stages=True)
+    pipe.save(tmp_path / "compiled")
+    compiled.clear()
+    loaded = quiet_load(tmp_path / "compiled")
+    assert len(compiled) == len(loaded.plan.stages) and loaded._runtime.acceleration.compile_stages
+    torch.testing.assert_close(loaded.step(x, target=y), pipe.step(x, target=y), rtol=0, atol=0)
+    training = torch.load(tmp_path / "compiled" / "training.pt", weights_only=True)
+    buffer = io.BytesIO()
+    torch.save({**training, "acceleration": {"compile_stages": False, "cuda_graphs": True, "bucketed": False}}, buffer)
+    (tmp_path / "compiled" / "training.pt").write_bytes(buffer.getvalue())
+    reseal(tmp_path / "compiled")
+    with pytest.warns(UserWarning, match="ran with .*cuda_graphs=True.*run eagerly here.*'cpu' is not a CUDA"):
+        eager = sw.load(tmp_path / "compiled")
+    assert eager._runtime.acceleration == Acceleration()
+    eager.step(x, target=y)

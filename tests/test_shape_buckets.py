@@ -6,6 +6,7 @@ padding a model would read is refused at compile, naming the input; bad values a
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 import stagewise as sw
 from stagewise.compiler.compile import driver
 from tests.harness.any_shape import eager_split_train, train_steps
+from tests.harness.crafted import quiet_load, reseal
 from tests.hf import bert, llama
 from tests.models.gpt import TinyGPT
 from tests.reference import ATOL, RTOL, SGD, assert_state_equal
@@ -115,3 +117,30 @@ def test_a_resized_pipeline_still_pads():
     pipe.resize(["cpu", "cpu"])
     pipe.step(**batches[1][0])  # 7 tokens: padded to 8
     assert {size[1] for signature in pipe._feeding.step_shapes.cache for _, size, _ in signature} == {8}
+
+
+def _step_lengths(pipe: sw.Pipeline) -> set[int]:
+    return {size[1] for signature in pipe._feeding.step_shapes.cache for _, size, _ in signature}
+
+
+def test_a_loaded_pipeline_pads_as_the_saved_one_and_trains_as_it_would_have(tmp_path):
+    """The checkpoint keeps compile's shape_buckets: a loaded pipeline padded nothing before (each new
+    length its own shape), so the buckets a user chose were lost on every resume. A crafted padding
+    longer than the plan's example is refused: it would allocate what was never planned."""
+    torch.manual_seed(0)
+    batches = _causal_batches()
+    pipe = sw.compile(llama(1), 2, batches[0][0], microbatches=2, optimizer=SGD, cost="analytic", shape_buckets=4)
+    train_steps(pipe, batches[:2])
+    pipe.save(tmp_path / "bucketed")
+    loaded = quiet_load(tmp_path / "bucketed")
+    torch.testing.assert_close(torch.stack(train_steps(loaded, batches[2:])),
+                               torch.stack(train_steps(pipe, batches[2:])), rtol=0, atol=0)
+    assert_state_equal(loaded.state_dict(), pipe.state_dict())
+    assert _step_lengths(loaded) == {8, 4}  # 5 and 3 tokens bucketed by 4 (10 to the example's 12, not cached)
+    training = torch.load(tmp_path / "bucketed" / "training.pt", weights_only=True)
+    buffer = io.BytesIO()
+    torch.save({**training, "padding": {**training["padding"], "multiple": 10 ** 9, "longest": 10 ** 9}}, buffer)
+    (tmp_path / "bucketed" / "training.pt").write_bytes(buffer.getvalue())
+    reseal(tmp_path / "bucketed")
+    with pytest.raises(sw.CheckpointError, match="training.pt gives padding=.*other than the plan's inputs of that"):
+        quiet_load(tmp_path / "bucketed")

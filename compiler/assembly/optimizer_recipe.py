@@ -21,6 +21,7 @@ import torch
 
 from stagewise.codegen.allowlist import allowed_optimizer
 from stagewise.compiler.assembly.optimizer_groups import NamedParameters, ParamGroups, sample_optimizer
+from stagewise.compiler.assembly.plain_values import same_kind
 from stagewise.ir.errors import CheckpointError, UntrustedCodeError
 
 _PLAIN = (bool, int, float, str, type(None))
@@ -107,7 +108,21 @@ def recorded_optimizer(recipe: dict | None, groups: Sequence[dict], aliases: Seq
     optimizer = recorded_class(recipe.get("class"), trusted or {})
     if not isinstance(recipe.get("defaults"), dict):
         raise CheckpointError(f"training.pt (key 'optimizer') holds {str(recipe)[:120]!r}, not a class and defaults")
+    _check_hyperparameters(optimizer, [recipe["defaults"], *groups])
     return ParamGroups(optimizer, _SavedGroups(groups, aliases), **recipe["defaults"])
+
+
+def _check_hyperparameters(optimizer: type[torch.optim.Optimizer], tables: Sequence[dict]) -> None:
+    """Each saved hyper-parameter the class's constructor takes is of the kind of its default (training.pt
+    is untrusted: an `lr` of "0.1" would fail the next step midway, compiler/assembly/plain_values.py)."""
+    defaults = {name: p.default for name, p in inspect.signature(optimizer).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    for table in tables:
+        for key, value in table.items():
+            if key in defaults and not same_kind(value, defaults[key]):
+                raise CheckpointError(f"training.pt's optimizer gives {key}={repr(value)[:60]}, where "
+                                      f"{optimizer.__name__} takes a value like {defaults[key]!r}: the checkpoint "
+                                      "was altered; save the pipeline again")
 
 
 def check_same_optimizer(recipe: dict | None, factory) -> None:

@@ -38,6 +38,7 @@ class Runtime:
     stage_modules: list[fx.GraphModule | None]  # every stage's (another rank's on the meta device), for shapes
     stage_states: list[StateSpecs | None]  # every stage's parameter and buffer sizes, for shapes
     clip_grad_norm: float | None
+    acceleration: Acceleration = EAGER  # compile_stages / cuda_graphs: a checkpoint keeps them
 
 
 def start_runtime(plan: Plan, modules: Sequence[fx.GraphModule | None], optimizer: Callable,
@@ -84,7 +85,8 @@ def start_runtime(plan: Plan, modules: Sequence[fx.GraphModule | None], optimize
                               loss_scaling=(loss_scaling or LossScaling()) if plan.precision == "fp16" else None)
     others = [m.to("meta") if m is not None and s.device not in local else m
               for s, m in zip(plan.stages, modules, strict=True)]  # their shapes only: no memory
-    return Runtime(context, pools, transport, workers, executor, optimizer, others, states, clip_grad_norm)
+    return Runtime(context, pools, transport, workers, executor, optimizer, others, states, clip_grad_norm,
+                   acceleration)
 
 
 def _local_modules(plan: Plan, modules: Sequence[fx.GraphModule | None],

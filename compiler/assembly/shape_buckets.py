@@ -80,6 +80,23 @@ class Padding:
                 for name, value in inputs.items()}
 
 
+def padding_to_data(padding: Padding | None) -> dict | None:
+    """What a checkpoint keeps of compile's shape_buckets (training.pt), so that a loaded pipeline pads
+    its steps as the saved one did (it padded nothing before, each new length a new shape)."""
+    if padding is None:
+        return None
+    return {"multiple": padding.buckets.multiple, "sizes": list(padding.buckets.sizes), "longest": padding.longest,
+            "fills": dict(padding.fills), "labels": sorted(padding.labels)}
+
+
+def padding_from_data(data: dict | None) -> Padding | None:
+    """What `padding_to_data` wrote, once compiler/checkpoint/training_file.py has checked it."""
+    if data is None:
+        return None
+    return Padding(ShapeBuckets(data["multiple"], tuple(data["sizes"])), data["longest"], dict(data["fills"]),
+                   frozenset(data["labels"]))
+
+
 def padding_of(buckets: ShapeBuckets, example: dict[str, torch.Tensor], target_name: str | None,
                reduction: LossReduction | None) -> Padding:
     """The padding of compile's example (input name, then the target's, -> tensor): the inputs whose

@@ -11,8 +11,10 @@ is torch.compile's own mode="reduce-overhead", which this pipeline does not driv
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
+import torch
 import torch.fx as fx
 
 from stagewise.ir.devices import Device
@@ -20,7 +22,7 @@ from stagewise.ir.errors import OptionError
 from stagewise.ir.instructions import InputGrad, Stream
 from stagewise.ir.plan import Plan
 from stagewise.ir.random_streams import keyed, keyed_dropout
-from stagewise.runtime.stage_calls import Acceleration
+from stagewise.runtime.stage_calls import EAGER, Acceleration
 
 _MOVES = (Stream.SWAP_IN, Stream.SWAP_OUT)  # swaps, stash moves and the host optimizer's step
 
@@ -36,6 +38,30 @@ def check_devices(acceleration: Acceleration, devices: Sequence[Device]) -> None
     if other is not None:
         raise OptionError(f"cuda_graphs=True captures CUDA graphs, and device {other.name!r} is not a CUDA device; "
                           "give CUDA devices only, or drop cuda_graphs (compile_stages=True speeds up CPU stages)")
+
+
+def loaded_acceleration(saved: dict | None, plan: Plan, modules: Sequence[fx.GraphModule | None]) -> Acceleration:
+    """A checkpoint's compile_stages / cuda_graphs (training.pt, checked) for the plan it is loaded with:
+    kept where they still apply (a loaded pipeline ran its stages eagerly before, however it was
+    compiled); where they do not (CUDA graphs loaded onto CPU devices), eagerly, said in a warning."""
+    if saved is None:
+        return EAGER
+    acceleration = Acceleration(**saved)
+    try:
+        check_names(acceleration, [device.name for device in plan.devices])
+        check_plan(acceleration, plan, modules)
+    except OptionError as error:
+        warnings.warn(f"the checkpoint's stages ran with {acceleration}; they run eagerly here: {error}",
+                      stacklevel=4)
+        return EAGER
+    return acceleration
+
+
+def check_names(acceleration: Acceleration, devices: Sequence[str]) -> None:
+    """`check_devices` for devices by name (a plan's): CUDA graphs on CUDA devices only."""
+    other = next((name for name in devices if torch.device(name).type != "cuda"), None)
+    if acceleration.cuda_graphs and other is not None:
+        raise OptionError(f"cuda_graphs=True captures CUDA graphs, and device {other!r} is not a CUDA device")
 
 
 def check_plan(acceleration: Acceleration, plan: Plan, modules: Sequence[fx.GraphModule | None]) -> None:

@@ -35,6 +35,7 @@ from stagewise.compiler.checkpoint.files import (
 from stagewise.compiler.checkpoint.limits import check_declared, check_metadata, check_model_graph
 from stagewise.compiler.checkpoint.paths import strict_json
 from stagewise.compiler.checkpoint.swap import previous_path
+from stagewise.compiler.checkpoint.training_file import check_training
 from stagewise.compiler.checkpoint.write import GRAPH_FILE
 from stagewise.ir.errors import CheckpointError, PlanError
 from stagewise.ir.plan import Plan
@@ -92,6 +93,7 @@ def _read(root: Path, rank: int, ranks: int) -> Checkpoint:
     files = read_marker(root)
     plan = _parse(root, "plan.json", files, lambda data: Plan.from_json(_unique_keys(data, root / "plan.json")))
     training = _parse(root, TRAINING_FILE, files, _safe_load)
+    check_training(training, plan, root / TRAINING_FILE)
     read_checked(root, "programs.txt", files)  # only for reading, but a damaged copy is still told
     structures = [_parse(root, f"stage_{s.index}.json", files, _json_object(root / f"stage_{s.index}.json"))
                   for s in plan.stages]

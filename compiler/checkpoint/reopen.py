@@ -15,6 +15,7 @@ import torch.fx as fx
 from stagewise.codegen.graph_data import materialize
 from stagewise.compiler.assembly.optimizer_recipe import recorded_optimizer
 from stagewise.compiler.assembly.runtime_setup import Runtime, start_runtime
+from stagewise.compiler.assembly.stage_acceleration import loaded_acceleration
 from stagewise.compiler.checkpoint.read import Checkpoint
 from stagewise.compiler.checkpoint.restore import restore_state, unheld_names
 from stagewise.ir.plan import Plan
@@ -29,8 +30,9 @@ def reopen(saved: Checkpoint, stages: list[fx.GraphModule], plan: Plan, trusted:
     training = saved.training
     optimizer = recorded_optimizer(training.get("optimizer"), training.get("optimizer_groups", []), plan.aliases,
                                    trusted)
+    acceleration = loaded_acceleration(training.get("acceleration"), plan, modules)
     runtime = start_runtime(plan, modules, optimizer, training.get("clip_grad_norm"),
-                            frozenset(training.get("swapped", ())))
+                            frozenset(training.get("swapped", ())), acceleration=acceleration)
     unheld = _unheld(saved)
     restore_state(plan, runtime, unheld, saved, constants=True)
     return runtime, unheld

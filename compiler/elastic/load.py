@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from stagewise.compiler.assembly.fx_sources import releasing_fx_sources
 from stagewise.compiler.assembly.loss_reduction import reduction_from_data
 from stagewise.compiler.assembly.options import check_flags
+from stagewise.compiler.assembly.shape_buckets import padding_from_data
 from stagewise.compiler.checkpoint.arguments import checkpoint_path
 from stagewise.compiler.checkpoint.arguments import trusted_functions as checked_trusted
 from stagewise.compiler.checkpoint.read import Checkpoint, read_checkpoint, trusted_by_name
@@ -83,6 +84,7 @@ def load(directory, trusted_functions: Sequence[Callable] = (), devices=None, re
     pipe = Pipeline(plan, runtime, unheld=unheld)
     pipe._resumed = TrainingState.from_settings(training)
     pipe.loss_reduction = reduction_from_data(training.get("loss_reduction"))  # checked against the plan
+    pipe._feeding.padding = padding_from_data(training.get("padding"))  # compile's shape_buckets, checked
     put_saved_mode(pipe, training)
     pipe._model_graph = saved.model_graph  # its next checkpoint can be planned again as well
     return pipe

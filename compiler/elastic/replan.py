@@ -17,6 +17,7 @@ global batch is the saved one either way; a microbatch count the user fixed stay
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from types import MappingProxyType
@@ -27,6 +28,7 @@ import torch.fx as fx
 from stagewise.compiler.assembly.loss_reduction import reduction_from_data
 from stagewise.compiler.assembly.optimizer_recipe import recorded_optimizer
 from stagewise.compiler.assembly.options import CompileOptions, CompileRequest
+from stagewise.compiler.assembly.shape_buckets import padding_from_data
 from stagewise.compiler.checkpoint.read import Checkpoint
 from stagewise.compiler.checkpoint.write import GRAPH_FILE
 from stagewise.compiler.compile import driver
@@ -43,6 +45,7 @@ from stagewise.ir.plan import InputSpec, Plan
 from stagewise.ir.precision import LossScaling
 from stagewise.passes.capture import Capture, Objective
 from stagewise.passes.swap import SwapMode
+from stagewise.runtime.stage_calls import Acceleration
 
 
 def replan(saved: Checkpoint, graph: fx.GraphModule | None, devices, trusted: Mapping[str, Callable],
@@ -67,7 +70,8 @@ def replan(saved: Checkpoint, graph: fx.GraphModule | None, devices, trusted: Ma
         raise CapacityError(f"{error}\n(planning {saved.root} again: the options are the saved ones; to plan with "
                             "others, such as more microbatches, compile the model with them and call "
                             "pipe.restore(directory))") from None
-    pipe = driver.pipeline_of(ctx, reduction_from_data(training.get("loss_reduction")), model_graph)
+    pipe = driver.pipeline_of(ctx, reduction_from_data(training.get("loss_reduction")), model_graph,
+                              padding_from_data(training.get("padding")))
     restore_checkpoint(pipe, saved, report, training_state=True, constants=True)
     put_saved_mode(pipe, training)
     return pipe
@@ -121,7 +125,18 @@ def _options(model_graph: dict, plan: Plan, training: dict, target: torch.Tensor
         replicas=saved.get("replicas", 1), stages=saved.get("stages"),
         optimizer_on_host=bool(saved.get("optimizer_on_host", False)),
         activations=saved.get("activations", ActivationPolicy.AUTO), seed=plan.seed, precision=plan.precision,
-        loss_scaling=_loss_scaling(saved.get("loss_scaling"), where))
+        loss_scaling=_loss_scaling(saved.get("loss_scaling"), where), acceleration=_replanned(training))
+
+
+def _replanned(training: dict) -> Acceleration:
+    """The saved stage acceleration a new plan keeps: compile_stages (checked again by the phases), not
+    cuda_graphs: whether a graph may replay depends on the new plan's swaps, so it is dropped, said."""
+    saved = Acceleration(**training.get("acceleration") or {})  # checked: compiler/checkpoint/training_file.py
+    if saved.cuda_graphs:
+        warnings.warn("the checkpoint's stages replayed CUDA graphs; a pipeline planned again for other devices "
+                      "runs them eagerly: compile the model with cuda_graphs=True for these devices and call "
+                      "pipe.restore(directory)", stacklevel=5)
+    return Acceleration(compile_stages=saved.compile_stages, bucketed=saved.bucketed)
 
 
 def _loss_scaling(saved: object, where: object) -> LossScaling | None:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from stagewise.compiler.assembly.loss_reduction import LossReduction, check_loss_reduction, reduction_to_data
 from stagewise.compiler.assembly.options import check_flags
 from stagewise.compiler.assembly.runtime_setup import Runtime
+from stagewise.compiler.assembly.shape_buckets import padding_to_data
 from stagewise.compiler.assembly.tensor_parallel import refuse_checkpoint
 from stagewise.compiler.checkpoint.arguments import checkpoint_path, save_path
 from stagewise.compiler.checkpoint.async_save import SaveHandle, SaveSlot
@@ -267,7 +270,9 @@ class Pipeline(PipelineState):
         if self._optimizer is not None:
             self._optimizer.push_hyperparameters()  # the learning rates the scheduler set since the last step
         settings = {**training.settings(), "loss_reduction": reduction_to_data(self.loss_reduction),
-                    "mode_training": self.training, MODEL_GRAPH: self._model_graph}
+                    "mode_training": self.training, "padding": padding_to_data(self._feeding.padding),
+                    "acceleration": dataclasses.asdict(self._runtime.acceleration),
+                    MODEL_GRAPH: self._model_graph}
         return self._saves.save(self.plan, self._runtime, directory, self._unheld, settings, asynchronous)
 
     def wait_for_save(self) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from stagewise.compiler.assembly.plain_values import same_kind
 from stagewise.compiler.checkpoint.write import serialised
 from stagewise.compiler.pipeline.optimizer_view import PipelineOptimizer
 from stagewise.ir.errors import CheckpointError, OptionError
@@ -77,5 +78,11 @@ def resume_scheduler(optimizer: PipelineOptimizer, scheduler: object, training: 
                               "before pipe.step: a step since used the learning rates the new scheduler set")
     if getattr(scheduler, "optimizer", None) is not optimizer:
         raise OptionError("pipe.load_scheduler takes a scheduler made over pipe.optimizer")
+    own = scheduler.state_dict()  # type: ignore[attr-defined]
+    foreign = {k: v for k, v in training.scheduler_state.items() if k not in own or not same_kind(v, own[k])}
+    if foreign:  # load_state_dict sets each entry as an attribute of the scheduler
+        raise CheckpointError(f"the checkpoint's scheduler state gives {repr(foreign)[:120]}, which this "
+                              f"{type(scheduler).__name__} does not have or holds as another kind: load it into the "
+                              "scheduler class it was saved with")
     scheduler.load_state_dict(training.scheduler_state)  # type: ignore[attr-defined]
     optimizer.pull_hyperparameters()
