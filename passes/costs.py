@@ -28,11 +28,12 @@ from stagewise.passes.simulate import SimCost, transfer_bytes
 def stage_charges(stages: Sequence[Stage], transfers: Sequence[Transfer], swapped: Collection[int],
                   costs: Sequence[LayerCost], devices: Sequence[DeviceSpec], microbatch_size: int,
                   topology: Topology, runtime: RuntimeCosts = NO_RUNTIME_COSTS,
-                  shared: Sequence[SharedTensor] = ()) -> SimCost:
+                  shared: Sequence[SharedTensor] = (), weight_versions: int = 1) -> SimCost:
     """Per-stage seconds and bytes from per-layer costs (measured or analytic), scaled by device speed;
     the topology's links between the devices; the bytes of each `shared` tensor whose gradient is
     all-reduced (tied weights, replicated stages); and what the runtime adds. A `swapped` stage's
-    training state lives in host memory: its swaps charge it, not its device."""
+    training state lives in host memory: its swaps charge it, not its device. `weight_versions`:
+    copies of each trained weight a stage holds (2 under 2BW: Schedule.weight_versions)."""
     forward, backward, update, stash, state = [], [], [], [], []
     for stage in sorted(stages, key=lambda s: s.index):
         speed = devices[stage.device].speed
@@ -41,7 +42,8 @@ def stage_charges(stages: Sequence[Stage], transfers: Sequence[Transfer], swappe
         backward.append(sum(c.bwd_s for c in mine) / speed)
         update.append(sum(runtime.update_s[i] for i in stage.layers if i < len(runtime.update_s)) / speed)
         stash.append(sum(c.stash_bytes for c in mine) + _outputs_kept(stage, transfers, microbatch_size))
-        state.append(0 if stage.index in swapped else sum(c.state_bytes for c in mine))
+        versions = (weight_versions - 1) * sum(c.grad_bytes for c in mine)  # trained weights' further copies
+        state.append(0 if stage.index in swapped else sum(c.state_bytes for c in mine) + versions)
     shares = input_grad_shares(stages, transfers)
     # a split backward's B records the gradients at the weights' layers for W: about an activation per
     # layer, estimated as the stage's stash (measured on bench/zero_bubble.py's GPT: 9.0 of a 13.5 MiB stash)
@@ -95,4 +97,4 @@ def plan_charges(plan: Plan, peak_flops: float | None = None, bandwidth: float |
         topology = replace(Topology.uniform(len(plan.devices), bandwidth), host_links=topology.host_links,
                            hosts=tuple(topology.host_of(d) for d in range(topology.n_devices)))
     return stage_charges(plan.stages, plan.transfers, recorded.swapped, layers, plan.devices, plan.microbatch_size,
-                         topology, runtime, plan.shared)
+                         topology, runtime, plan.shared, plan.schedule.weight_versions)

@@ -20,6 +20,7 @@ from stagewise.compiler.assembly.tensor_parallel import (
     check_tensor_parallel,
     tensor_parallel_rank,
 )
+from stagewise.compiler.assembly.asynchronous import check_asynchronous
 from stagewise.ir.choices import ActivationPolicy, CostModel, Schedule, parse_choice
 from stagewise.ir.devices import Device, check_present, resolve_devices
 from stagewise.ir.errors import (
@@ -70,6 +71,7 @@ class CompileOptions:
     microbatch_sizes: tuple[int, int] | None = None
     acceleration: Acceleration = EAGER  # compile_stages, cuda_graphs (runtime/stage_calls.py)
     tensor_parallel: int = 1  # ranks each stage spans (compiler/assembly/tensor_parallel.py)
+    asynchronous: bool = False  # stale-gradient schedules (2bw) allowed (compiler/assembly/asynchronous.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.replicas, list):  # replicas=[2, 1] reads as (2, 1)
@@ -78,6 +80,7 @@ class CompileOptions:
         _check_optimizer(self.optimizer)
         _check_scalars(self)
         _check_layout(self)
+        check_asynchronous(self)
         _check_precision(self)
         check_tensor_parallel(self.tensor_parallel)
 
