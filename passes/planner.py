@@ -124,14 +124,15 @@ def assemble(
     # clipping with swapping: lower counts the norm stage by stage (passes/lower.py)
     tasks = instance_tasks(schedule, stages, microbatches, len(capacities), jit_update=not clip)
     tasks, stash_stages = apply_policies(tasks, asked_policies(activations, stages, tasks))
-    swaps = plan_swaps(swap, stages, layers, capacities, state_per_param_byte + schedule.weight_versions - 1, tasks,
-                       stash_bytes, grad_bytes, stash_stages)
+    swaps = plan_swaps(swap, stages, layers, capacities, state_per_param_byte, tasks, stash_bytes, grad_bytes,
+                       stash_stages)
     if schedule.weight_versions > 1 and swaps.stages:
         raise PlanError(f"2bw keeps two weight versions on each device, and stages {sorted(swaps.stages)} would swap "
                         "theirs to host memory: give more devices or memory, or use a synchronous schedule")
     programs = lower(stages, transfers, shared, tasks, clip, swaps, optimizer_on_host)
     stages = recorded_policies(stages, tasks, swaps)
-    on_host = host_bytes(stages, swaps, tasks, len(capacities), optimizer_on_host, host_optimizer_bytes)
+    on_host = host_bytes(stages, swaps, tasks, len(capacities), optimizer_on_host, host_optimizer_bytes,
+                         schedule.weight_versions)
     return Assembled(schedule, microbatches, tuple(starts), tuple(stage_devices), layout, stages, transfers, shared,
                      swaps, programs, tuple(tuple(on) for on in replica_devices), on_host)
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from stagewise.compiler.assembly.asynchronous import check_asynchronous
 from stagewise.compiler.assembly.batches import batch_size, check_microbatches, input_specs
 from stagewise.compiler.assembly.layout_options import check_layout_options
 from stagewise.compiler.assembly.optimizer_groups import ParamGroups, check_param_groups, sample_optimizer
@@ -20,7 +21,6 @@ from stagewise.compiler.assembly.tensor_parallel import (
     check_tensor_parallel,
     tensor_parallel_rank,
 )
-from stagewise.compiler.assembly.asynchronous import check_asynchronous
 from stagewise.ir.choices import ActivationPolicy, CostModel, Schedule, parse_choice
 from stagewise.ir.devices import Device, check_present, resolve_devices
 from stagewise.ir.errors import (
