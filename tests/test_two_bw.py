@@ -18,6 +18,7 @@ from stagewise.compiler.checkpoint.read import read_checkpoint
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.models.mlp import mlp
 from tests.reference import ADAMW, ATOL, RTOL, SGD, assert_state_equal, chunks, eager_train, token_batches
+from tests.test_cli import stagewise_here
 
 STEPS, MICROBATCHES = 4, 2
 
@@ -209,3 +210,10 @@ def test_auto_weighs_2bw_only_when_asynchronous_updates_are_allowed():
 
     assert "2bw" not in considered()
     assert "2bw" in considered(asynchronous=True)
+
+
+def test_the_command_line_plans_2bw_labelled_asynchronous(capsys: pytest.CaptureFixture):
+    status, out, err = stagewise_here(capsys, "plan", "tests.cli_factories:tiny_gpt", "--devices", "2xH100",
+                                      "--schedule", "2bw", "--asynchronous", "--microbatches", "2", "--optimizer", "sgd")
+    assert status == 0, err
+    assert "2bw ASYNCHRONOUS: one-step-stale updates, two weight versions" in out
