@@ -54,13 +54,13 @@ class WeightVersions:
             optimizer.step()
             return
         used: dict[str, torch.Tensor] = {}
-        with torch.no_grad():
-            for name, newest in self.newest.items():
-                param = params[name]
-                used[name] = param.data
-                param.data.copy_(newest)  # W(t-1), no longer needed, becomes W(t): what the next step uses
-                param.data = newest
         try:
+            with torch.no_grad():
+                for name, newest in self.newest.items():
+                    param = params[name]
+                    used[name] = param.data
+                    param.data.copy_(newest)  # W(t-1), no longer needed, becomes W(t): what the next step uses
+                    param.data = newest
             optimizer.step()  # W(t) -> W(t+1) in `newest`, with grad f(W(t-1))
         finally:
             for name, data in used.items():

@@ -23,9 +23,9 @@ from tests.test_cli import stagewise_here
 STEPS, MICROBATCHES = 4, 2
 
 
-def two_bw_reference(model, batches, optimizer, loss_fn):
+def two_bw_reference(model, batches, optimizer, loss_fn, clip_grad_norm=None):
     """The paper's rule in plain PyTorch: `used` (W(t-1)) computes step t's gradients, accumulated over
-    the microbatches; the optimizer steps `newest` (W(t)) with them; `used` then becomes W(t)."""
+    the microbatches (and clipped); the optimizer steps `newest` (W(t)) with them; `used` then becomes W(t)."""
     used, newest = model, copy.deepcopy(model)
     opt = optimizer(newest.parameters())
     losses = []
@@ -36,6 +36,8 @@ def two_bw_reference(model, batches, optimizer, loss_fn):
             loss = loss_fn(used(*mb_inputs), mb_target) / MICROBATCHES
             loss.backward()
             total += loss.detach()
+        if clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(used.parameters(), clip_grad_norm)
         for to_step, computed in zip(newest.parameters(), used.parameters(), strict=True):
             to_step.grad = computed.grad
         current = copy.deepcopy(newest.state_dict())  # W(t)
@@ -58,8 +60,8 @@ def _gpt_loss(logits, target):
     return lm_loss(logits, target)
 
 
-CASES = {"mlp-sgd": (lambda: mlp(), _mlp_batches, SGD, F.cross_entropy),
-         "tied-gpt-adamw": (lambda: TinyGPT(layers=2), lambda: token_batches(STEPS), ADAMW, _gpt_loss)}
+CASES = {"mlp-sgd-clipped": (lambda: mlp(), _mlp_batches, SGD, F.cross_entropy, 0.5),
+         "tied-gpt-adamw": (lambda: TinyGPT(layers=2), lambda: token_batches(STEPS), ADAMW, _gpt_loss, None)}
 
 
 def _compiled(model, batches, optimizer, loss_fn, **options):
@@ -75,20 +77,21 @@ def _train(pipe, batches):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_bw_trains_by_the_papers_update_rule(case):
-    make, batches_of, optimizer, loss_fn = CASES[case]
+    make, batches_of, optimizer, loss_fn, clip = CASES[case]
     torch.manual_seed(0)
     model, batches = make(), batches_of()
     reference, synchronous = copy.deepcopy(model), copy.deepcopy(model)
-    pipe = _compiled(model, batches, optimizer, loss_fn)
+    pipe = _compiled(model, batches, optimizer, loss_fn, clip_grad_norm=clip)
     assert len(pipe.plan.stages) == 2 and pipe.plan.schedule == sw.Schedule.TWO_BW
     got = _train(pipe, batches)
-    want, used, newest = two_bw_reference(reference, batches, optimizer, loss_fn)
+    want, used, newest = two_bw_reference(reference, batches, optimizer, loss_fn, clip)
     torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=RTOL, atol=ATOL)
     assert_state_equal(pipe.state_dict(), used.state_dict())  # the version the next step computes with
     newest_got = newest_state(pipe)
     assert_state_equal(newest_got, {n: t for n, t in newest.state_dict().items() if n in newest_got})
     # the test can fail: from the third step on, 2BW's losses are not synchronous SGD's
-    eager = eager_train(synchronous, batches, loss_fn=loss_fn, optimizer=optimizer, microbatches=MICROBATCHES)
+    eager = eager_train(synchronous, batches, loss_fn=loss_fn, optimizer=optimizer, microbatches=MICROBATCHES,
+                        clip_grad_norm=clip)
     assert not torch.allclose(torch.stack(got)[2:], torch.stack(eager)[2:], rtol=RTOL, atol=ATOL)
 
 
@@ -134,6 +137,10 @@ def test_a_checkpoint_keeps_both_versions_and_load_resumes_bitwise(tmp_path):
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), (got, want)
     for mine, theirs in ((loaded.state_dict(), pipe.state_dict()), (newest_state(loaded), newest_state(pipe))):
         assert all(torch.equal(tensor, theirs[name]) for name, tensor in mine.items())
+    # planned again for one device from the saved graph: still 2bw, both versions read (no weight is shared)
+    replanned = sw.load(tmp_path / "ck", devices=1, report=False)
+    assert replanned.plan.schedule == sw.Schedule.TWO_BW and len(replanned.plan.stages) == 1
+    assert all(torch.equal(g, w) for g, w in zip(_train(replanned, batches[2:]), want, strict=True))
 
 
 class _Failing:
