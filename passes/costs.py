@@ -40,9 +40,10 @@ def stage_charges(stages: Sequence[Stage], transfers: Sequence[Transfer], swappe
         mine = [costs[i] for i in stage.layers]
         forward.append(sum(c.fwd_s for c in mine) / speed)
         backward.append(sum(c.bwd_s for c in mine) / speed)
-        update.append(sum(runtime.update_s[i] for i in stage.layers if i < len(runtime.update_s)) / speed)
-        stash.append(sum(c.stash_bytes for c in mine) + _outputs_kept(stage, transfers, microbatch_size))
         versions = (weight_versions - 1) * sum(c.grad_bytes for c in mine)  # trained weights' further copies
+        update.append(sum(runtime.update_s[i] for i in stage.layers if i < len(runtime.update_s)) / speed
+                      + _version_copy_s(versions, devices[stage.device], topology.host_link(stage.device)))
+        stash.append(sum(c.stash_bytes for c in mine) + _outputs_kept(stage, transfers, microbatch_size))
         state.append(0 if stage.index in swapped else sum(c.state_bytes for c in mine) + versions)
     shares = input_grad_shares(stages, transfers)
     # a split backward's B records the gradients at the weights' layers for W: about an activation per
@@ -61,6 +62,15 @@ def stage_charges(stages: Sequence[Stage], transfers: Sequence[Transfer], swappe
         wake_s=runtime.wake_s, update_concurrency=runtime.update_concurrency,
         shared_devices=frozenset(d for d, spec in enumerate(devices) if spec.kind == "cpu"),
     )
+
+
+def _version_copy_s(nbytes: float, device: DeviceSpec, host_link: float) -> float:
+    """What 2bw's further weight versions add to an update (runtime/weight_versions.py): their copy in
+    the device's memory (at its bandwidth where known, else the host link's: a CPU device's copy) and
+    in the undo record, over the host link like the rest of it (compiler/compile/costing.py)."""
+    if not nbytes:
+        return 0.0
+    return nbytes / (device.memory_bandwidth or host_link) + nbytes / host_link
 
 
 def _outputs_kept(stage: Stage, transfers: Sequence[Transfer], microbatch_size: int) -> float:

@@ -101,7 +101,7 @@ def _trained_bytes(pipe_plan, device: int) -> int:
 
 def test_the_planner_and_the_pools_count_two_weight_versions():
     """The predicted peak and host memory (the undo record) of each device grow by its trained weights
-    over 1F1B's on the same split, and the device pools hold both versions."""
+    over 1F1B's on the same split, its update by their copies, and the device pools hold both versions."""
     torch.manual_seed(0)
     model, batches = mlp(), _mlp_batches()
     (x,), y = batches[0]
@@ -109,6 +109,7 @@ def test_the_planner_and_the_pools_count_two_weight_versions():
                                  split_points=["6"], schedule=schedule, asynchronous=schedule == "2bw")
                for schedule in ("1f1b", "2bw")}
     flush, two_bw = planned["1f1b"], planned["2bw"]
+    assert two_bw.predicted_iteration_s > flush.predicted_iteration_s  # the update copies the versions
     for device in (0, 1):
         weights = _trained_bytes(two_bw, device)
         assert weights > 0
