@@ -17,8 +17,8 @@ Choice = TypeVar("Choice", bound=enum.StrEnum)
 class Schedule(enum.StrEnum):
     """compile's and plan's `schedule=`: a pipeline schedule (passes/schedule.py builds each); AUTO
     lets the planner choose. All are synchronous (one flush and update per step) but TWO_BW,
-    PipeDream-2BW's asynchronous double-buffered updates. A member or its string is taken alike (an unknown string is an
-    OptionError listing these).
+    PipeDream-2BW's asynchronous double-buffered updates. A member or its string is taken alike
+    (an unknown string is an OptionError listing these).
 
     Example:
         >>> sw.Schedule("1f1b")

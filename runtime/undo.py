@@ -48,7 +48,8 @@ class StageStart:
 
     def writable(self) -> list[torch.Tensor]:
         """The tensors an update (or a swap after it) may write in place: resident weights, host
-        copies, 2bw's newest weights, optimizer state (a scalar `step` included); empty placeholders hold nothing."""
+        copies, 2bw's newest weights, optimizer state (a scalar `step` included); empty placeholders
+        hold nothing."""
         tensors = [t for t in self.data.values() if t.numel() > 0]
         tensors += [t for t in self.host.values() if t.numel() > 0] + self.newest
         tensors += [v for state in self.optimizer_state.values() for v in state.values()

@@ -5,10 +5,10 @@ original model's `state_dict()` under its own names (so plain PyTorch reads it i
 with `dcp.load({"model": model.state_dict()}, checkpoint_id=...)`), `optimizer.state` every
 parameter's optimizer tensors keyed by that parameter's name (as torch's
 `get_optimizer_state_dict` does), `constants` the tensors the stage code reads that are not in
-`state_dict()` (non-persistent buffers, constants torch.export lifted), `newest` under schedule="2bw"
-the newer of the two versions of each trained weight (`model` holds the one the next step computes
-with). Only tensors: DCP reads
-non-tensor entries with an unrestricted pickle, so those go in the checkpoint's `training.pt`.
+`state_dict()` (non-persistent buffers, constants torch.export lifted), and under schedule="2bw"
+`newest` the newer of the two versions of each trained weight (`model` holds the one the next step
+computes with). Only tensors: DCP reads non-tensor entries with an unrestricted pickle, so those go
+in the checkpoint's `training.pt`.
 
 Under torch.distributed every rank writes its own stages' tensors into one DCP checkpoint in
 parallel (DCP's coordinator writes its `.metadata`; a tensor two ranks hold is written once).
