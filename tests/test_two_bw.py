@@ -56,14 +56,15 @@ def _mlp_batches():
     return [((torch.randn(8, 8),), torch.randint(0, 5, (8,))) for _ in range(STEPS)]
 
 
-CASES = {"mlp-sgd-clipped": (mlp, _mlp_batches, SGD, F.cross_entropy, 0.5),
-         "tied-gpt-adamw": (lambda: TinyGPT(layers=2), lambda: token_batches(STEPS), ADAMW, lm_loss, None)}
+CASES = {"mlp-sgd-clipped": (mlp, _mlp_batches, SGD, F.cross_entropy, {"clip_grad_norm": 0.5}),
+         "tied-gpt-adamw": (lambda: TinyGPT(layers=2), lambda: token_batches(STEPS), ADAMW, lm_loss, {}),
+         "mlp-sgd-2x2": (mlp, _mlp_batches, SGD, F.cross_entropy, {"devices": 4, "replicas": 2})}
 
 
-def _compiled(model, batches, optimizer, loss_fn, **options):
+def _compiled(model, batches, optimizer, loss_fn, devices=2, **options):
     inputs, target = batches[0]
     options = {"schedule": "2bw", "asynchronous": True, **options}
-    return sw.compile(model, 2, inputs, loss_fn=loss_fn, example_target=target, optimizer=optimizer,
+    return sw.compile(model, devices, inputs, loss_fn=loss_fn, example_target=target, optimizer=optimizer,
                       microbatches=MICROBATCHES, cost="analytic", **options)
 
 
@@ -73,12 +74,15 @@ def _train(pipe, batches):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_bw_trains_by_the_papers_update_rule(case):
-    make, batches_of, optimizer, loss_fn, clip = CASES[case]
+    """Two stages (tied: the GPT's embedding and head; 2x2: two data-parallel copies of the pipeline)."""
+    make, batches_of, optimizer, loss_fn, options = CASES[case]
+    clip = options.get("clip_grad_norm")
     torch.manual_seed(0)
     model, batches = make(), batches_of()
     reference, synchronous = copy.deepcopy(model), copy.deepcopy(model)
-    pipe = _compiled(model, batches, optimizer, loss_fn, clip_grad_norm=clip)
-    assert len(pipe.plan.stages) == 2 and pipe.plan.schedule == sw.Schedule.TWO_BW
+    pipe = _compiled(model, batches, optimizer, loss_fn, **options)
+    assert {s.position for s in pipe.plan.stages} == {0, 1} and pipe.plan.schedule == sw.Schedule.TWO_BW
+    assert len(pipe.plan.stages) == 2 * options.get("replicas", 1)
     got = _train(pipe, batches)
     want, used, newest = two_bw_reference(reference, batches, optimizer, loss_fn, clip)
     torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=RTOL, atol=ATOL)
