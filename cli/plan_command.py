@@ -32,6 +32,8 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser], co
                              "catalogue; repeat, comma-separate or join with + to mix")
     add_training_arguments(parser)
     parser.add_argument("--schedule", choices=tuple(Schedule), default=Schedule.AUTO, help="default: the planner's choice")
+    parser.add_argument("--asynchronous", action="store_true",
+                        help="allow updates with stale gradients: needed by --schedule 2bw, and lets auto weigh it")
     parser.add_argument("--microbatches", type=positive_int, metavar="M", help="default: the planner's choice")
     parser.add_argument("--trace", type=Path, metavar="FILE.json",
                         help="write the predicted timeline as a Chrome trace (open in Perfetto)")
@@ -52,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         plan = sw.plan(workload.model, list(devices.devices), workload.example_inputs, loss_fn=workload.loss_fn,
                        example_target=workload.example_target, optimizer=optimizer_factory(args.optimizer, args.lr),
                        microbatches=args.microbatches, schedule=args.schedule, precision=args.precision,
-                       topology=devices.topology)
+                       topology=devices.topology, asynchronous=args.asynchronous)
     print(devices.describe())
     print(plan)
     if args.trace is not None or args.png is not None:

@@ -16,8 +16,9 @@ Choice = TypeVar("Choice", bound=enum.StrEnum)
 
 class Schedule(enum.StrEnum):
     """compile's and plan's `schedule=`: a pipeline schedule (passes/schedule.py builds each); AUTO
-    lets the planner choose. A member or its string is taken alike (an unknown string is an
-    OptionError listing these).
+    lets the planner choose. All are synchronous (one flush and update per step) but TWO_BW,
+    PipeDream-2BW's asynchronous double-buffered updates. A member or its string is taken alike
+    (an unknown string is an OptionError listing these).
 
     Example:
         >>> sw.Schedule("1f1b")
@@ -35,6 +36,18 @@ class Schedule(enum.StrEnum):
     VARUNA = "varuna"
     HARMONY_PP = "harmony-pp"
     HARMONY_DP = "harmony-dp"
+    TWO_BW = "2bw"
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether the schedule's updates use stale gradients (PipeDream-2BW: one step stale), so
+        training no longer equals synchronous SGD; only taken where compile's `asynchronous=True`."""
+        return self is Schedule.TWO_BW
+
+    @property
+    def weight_versions(self) -> int:
+        """Versions of each trained weight a stage holds: 2BW double-buffers them (Narayanan §3.2.1)."""
+        return 2 if self is Schedule.TWO_BW else 1
 
 
 class CostModel(enum.StrEnum):

@@ -26,7 +26,9 @@ def plan_group(plan) -> Group:
 
 def plan_parts(plan) -> list[Table | str]:
     """The stage table, the predictions, the plans considered and the shared tensors."""
-    stages = Table(title=f"stagewise plan: {plan.model} ({plan.tracer} trace, {plan.schedule}, "
+    schedule = f"{plan.schedule}" + (" ASYNCHRONOUS: one-step-stale updates, two weight versions"
+                                     if plan.schedule.asynchronous else "")
+    stages = Table(title=f"stagewise plan: {plan.model} ({plan.tracer} trace, {schedule}, "
                    f"{plan.microbatches} microbatches of {plan.microbatch_size})")
     for column in ("stage", "device", "layers", "params", "activations", "fwd GFLOP/mb", "pred F+B ms/mb", "receives", "sends"):
         stages.add_column(column)

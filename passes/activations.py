@@ -33,8 +33,8 @@ from stagewise.passes.swap import SwapPlan
 if TYPE_CHECKING:
     from stagewise.passes.planner import Assembled
 
-PER_STAGE_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.ZB_H1, Schedule.INTERLEAVED, Schedule.ZB_V,
-                       Schedule.HARMONY_PP, Schedule.HARMONY_DP)  # the schedules that take a policy
+PER_STAGE_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.TWO_BW, Schedule.ZB_H1, Schedule.INTERLEAVED,
+                       Schedule.ZB_V, Schedule.HARMONY_PP, Schedule.HARMONY_DP)  # the schedules that take a policy
 Policies = Mapping[int, ActivationPolicy]  # per stage instance; a stage not named keeps its stashes
 
 

@@ -11,7 +11,7 @@ Per stage instance the runtime keeps (runtime/worker.py, runtime/undo.py, runtim
 - the undo record of each update (a failed step is rolled back): a host copy, kept from step to
   step, of every tensor the update may write as the step found it: the weights and optimizer
   state (a swapped stage's host copies; with a host optimizer its masters and state, and the
-  device's weights where they stay there);
+  device's weights where they stay there; under 2bw the second version of its trained weights);
 - swapped stashes: as many of a stage's stashes as it holds in flight at once.
 
 A CPU device's pool is that RAM too, so its predicted peak joins its host's use.
@@ -43,13 +43,15 @@ class HostOver:
 
 
 def host_bytes(stages: Sequence[Stage], swaps: SwapPlan, tasks: Sequence[Sequence[Task]], devices: int,
-               optimizer_on_host: bool, host_optimizer_bytes: float) -> tuple[int, ...]:
+               optimizer_on_host: bool, host_optimizer_bytes: float, weight_versions: int = 1) -> tuple[int, ...]:
     """Per device, the bytes the runtime keeps in host memory for its stage instances (module
     docstring); `host_optimizer_bytes`: the optimizer's state per trainable byte when it steps on
-    the host (the plan's `swaps` then carries no optimizer bytes)."""
+    the host (the plan's `swaps` then carries no optimizer bytes); `weight_versions`: 2 under 2bw,
+    whose undo record holds the second version of the trained weights too."""
     held = [0] * devices
     for stage in stages:
         held[stage.device] += _stage_bytes(stage.index, swaps, optimizer_on_host, host_optimizer_bytes)
+        held[stage.device] += (weight_versions - 1) * swaps.grad_bytes.get(stage.index, 0)
         if swaps.swaps_stash(stage.index):
             in_flight = _most_in_flight(tasks[stage.device] if stage.device < len(tasks) else (), stage.index)
             held[stage.device] += in_flight * swaps.stash_bytes.get(stage.index, 0)

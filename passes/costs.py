@@ -28,20 +28,23 @@ from stagewise.passes.simulate import SimCost, transfer_bytes
 def stage_charges(stages: Sequence[Stage], transfers: Sequence[Transfer], swapped: Collection[int],
                   costs: Sequence[LayerCost], devices: Sequence[DeviceSpec], microbatch_size: int,
                   topology: Topology, runtime: RuntimeCosts = NO_RUNTIME_COSTS,
-                  shared: Sequence[SharedTensor] = ()) -> SimCost:
+                  shared: Sequence[SharedTensor] = (), weight_versions: int = 1) -> SimCost:
     """Per-stage seconds and bytes from per-layer costs (measured or analytic), scaled by device speed;
     the topology's links between the devices; the bytes of each `shared` tensor whose gradient is
     all-reduced (tied weights, replicated stages); and what the runtime adds. A `swapped` stage's
-    training state lives in host memory: its swaps charge it, not its device."""
+    training state lives in host memory: its swaps charge it, not its device. `weight_versions`:
+    copies of each trained weight a stage holds (2 under 2BW: Schedule.weight_versions)."""
     forward, backward, update, stash, state = [], [], [], [], []
     for stage in sorted(stages, key=lambda s: s.index):
         speed = devices[stage.device].speed
         mine = [costs[i] for i in stage.layers]
         forward.append(sum(c.fwd_s for c in mine) / speed)
         backward.append(sum(c.bwd_s for c in mine) / speed)
-        update.append(sum(runtime.update_s[i] for i in stage.layers if i < len(runtime.update_s)) / speed)
+        versions = (weight_versions - 1) * sum(c.grad_bytes for c in mine)  # trained weights' further copies
+        update.append(sum(runtime.update_s[i] for i in stage.layers if i < len(runtime.update_s)) / speed
+                      + _version_copy_s(versions, devices[stage.device], topology.host_link(stage.device)))
         stash.append(sum(c.stash_bytes for c in mine) + _outputs_kept(stage, transfers, microbatch_size))
-        state.append(0 if stage.index in swapped else sum(c.state_bytes for c in mine))
+        state.append(0 if stage.index in swapped else sum(c.state_bytes for c in mine) + versions)
     shares = input_grad_shares(stages, transfers)
     # a split backward's B records the gradients at the weights' layers for W: about an activation per
     # layer, estimated as the stage's stash (measured on bench/zero_bubble.py's GPT: 9.0 of a 13.5 MiB stash)
@@ -59,6 +62,15 @@ def stage_charges(stages: Sequence[Stage], transfers: Sequence[Transfer], swappe
         wake_s=runtime.wake_s, update_concurrency=runtime.update_concurrency,
         shared_devices=frozenset(d for d, spec in enumerate(devices) if spec.kind == "cpu"),
     )
+
+
+def _version_copy_s(nbytes: float, device: DeviceSpec, host_link: float) -> float:
+    """What 2bw's further weight versions add to an update (runtime/weight_versions.py): their copy in
+    the device's memory (at its bandwidth where known, else the host link's: a CPU device's copy) and
+    in the undo record, over the host link like the rest of it (compiler/compile/costing.py)."""
+    if not nbytes:
+        return 0.0
+    return nbytes / (device.memory_bandwidth or host_link) + nbytes / host_link
 
 
 def _outputs_kept(stage: Stage, transfers: Sequence[Transfer], microbatch_size: int) -> float:
@@ -95,4 +107,4 @@ def plan_charges(plan: Plan, peak_flops: float | None = None, bandwidth: float |
         topology = replace(Topology.uniform(len(plan.devices), bandwidth), host_links=topology.host_links,
                            hosts=tuple(topology.host_of(d) for d in range(topology.n_devices)))
     return stage_charges(plan.stages, plan.transfers, recorded.swapped, layers, plan.devices, plan.microbatch_size,
-                         topology, runtime, plan.shared)
+                         topology, runtime, plan.shared, plan.schedule.weight_versions)

@@ -51,11 +51,11 @@ class Layout:
 
 def choose_layout(schedule: Schedule, n_devices: int, replicas: int, legal_cuts: int, stages: int | None = None,
                   grouping: Grouping = Grouping.PIPELINES) -> Layout:
-    """`stages`: the pipeline depth P of gpipe / 1f1b / zb-h1 / varuna (default N / D); `grouping`:
+    """`stages`: the pipeline depth P of gpipe / 1f1b / 2bw / zb-h1 / varuna (default N / D); `grouping`:
     which of their instances share consecutive devices."""
     n, d = n_devices, replicas
-    if stages is not None and schedule not in (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.ZB_H1, Schedule.VARUNA):
-        raise PartitionError(f"stages= sets the depth of a gpipe, 1f1b, zb-h1 or varuna pipeline; {schedule} places its own")
+    if stages is not None and schedule not in (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.TWO_BW, Schedule.ZB_H1, Schedule.VARUNA):
+        raise PartitionError(f"stages= sets the depth of a gpipe, 1f1b, 2bw, zb-h1 or varuna pipeline; {schedule} places its own")
     if schedule in (Schedule.HARMONY_PP, Schedule.HARMONY_DP):
         if d != 1:
             raise PartitionError(f"{schedule} chooses its own data parallelism; drop replicas={d}")
@@ -86,7 +86,7 @@ def groupings(schedule: Schedule, replicas: int, depth: int, hosts: Sequence[int
     pipeline copy together, where its devices (the first P x D) span several of `hosts` (the host of
     each device) and it has several stages and copies; else the one way. The simulator, charging each
     all-reduce and send on the link it crosses, decides between them."""
-    replicating = schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.ZB_H1, Schedule.VARUNA)
+    replicating = schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.TWO_BW, Schedule.ZB_H1, Schedule.VARUNA)
     if not replicating or replicas < 2 or depth < 2 or len(set(hosts[:depth * replicas])) < 2:
         return [Grouping.PIPELINES]
     return [Grouping.STAGE_COPIES, Grouping.PIPELINES]

@@ -57,7 +57,7 @@ from stagewise.passes.stages import build_stages
 from stagewise.passes.swap import SwapPlan, plan_swaps
 
 CPSAT_MAX_LAYERS = 160  # exact partition-and-binding: 52 layers on 4 devices solve in 0.1 s
-REPLICATING = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.ZB_H1, Schedule.VARUNA)  # schedules whose pipelines replicate (P x D)
+REPLICATING = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.TWO_BW, Schedule.ZB_H1, Schedule.VARUNA)  # schedules whose pipelines replicate (P x D)
 
 
 @dataclass(frozen=True)
@@ -126,9 +126,13 @@ def assemble(
     tasks, stash_stages = apply_policies(tasks, asked_policies(activations, stages, tasks))
     swaps = plan_swaps(swap, stages, layers, capacities, state_per_param_byte, tasks, stash_bytes, grad_bytes,
                        stash_stages)
+    if schedule.weight_versions > 1 and swaps.stages:
+        raise PlanError(f"2bw keeps two weight versions on each device, and stages {sorted(swaps.stages)} would swap "
+                        "theirs to host memory: give more devices or memory, or use a synchronous schedule")
     programs = lower(stages, transfers, shared, tasks, clip, swaps, optimizer_on_host)
     stages = recorded_policies(stages, tasks, swaps)
-    on_host = host_bytes(stages, swaps, tasks, len(capacities), optimizer_on_host, host_optimizer_bytes)
+    on_host = host_bytes(stages, swaps, tasks, len(capacities), optimizer_on_host, host_optimizer_bytes,
+                         schedule.weight_versions)
     return Assembled(schedule, microbatches, tuple(starts), tuple(stage_devices), layout, stages, transfers, shared,
                      swaps, programs, tuple(tuple(on) for on in replica_devices), on_host)
 
@@ -137,7 +141,7 @@ def sim_cost(plan: Assembled, costs: Sequence[LayerCost], devices: Sequence[Devi
              topology: Topology, runtime: RuntimeCosts = NO_RUNTIME_COSTS) -> SimCost:
     """What the simulator charges a candidate (passes/costs.py `stage_charges`)."""
     return stage_charges(plan.stages, plan.transfers, plan.swaps.stages, costs, devices, microbatch_size, topology,
-                         runtime, plan.shared)
+                         runtime, plan.shared, plan.schedule.weight_versions)
 
 
 def recorded_costs(plan: Assembled, costs: Sequence[LayerCost], topology: Topology,

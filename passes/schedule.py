@@ -1,7 +1,8 @@
 """Schedules: the order in which each device runs its stages' forward, backward and update tasks.
 
 Every schedule here flushes: all microbatches' gradients are accumulated before one
-synchronous update, so the step equals one step on the whole minibatch whatever the order.
+update, so the step equals one step on the whole minibatch whatever the order. The update is
+synchronous (it uses this step's gradients) in all but 2BW.
 A schedule returns one task list per device; with virtual stages a device runs several.
 Every schedule runs each stage's forwards in microbatch order, and its backwards too: the first
 backward sets `.grad` and each later one adds to it, so each gradient is the same float sum
@@ -12,6 +13,10 @@ statistics take the microbatches in one order (tests/test_gradient_order.py).
 - GPipe (Huang et al.; the baseline of Harmony and Varuna): all forwards, then all backwards.
 - 1F1B (PipeDream-Flush, Narayanan §4.2.2, Fig. 4.4 top): same bubble (p - 1)/m, but after a
   warm-up each stage alternates one forward and one backward: p stashes instead of m.
+- PipeDream-2BW (Narayanan §3.2.1, Fig. 3.2): 1F1B's order, asynchronous: each stage keeps two
+  versions of its weights, a step's forwards and backwards use the older one, and its update
+  applies their gradients to the newer: W(t+1) = W(t) - lr * grad f(W(t-1))
+  (runtime/weight_versions.py).
 - ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", §2.1, Fig. 3 top): 1F1B with each
   backward split into B (input gradient, on the critical path) and W (weight gradient, which can
   wait); stage s holds back its first s W passes, so every stage has p microbatches in flight and
@@ -221,7 +226,7 @@ def lane_tasks(name: Schedule, n_stages: int, microbatches: int, n_devices: int,
     """One lane's task lists, indexed by lane device, over logical stages and local microbatches."""
     if name == Schedule.GPIPE:
         return gpipe(n_stages, microbatches)
-    if name == Schedule.ONE_F_ONE_B:
+    if name in (Schedule.ONE_F_ONE_B, Schedule.TWO_BW):
         return one_f_one_b(n_stages, microbatches)
     if name == Schedule.ZB_H1:
         return zb_h1(n_stages, microbatches)

@@ -43,13 +43,15 @@ class StageStart:
         self.optimizer_state = {p: dict(state) for p, state in optimizer.state.items()} if optimizer else {}
         self.on_host = worker.on_host
         self.master_versions = dict(worker.versions)
+        self.newest = list(worker.weight_versions.newest.values())  # 2bw's second version, written in place
         self.buffers = copy_buffers(worker, buffer_copies)
 
     def writable(self) -> list[torch.Tensor]:
         """The tensors an update (or a swap after it) may write in place: resident weights, host
-        copies, optimizer state (a scalar `step` included); empty placeholders hold nothing."""
+        copies, 2bw's newest weights, optimizer state (a scalar `step` included); empty placeholders
+        hold nothing."""
         tensors = [t for t in self.data.values() if t.numel() > 0]
-        tensors += [t for t in self.host.values() if t.numel() > 0]
+        tensors += [t for t in self.host.values() if t.numel() > 0] + self.newest
         tensors += [v for state in self.optimizer_state.values() for v in state.values()
                     if isinstance(v, torch.Tensor) and v.numel() > 0]
         return tensors

@@ -32,6 +32,7 @@ from stagewise.runtime.split_backward import WeightPass, input_grads
 from stagewise.runtime.stage_calls import StageCall
 from stagewise.runtime.stage_keys import StageKeys
 from stagewise.runtime.stash import HostBuffers, Stash, storage_of, unpack
+from stagewise.runtime.weight_versions import WeightVersions
 
 _NO_INPUTS: dict[str, torch.Tensor] = {}  # a microbatch given no input (never written)
 
@@ -61,6 +62,7 @@ class StageWorker(CheckpointAccess):
         self.clip_coefficient: float | None = None  # for an update that scales the gradients itself
         self.on_host = False  # the optimizer steps host masters (set by the first host update)
         self.versions: dict[str, int] = {}  # device parameters' versions when their master was current
+        self.weight_versions = WeightVersions()  # 2bw's newest weights (runtime/weight_versions.py)
         self.params = dict(module.named_parameters())
         self.grad_bytes = GradBytes(self.params)
         self.aliases = dict(module.named_parameters(remove_duplicate=False))  # every name, ties included
@@ -391,7 +393,7 @@ class StageWorker(CheckpointAccess):
             return
         if coefficient is not None:
             self.scale_grads(coefficient)
-        self.optimizer.step()
+        self.weight_versions.step(self.optimizer, self.params)
         self.optimizer.zero_grad(set_to_none=True)
         self.pool.release(self.keys.grads)
         self.pool.allocate("optimizer", ("optimizer", self.stage.index), nbytes(self.tensors("optimizer").values()), instruction)

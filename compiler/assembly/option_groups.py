@@ -34,7 +34,8 @@ class PlanOptions:
     Args:
         microbatches: microbatches per step; None lets the planner choose.
         schedule: sw.Schedule or its name ("auto" simulates every schedule and keeps the fastest
-            that fits; "gpipe", "1f1b", "zb-h1", "interleaved", "zb-v", "varuna", "harmony-pp", "harmony-dp").
+            that fits; "gpipe", "1f1b", "zb-h1", "interleaved", "zb-v", "varuna", "harmony-pp", "harmony-dp",
+            and the asynchronous "2bw", which needs `asynchronous`).
         cost: sw.CostModel or its name: "profile" times each layer here (cached on disk),
             "analytic" derives times from FLOPs and the devices' peak rates; None: compile
             profiles, sw.plan (whose devices need not be here) is analytic.
@@ -44,14 +45,17 @@ class PlanOptions:
         stages: the pipeline depth P (default: devices / replicas); "auto" simulates every depth.
         virtual_devices: plan for this many devices placed on the physical ones by speed, so
             training is bitwise the same on any count (`pipe.resize`); compile only.
+        asynchronous: allow updates with stale gradients, which train differently from eager:
+            needed by schedule="2bw" (PipeDream-2BW), and lets "auto" weigh it (default False).
 
     Raises:
         BatchSizeError: `microbatches` is not a positive int.
-        OptionError: an unknown schedule or cost, or another field of the wrong type or range.
+        OptionError: an unknown schedule or cost, or another field of the wrong type or range;
+            schedule="2bw" without asynchronous=True, or asynchronous=True with a synchronous schedule.
 
     Example:
         >>> sw.PlanOptions(microbatches=4, schedule="1f1b")
-        PlanOptions(microbatches=4, schedule=<Schedule.ONE_F_ONE_B: '1f1b'>, cost=None, split_points=None, replicas=1, stages=None, virtual_devices=None)
+        PlanOptions(microbatches=4, schedule=<Schedule.ONE_F_ONE_B: '1f1b'>, cost=None, split_points=None, replicas=1, stages=None, virtual_devices=None, asynchronous=False)
     """
 
     microbatches: int | None = None
@@ -61,10 +65,12 @@ class PlanOptions:
     replicas: int | str | tuple[int, ...] = 1
     stages: int | str | None = None
     virtual_devices: int | None = None
+    asynchronous: bool = False
 
     def __post_init__(self) -> None:
         check_microbatch_count(self.microbatches)
         object.__setattr__(self, "schedule", parse_choice(Schedule, self.schedule, "schedule "))
+        check_flags(asynchronous=self.asynchronous)
         if self.cost is not None:
             object.__setattr__(self, "cost", parse_choice(CostModel, self.cost, "cost="))
         check_split_points(self.split_points)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from stagewise.compiler.assembly.asynchronous import check_asynchronous
 from stagewise.compiler.assembly.batches import batch_size, check_microbatches, input_specs
 from stagewise.compiler.assembly.layout_options import check_layout_options
 from stagewise.compiler.assembly.optimizer_groups import ParamGroups, check_param_groups, sample_optimizer
@@ -70,6 +71,7 @@ class CompileOptions:
     microbatch_sizes: tuple[int, int] | None = None
     acceleration: Acceleration = EAGER  # compile_stages, cuda_graphs (runtime/stage_calls.py)
     tensor_parallel: int = 1  # ranks each stage spans (compiler/assembly/tensor_parallel.py)
+    asynchronous: bool = False  # stale-gradient schedules (2bw) allowed (compiler/assembly/asynchronous.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.replicas, list):  # replicas=[2, 1] reads as (2, 1)
@@ -78,6 +80,7 @@ class CompileOptions:
         _check_optimizer(self.optimizer)
         _check_scalars(self)
         _check_layout(self)
+        check_asynchronous(self)
         _check_precision(self)
         check_tensor_parallel(self.tensor_parallel)
 

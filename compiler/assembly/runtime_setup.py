@@ -79,6 +79,8 @@ def start_runtime(plan: Plan, modules: Sequence[fx.GraphModule | None], optimize
     for worker in workers:
         worker.call = stage_call(worker.module, worker.stage.index, plan.precision, acceleration)
         worker.sharded = sharded & {name for name, _ in worker.module.named_parameters()}
+        if plan.schedule.weight_versions > 1:  # 2bw (runtime/weight_versions.py)
+            worker.weight_versions.keep(worker.params, worker.pool, worker.stage.index, worker.swapped)
     executor = StreamExecutor(tuple(p for p in plan.programs if p.device in local), workers, transport,
                               clip_grad_norm, {s.index: s.device for s in plan.stages}, seed=plan.seed,
                               precision=plan.precision,

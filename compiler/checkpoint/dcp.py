@@ -5,8 +5,10 @@ original model's `state_dict()` under its own names (so plain PyTorch reads it i
 with `dcp.load({"model": model.state_dict()}, checkpoint_id=...)`), `optimizer.state` every
 parameter's optimizer tensors keyed by that parameter's name (as torch's
 `get_optimizer_state_dict` does), `constants` the tensors the stage code reads that are not in
-`state_dict()` (non-persistent buffers, constants torch.export lifted). Only tensors: DCP reads
-non-tensor entries with an unrestricted pickle, so those go in the checkpoint's `training.pt`.
+`state_dict()` (non-persistent buffers, constants torch.export lifted), and under schedule="2bw"
+`newest` the newer of the two versions of each trained weight (`model` holds the one the next step
+computes with). Only tensors: DCP reads non-tensor entries with an unrestricted pickle, so those go
+in the checkpoint's `training.pt`.
 
 Under torch.distributed every rank writes its own stages' tensors into one DCP checkpoint in
 parallel (DCP's coordinator writes its `.metadata`; a tensor two ranks hold is written once).
@@ -37,6 +39,7 @@ from stagewise.compiler.checkpoint.paths import open_file
 from stagewise.ir.errors import CheckpointError
 
 MODEL, OPTIMIZER_STATE, CONSTANTS = "model", "optimizer.state", "constants"
+NEWEST = "newest"  # 2bw's second weight version, by the model's names (runtime/weight_versions.py)
 METADATA = ".metadata"
 _METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 _PATHS = {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}
@@ -173,7 +176,7 @@ def nested(flat: Mapping[str, torch.Tensor]) -> dict:
     """{'model.a.b': t} as {'model': {'a.b': t}}: DCP flattens one level of our dicts per section."""
     sections: dict[str, dict] = {}
     for key, tensor in flat.items():
-        section = next(s for s in (OPTIMIZER_STATE, MODEL, CONSTANTS) if key.startswith(s + "."))
+        section = next(s for s in (OPTIMIZER_STATE, MODEL, CONSTANTS, NEWEST) if key.startswith(s + "."))
         rest = key[len(section) + 1:]
         if section == OPTIMIZER_STATE:
             name, state_key = rest.rsplit(".", 1)

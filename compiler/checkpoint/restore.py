@@ -16,6 +16,7 @@ from stagewise.compiler.assembly.state_dict import aliases_of
 from stagewise.compiler.checkpoint.dcp import read_tensors
 from stagewise.compiler.checkpoint.read import Checkpoint
 from stagewise.compiler.checkpoint.state import (
+    newest_tensors,
     optimizer_tensors,
     stage_constants,
     stage_optimizer_state,
@@ -35,18 +36,21 @@ def restore_state(plan: Plan, runtime: Runtime, unheld: dict[str, torch.Tensor],
     shapes = {k: (tuple(v.size), v.properties.dtype) for k, v in saved.tensors.items()}
     read_constants = {w.stage.index: stage_constants(plan, w) for w in runtime.workers} if constants else {}
     wanted, copies = wanted_tensors(plan, runtime.workers, unheld, read_constants)
+    newest, unsaved = newest_tensors(plan, runtime.workers, saved.tensors)
     optimizer = {w.stage.index: optimizer_tensors(plan, w, shapes) if training_state else {} for w in runtime.workers}
     group = runtime.transport.checkpoints if isinstance(runtime.transport, DistributedTransport) else None
-    for part in optimizer.values():  # a tied parameter two local stages step: each its own state, read once
-        for key, tensor in part.items():
-            if key in wanted:
-                copies.append((key, tensor))
-            else:
-                wanted[key] = tensor
+    # a tied parameter two local stages step: each its own state (and 2bw's newest version), read once
+    for key, tensor in [*(pair for part in optimizer.values() for pair in part.items()), *newest]:
+        if key in wanted:
+            copies.append((key, tensor))
+        else:
+            wanted[key] = tensor
     with torch.no_grad():
         read_tensors(saved.weights, saved.tensors, wanted, group)
         for key, tensor in copies:
             tensor.copy_(wanted[key])
+    for worker in unsaved:
+        worker.weight_versions.match(worker.params)
     if training_state:
         _restore_training(plan, runtime, saved.training, optimizer)
 

@@ -11,13 +11,14 @@ the training loop's state in training.pt.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
 
 from stagewise.codegen.graph_data import stage_tensors
 from stagewise.compiler.assembly.state_dict import aliases_of, model_name
-from stagewise.compiler.checkpoint.dcp import CONSTANTS, MODEL, OPTIMIZER_STATE
+from stagewise.compiler.checkpoint.dcp import CONSTANTS, MODEL, NEWEST, OPTIMIZER_STATE
 from stagewise.ir.errors import CheckpointError
 from stagewise.ir.plan import Plan
 from stagewise.runtime.worker import StageWorker
@@ -56,6 +57,8 @@ def saved_state(plan: Plan, workers: list[StageWorker], unheld: dict[str, torch.
                     saved.tensors.setdefault(f"{MODEL}.{alias}", tensor.detach().cpu())
         for name, tensor in constants.get(worker.stage.index, {}).items():
             saved.tensors.setdefault(f"{CONSTANTS}.{name}", tensor.detach().cpu())
+        for name, tensor in worker.weight_versions.newest.items():  # 2bw's other version
+            saved.tensors.setdefault(f"{NEWEST}.{_saved_name(plan, name)}", tensor.detach().cpu())
         _add_optimizer(plan, worker, saved)
     return saved
 
@@ -125,6 +128,21 @@ def wanted_tensors(plan: Plan, workers: list[StageWorker], unheld: dict[str, tor
         for name, tensor in constants.get(worker.stage.index, {}).items():
             want(f"{CONSTANTS}.{name}", tensor)
     return wanted, copies
+
+
+def newest_tensors(plan: Plan, workers: list[StageWorker], saved: Collection[str]
+                   ) -> tuple[list[tuple[str, torch.Tensor]], list[StageWorker]]:
+    """2bw's newest weights to fill from a checkpoint that keeps them (`saved`: its keys), by key, and
+    the stages whose checkpoint does not (a synchronous plan's: both versions start as its weights)."""
+    found: list[tuple[str, torch.Tensor]] = []
+    unsaved: list[StageWorker] = []
+    for worker in workers:
+        keys = {f"{NEWEST}.{_saved_name(plan, n)}": t for n, t in worker.weight_versions.newest.items()}
+        if keys and not all(key in saved for key in keys):
+            unsaved.append(worker)
+            continue
+        found += keys.items()
+    return found, unsaved
 
 
 def _saved_name(plan: Plan, name: str) -> str:

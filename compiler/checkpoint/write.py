@@ -223,7 +223,7 @@ def _snapshot(state: SavedState, workers: list[StageWorker], unheld: dict[str, t
     copied twice), and the optimizer's tensors (kept live) always."""
     live = {t.untyped_storage().data_ptr() for t in unheld.values()}
     for worker in workers:
-        for tensors in (worker.state_tensors(), stage_tensors(worker.module), worker.host,
+        for tensors in (worker.state_tensors(), stage_tensors(worker.module), worker.host, worker.weight_versions.newest,
                         dict(worker.module.named_parameters()), dict(worker.module.named_buffers())):
             live.update(t.untyped_storage().data_ptr() for t in tensors.values() if t.device.type == "cpu")
     copied = {}

@@ -77,6 +77,7 @@ def compile(  # noqa: A001 - the public name of the API
     seed: int | None = None,
     precision: str | LossScaling = "fp32",
     virtual_devices: int | None = None,
+    asynchronous: bool = False,
     shape_buckets: int | tuple[int, ...] | list[int] | None = None,
     compile_stages: bool = False,
     cuda_graphs: bool = False,
@@ -99,7 +100,7 @@ def compile(  # noqa: A001 - the public name of the API
         optimizer: a factory params -> torch.optim.Optimizer (functools.partial(AdamW, lr=...)) or
             sw.ParamGroups; default SGD(lr=0.01).
         plan: sw.PlanOptions: microbatches, schedule, cost, split_points, replicas, stages,
-            virtual_devices (documented there).
+            virtual_devices, asynchronous (documented there).
         memory: sw.MemoryOptions: swap, optimizer_on_host, activations.
         training: sw.TrainingOptions: clip_grad_norm, seed, precision, shape_buckets,
             compile_stages, cuda_graphs.
@@ -127,7 +128,8 @@ def compile(  # noqa: A001 - the public name of the API
         >>> loss = pipe.step(x, target=y)
     """
     chosen = with_groups(dict(microbatches=microbatches, schedule=schedule, cost=cost, split_points=split_points,
-                              replicas=replicas, stages=stages, virtual_devices=virtual_devices, swap=swap,
+                              replicas=replicas, stages=stages, virtual_devices=virtual_devices,
+                              asynchronous=asynchronous, swap=swap,
                               optimizer_on_host=optimizer_on_host, activations=activations,
                               clip_grad_norm=clip_grad_norm, seed=seed, precision=precision,
                               shape_buckets=shape_buckets, compile_stages=compile_stages,
@@ -181,6 +183,7 @@ def plan(
     activations: ActivationPolicy | str = ActivationPolicy.AUTO,
     precision: str = "fp32",
     topology: Topology | None = None,
+    asynchronous: bool = False,
 ) -> Plan:
     """The plan `compile` would choose, without a runtime, for devices this machine need not have.
 
@@ -214,6 +217,7 @@ def plan(
     """
     chosen = with_groups(dict(microbatches=microbatches, schedule=schedule, split_points=split_points, swap=swap,
                               replicas=replicas, stages=stages, optimizer_on_host=optimizer_on_host,
+                              asynchronous=asynchronous,
                               activations=activations, precision=precision, cost=CostModel.ANALYTIC, virtual_devices=None, clip_grad_norm=None,
                               seed=0), plan, memory, training)
     chosen.pop("shape_buckets", None)  # how steps are padded: nothing a plan holds

@@ -67,7 +67,7 @@ def _replan_options(options: CompileOptions, virtual_devices: int | None) -> dic
             "swap": options.swap, "replicas": "auto" if fixed_layout else options.replicas,
             "stages": options.stages if options.stages in (None, "auto") else None,
             "optimizer_on_host": options.optimizer_on_host, "activations": options.activations,
-            "precision": options.precision,
+            "precision": options.precision, "asynchronous": options.asynchronous,
             "loss_scaling": None if options.loss_scaling is None else asdict(options.loss_scaling),
             "virtual_devices": virtual_devices}
 

@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import torch
 
+from stagewise.compiler.assembly.asynchronous import two_bw_candidates
 from stagewise.compiler.assembly.layout_options import check_stage_count
 from stagewise.compiler.assembly.options import CompileRequest
 from stagewise.compiler.compile.analysis import Analysed, Analysis
@@ -275,6 +276,8 @@ def _choose_among(request: CompileRequest, builder: PlanBuilder, analysis: Analy
     options_to_try = candidates(options.schedule, options.microbatches, request.batch, len(request.devices),
                                 analysis.first.legal_cuts, needs_swap, options.replicas, options.stages,
                                 _stages_at_full_speed(request), _hosts(builder))
+    if options.asynchronous and options.schedule == Schedule.AUTO:
+        options_to_try += two_bw_candidates(options_to_try)
     if options.microbatch_sizes is not None:
         fewest, most = options.microbatch_sizes
         options_to_try = [c for c in options_to_try if fewest <= request.batch // c.microbatches <= most]

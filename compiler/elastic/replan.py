@@ -123,7 +123,7 @@ def _options(model_graph: dict, plan: Plan, training: dict, target: torch.Tensor
         cost=saved.get("cost", CostModel.PROFILE),
         clip_grad_norm=training.get("clip_grad_norm"), swap=saved.get("swap", SwapMode.AUTO),
         replicas=saved.get("replicas", 1), stages=saved.get("stages"),
-        optimizer_on_host=bool(saved.get("optimizer_on_host", False)),
+        optimizer_on_host=bool(saved.get("optimizer_on_host", False)), asynchronous=saved.get("asynchronous") is True,
         activations=saved.get("activations", ActivationPolicy.AUTO), seed=plan.seed, precision=plan.precision,
         loss_scaling=_loss_scaling(saved.get("loss_scaling"), where), acceleration=_replanned(training))
 

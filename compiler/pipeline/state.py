@@ -153,6 +153,8 @@ class PipelineState(PipelineReadings):
                         source = local_part(self.plan.tensor_parallel, name, source)
                     if source is not None:
                         tensor.copy_(source)
+        for worker in self._workers:  # 2bw: both versions the loaded weights, as at the start
+            worker.weight_versions.match(worker.params)
         return result
 
     def _local_state(self) -> dict[str, torch.Tensor]:
