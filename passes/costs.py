@@ -33,13 +33,14 @@ def stage_charges(stages: Sequence[Stage], transfers: Sequence[Transfer], swappe
     the topology's links between the devices; the bytes of each `shared` tensor whose gradient is
     all-reduced (tied weights, replicated stages); and what the runtime adds. A `swapped` stage's
     training state lives in host memory: its swaps charge it, not its device."""
-    forward, backward, update, stash, state = [], [], [], [], []
+    forward, backward, update, split, stash, state = [], [], [], [], [], []
     for stage in sorted(stages, key=lambda s: s.index):
         speed = devices[stage.device].speed
         mine = [costs[i] for i in stage.layers]
         forward.append(sum(c.fwd_s for c in mine) / speed)
         backward.append(sum(c.bwd_s for c in mine) / speed)
         update.append(sum(runtime.update_s[i] for i in stage.layers if i < len(runtime.update_s)) / speed)
+        split.append(sum(runtime.split_backward_s[i] for i in stage.layers if i < len(runtime.split_backward_s)) / speed)
         stash.append(sum(c.stash_bytes for c in mine) + _outputs_kept(stage, transfers, microbatch_size))
         state.append(0 if stage.index in swapped else sum(c.state_bytes for c in mine))
     shares = input_grad_shares(stages, transfers)
@@ -48,7 +49,7 @@ def stage_charges(stages: Sequence[Stage], transfers: Sequence[Transfer], swappe
     recorded = tuple(b if share else 0.0 for b, share in zip(stash, shares, strict=True))
     return SimCost(
         forward_s=tuple(forward), backward_s=tuple(backward), update_s=tuple(update), stash_bytes=tuple(stash),
-        input_grad_share=shares, recorded_bytes=recorded,
+        input_grad_share=shares, recorded_bytes=recorded, split_backward_s=tuple(split),
         state_bytes=tuple(state), value_bytes=transfer_bytes(transfers, microbatch_size),
         tensor_bytes={t.fqn: float(t.nbytes) for t in shared if t.summed},
         bandwidth=topology.slowest_link, links=topology.links(),
