@@ -17,6 +17,7 @@ from typing import Protocol, cast
 
 import torch
 
+from stagewise.ir.errors import CapacityError
 from stagewise.runtime.pool import MemoryPool
 from stagewise.runtime.sync import Sync
 
@@ -71,10 +72,15 @@ class LocalTransport:
         self.reductions: dict[tuple, dict[int, list[torch.Tensor]]] = {}
         self.taken: dict[tuple, set[int]] = {}
         self.transfer_specs: dict | None = None  # this step's sizes of what is sent: in memory, never needed
+        self.waiting_for_room = 0  # sends waiting for their receiver to free memory (`_wait_for_room`)
+        for pool in pools:
+            pool.freed = self._freed
 
     def send(self, key: tuple, src_device: int, dst_device: int, tensor: torch.Tensor, instruction: str) -> None:
         """key = (what, value, microbatch, src stage, dst stage)."""
         pool = self.pools[dst_device]
+        if not pool.try_allocate("buffer", ("buffer",) + key, tensor.numel() * tensor.element_size()):
+            self._wait_for_room(pool, ("buffer",) + key, tensor.numel() * tensor.element_size(), instruction)
         buffer = pool.take_buffer(tensor, ("buffer",) + key, instruction)
         buffer.copy_(tensor.detach(), non_blocking=True)  # detached: autograd records nothing
         if buffer.is_cuda or tensor.is_cuda:
@@ -85,6 +91,33 @@ class LocalTransport:
             self.mailbox[key] = buffer
             self.receiver[key] = pool
             sync.changed(("message", key))
+
+    def _wait_for_room(self, pool: MemoryPool, key: tuple, nbytes: int, instruction: str) -> None:
+        """A message that comes before its receiver freed the memory for it (the run's timing is not the
+        plan's; a user's `memory=` may be tighter than the plan) waits until the receiver has; where
+        nothing will free it (every thread waits), the step fails with a CapacityError naming the
+        receiver and the bytes instead of hanging."""
+        sync = self._monitor()
+
+        def stuck() -> CapacityError:
+            return CapacityError(f"{pool.shortfall('buffer', nbytes, instruction)}, and no instruction will free "
+                                 "memory before it arrives. Give the device more memory, or let compile plan "
+                                 "for its limit (leave schedule, microbatches and activations to it).")
+        with sync.locked():
+            self.waiting_for_room += 1
+        try:
+            sync.wait_until(lambda: pool.try_allocate("buffer", key, nbytes),
+                            f"`{instruction}` (memory on device {pool.index})", (("room", pool.index),), stuck)
+        finally:
+            with sync.locked():
+                self.waiting_for_room -= 1
+
+    def _freed(self, device: int) -> None:
+        """A pool released memory: a message waiting for room on that device looks again."""
+        sync = self.sync
+        if self.waiting_for_room and sync is not None:
+            with sync.locked():
+                sync.changed(("room", device))
 
     def recv(self, key: tuple, instruction: str) -> torch.Tensor:
         sync = self._monitor()

@@ -63,6 +63,7 @@ class StageWorker(CheckpointAccess):
         self.versions: dict[str, int] = {}  # device parameters' versions when their master was current
         self.params = dict(module.named_parameters())
         self.grad_bytes = GradBytes(self.params)
+        self.param_bytes = sum(p.numel() * p.element_size() for p in self.params.values() if p.requires_grad)
         self.aliases = dict(module.named_parameters(remove_duplicate=False))  # every name, ties included
         if swapped:
             self._start_on_host(module)
@@ -150,6 +151,8 @@ class StageWorker(CheckpointAccess):
         grads[name] = grad if name not in grads else grads[name] + grad
 
     def backward(self, microbatch: int, loss_scale: float, instruction: str) -> None:
+        if not self.swapped:  # gradients counted from the start, as simulated: a message then waits for room
+            self.pool.allocate("grads", self.keys.grads, self.grad_bytes.count() or self.param_bytes, instruction)
         stash = self._stash_for(microbatch, instruction, keep=False)
         tensors, grads = self._seeds(microbatch, loss_scale)
         if tensors:
