@@ -34,7 +34,7 @@ class Aborted(Exception):
 class _Waiter:
     """One thread's parking place, reused by all of its waits in a step."""
 
-    __slots__ = ("park", "keys", "waiting", "woken", "stuck")
+    __slots__ = ("park", "keys", "waiting", "woken")
 
     def __init__(self) -> None:
         self.park = threading.Lock()
@@ -42,7 +42,6 @@ class _Waiter:
         self.keys: Sequence[Hashable] = ()
         self.waiting = False  # registered under `keys`
         self.woken = False  # one of its keys changed (or it must re-check) since it registered
-        self.stuck: Callable[[], BaseException] | None = None  # its wait's own error where the programs deadlock
 
 
 class Sync:
@@ -55,22 +54,22 @@ class Sync:
         self._by_key: dict[Hashable, list[_Waiter]] = {}  # key -> the registered waiters waiting on it
         self._waiting = 0  # registered waiters
         self._unchanged = 0  # registered waiters none of whose keys changed since they registered
+        # the step's error where the programs deadlock, if what they wait for says one (a message no memory
+        # will be freed for: runtime/transport.py); else a PlanError naming the last wait
+        self.explain: Callable[[], BaseException | None] | None = None
 
-    def wait_until(self, ready: Callable[[], bool], what: str, keys: Sequence[Hashable],
-                   stuck: Callable[[], BaseException] | None = None) -> None:
+    def wait_until(self, ready: Callable[[], bool], what: str, keys: Sequence[Hashable]) -> None:
         """Block until `ready()` (evaluated under the lock); a change of one of `keys` re-checks it.
-        `what` names the wait in errors; `stuck`, where given, makes the step's error if the programs
-        deadlock while this wait is among them (a wait for memory that no thread will free)."""
+        `what` names the wait in errors."""
         with self.lock:
             if not ready():
                 began = time.perf_counter()
                 try:
-                    self._block(ready, what, keys, stuck)
+                    self._block(ready, what, keys)
                 finally:
                     waited_since(began)  # the thread's step clock (runtime/step_timing.py)
 
-    def _block(self, ready: Callable[[], bool], what: str, keys: Sequence[Hashable],
-               stuck: Callable[[], BaseException] | None) -> None:
+    def _block(self, ready: Callable[[], bool], what: str, keys: Sequence[Hashable]) -> None:
         """Park until `ready()`, failing the step on deadlock or timeout (caller holds the lock)."""
         deadline = time.monotonic() + self.timeout_s
         me = self._threads.get(threading.get_ident())
@@ -80,12 +79,10 @@ class Sync:
             if self.error is not None:
                 raise Aborted
             self._register(me, keys)
-            me.stuck = stuck
             if self._waiting >= self.alive and self._unchanged == self._waiting:
-                named = [w.stuck for w in self._threads.values() if w.waiting and w.stuck is not None]
                 self._unregister(me)
-                self._fail(named[0]() if named else
-                           PlanError(f"the device programs wait on each other forever (deadlock) at: {what}"))
+                self._fail((self.explain and self.explain())
+                           or PlanError(f"the device programs wait on each other forever (deadlock) at: {what}"))
                 raise Aborted
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -121,7 +118,6 @@ class Sync:
             else:
                 waiters.remove(me)
         self._waiting -= 1
-        me.stuck = None
         if me.woken:
             me.park.acquire(False)  # one release per wake-up: take it back unless the wait already did
         else:
