@@ -38,13 +38,15 @@ def optimizer_state_per_param_byte(training_state: float) -> float:
 class RuntimeCosts:
     """What executing a plan costs beyond its layers on this machine (measured by compile): the
     runtime's seconds per instruction, how in-process CPU devices slow each other when they
-    compute at once, and each layer's share of the optimizer step."""
+    compute at once, each layer's share of the optimizer step, and what splitting each layer's
+    backward into zero bubble's B and W adds to it."""
 
     instruction_s: float = 0.0
     concurrency: tuple[float, ...] = ()
     update_s: tuple[float, ...] = ()  # per layer
     wake_s: float = 0.0  # a CPU device's compute right after it waited
     update_concurrency: tuple[float, ...] = ()  # as `concurrency`, for the optimizer step
+    split_backward_s: tuple[float, ...] = ()  # per layer: a split backward's seconds beyond a whole one
 
 
 NO_RUNTIME_COSTS = RuntimeCosts()  # a runtime that adds nothing: the layers' costs alone

@@ -34,7 +34,7 @@ def stage_charges(stages: Sequence[Stage], transfers: Sequence[Transfer], swappe
     all-reduced (tied weights, replicated stages); and what the runtime adds. A `swapped` stage's
     training state lives in host memory: its swaps charge it, not its device. `weight_versions`:
     copies of each trained weight a stage holds (2 under 2BW: Schedule.weight_versions)."""
-    forward, backward, update, stash, state = [], [], [], [], []
+    forward, backward, update, split, stash, state = [], [], [], [], [], []
     for stage in sorted(stages, key=lambda s: s.index):
         speed = devices[stage.device].speed
         mine = [costs[i] for i in stage.layers]
@@ -43,6 +43,7 @@ def stage_charges(stages: Sequence[Stage], transfers: Sequence[Transfer], swappe
         versions = (weight_versions - 1) * sum(c.grad_bytes for c in mine)  # trained weights' further copies
         update.append(sum(runtime.update_s[i] for i in stage.layers if i < len(runtime.update_s)) / speed
                       + _version_copy_s(versions, devices[stage.device], topology.host_link(stage.device)))
+        split.append(sum(runtime.split_backward_s[i] for i in stage.layers if i < len(runtime.split_backward_s)) / speed)
         stash.append(sum(c.stash_bytes for c in mine) + _outputs_kept(stage, transfers, microbatch_size))
         state.append(0 if stage.index in swapped else sum(c.state_bytes for c in mine) + versions)
     shares = input_grad_shares(stages, transfers)
@@ -51,7 +52,7 @@ def stage_charges(stages: Sequence[Stage], transfers: Sequence[Transfer], swappe
     recorded = tuple(b if share else 0.0 for b, share in zip(stash, shares, strict=True))
     return SimCost(
         forward_s=tuple(forward), backward_s=tuple(backward), update_s=tuple(update), stash_bytes=tuple(stash),
-        input_grad_share=shares, recorded_bytes=recorded,
+        input_grad_share=shares, recorded_bytes=recorded, split_backward_s=tuple(split),
         state_bytes=tuple(state), value_bytes=transfer_bytes(transfers, microbatch_size),
         tensor_bytes={t.fqn: float(t.nbytes) for t in shared if t.summed},
         bandwidth=topology.slowest_link, links=topology.links(),

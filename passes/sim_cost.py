@@ -64,6 +64,7 @@ class SimCost:
     update_concurrency: tuple[float, ...] = ()  # as `concurrency`, for updates (U); else `concurrency`
     input_grad_share: tuple[float, ...] = ()  # of backward_s, a split backward's input gradient (Bi); else half
     recorded_bytes: tuple[float, ...] = ()  # held from a split backward's Bi to its W beside the stash
+    split_backward_s: tuple[float, ...] = ()  # per stage: what splitting a backward adds to B's seconds
     slowed: dict[int, float] = field(default_factory=dict)  # device -> factor on its computes' seconds (early arrivals)
 
     @classmethod
@@ -79,9 +80,10 @@ class SimCost:
             return _at(self.forward_s, ins.stage)
         if activity is Activity.BACKWARD:
             return _at(self.backward_s, ins.stage)
-        if activity in (Activity.INPUT_GRAD, Activity.WEIGHT_GRAD):
+        if activity in (Activity.INPUT_GRAD, Activity.WEIGHT_GRAD):  # split in the shares of Bi and W
             share = self.input_grad_share[ins.stage] if ins.stage < len(self.input_grad_share) else 0.5
-            return _at(self.backward_s, ins.stage) * (share if activity is Activity.INPUT_GRAD else 1 - share)
+            split_s = _at(self.backward_s, ins.stage) + _at(self.split_backward_s, ins.stage)
+            return split_s * (share if activity is Activity.INPUT_GRAD else 1 - share)
         return _at(self.update_s, ins.stage)
 
     def speed_with(self, computing: int, update: bool = False) -> float:

@@ -13,7 +13,8 @@ Rules, one per instruction kind:
 - `compute` F of a microbatch waits for that microbatch's activation receives; B waits for its
   F and its gradient receives; U waits for everything before it in the program. A split backward
   (zero bubble) charges its input gradient `Bi` and its weight gradient `W` their parts of B's
-  seconds (`SimCost.input_grad_share`); what B does to memory, W does (the stash lives until then),
+  seconds (`SimCost.input_grad_share`), with what splitting adds on this machine
+  (`SimCost.split_backward_s`); what B does to memory, W does (the stash lives until then),
   and from Bi to W the gradients Bi recorded for W are held too (`SimCost.recorded_bytes`).
 - `send` waits for the compute that produced its values and occupies p2p_out until the data
   has arrived (a blocking send, as an NCCL kernel on a stream). The data starts moving at

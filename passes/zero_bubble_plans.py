@@ -11,14 +11,13 @@ round's candidates within the planner's margin of its fastest (`finalists`): a p
 faster zero-bubble plan is within it of the first round's fastest too, so no other can be kept, and only
 those few are simulated again.
 
-Not on CPU devices (`weighs_split_backward`): the simulator charges B and W half a backward each, but the
-split's Python (runtime/split_backward.py: hooks on the frontier, a walk of the graph, an autograd call per
-group of weights) costs a fixed time per backward that on a CPU adds to the compute. Measured on this
-2-core machine (one thread, under load 7): two GPT blocks at d=32, 8 tokens, backward 0.82 ms whole and
-6.33 ms split (7.7x); at d=256, 64 tokens, 45.9 and 43.4 ms (0.95x). TinyGPT on 2 CPU devices, where auto
-would take zb-h1 x1 (predicted 11.6% under gpipe x1), measured 21.9 ms a step against gpipe's 15.5 ms.
-Until that time is measured and charged, auto weighs the split only where the host runs ahead of the
-device (CUDA), and "zb-h1" / "zb-v" stay for the asking on a CPU.
+On a CPU the split's Python (runtime/split_backward.py: hooks on the frontier, a walk of the graph, an
+autograd call per group of weights) adds a time per backward to the compute (two GPT blocks at d=32, 8
+tokens: 0.82 ms whole, 6.33 ms split on this 2-core machine; at d=256 nothing), which the profile does not
+see: compile measures it per layer kind (compiler/compile/split_backward_cost.py) and the simulator charges
+it, so auto keeps a zero-bubble plan on a CPU only where it is predicted faster with that time (TinyGPT on
+2 CPU devices, where zb-h1 measured 21.9 ms a step against gpipe's 15.5 ms, stays on gpipe). Not weighed
+where each stage's backward runs whole (compile_stages, cuda_graphs).
 """
 
 from __future__ import annotations
@@ -31,10 +30,10 @@ from stagewise.passes.harmony_search import Tried
 from stagewise.passes.planner import PLAN_MARGIN, Candidate, Prediction
 
 
-def weighs_split_backward(device_kinds: Sequence[str], whole_backward: bool) -> bool:
-    """Whether auto weighs a split backward: no CPU device (see the module docstring), and no option that
-    runs each stage's backward whole (compile_stages, cuda_graphs: compiler/assembly/stage_acceleration.py)."""
-    return not whole_backward and "cpu" not in device_kinds
+def weighs_split_backward(whole_backward: bool) -> bool:
+    """Whether auto weighs a split backward: not where an option runs each stage's backward whole
+    (compile_stages, cuda_graphs: compiler/assembly/stage_acceleration.py)."""
+    return not whole_backward
 
 
 def zero_bubble_candidates(tried: Sequence[Tried], n_devices: int, legal_cuts: int, v_allowed: bool) -> list[Candidate]:

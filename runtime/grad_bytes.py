@@ -29,6 +29,7 @@ def _absent() -> None:
 class GradBytes:
     def __init__(self, params: dict[str, torch.nn.Parameter]):
         self.params = list(params.values())
+        self.trained = nbytes(p for p in self.params if p.requires_grad)  # every trained gradient's bytes
         # per parameter, a call giving its gradient at the last count while that tensor lives
         self.counted: list[Callable[[], torch.Tensor | None]] | None = None
         self.bytes = 0
@@ -43,6 +44,11 @@ class GradBytes:
         self.counted = [_absent if g is None else weakref.ref(g, self._dropped) for g in grads]
         self.bytes = nbytes(g for g in grads if g is not None)
         return self.bytes
+
+    def from_start(self) -> int:
+        """What a backward's gradients take from its start: those already made, else every trained one's
+        (the simulator's charge; a message arriving meanwhile then waits for room)."""
+        return self.count() or self.trained
 
     def _dropped(self, _: weakref.ref) -> None:
         """A counted gradient was freed: count again (its parameter's gradient may now be None, which

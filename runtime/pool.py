@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,29 +57,43 @@ class MemoryPool:
         # (buffer, on CUDA the event after its last use); reused only once that use is done
         self.free_buffers: dict[tuple, list[tuple[torch.Tensor, torch.cuda.Event | None]]] = defaultdict(list)
         self.reused_buffers = 0
+        self.freed: Callable[[int], None] | None = None  # told this device's index after every release
 
     def allocate(self, kind: str, key: tuple, nbytes: int, instruction: str) -> None:
+        if not self.try_allocate(kind, key, nbytes):
+            raise CapacityError(
+                f"{self.shortfall(kind, nbytes, instruction)}. Give the device more memory, use more devices or "
+                "fewer microbatches in flight (schedule='1f1b'), or let compile plan swapping."
+            )
+
+    def try_allocate(self, kind: str, key: tuple, nbytes: int) -> bool:
+        """`allocate` where the device has room; else False, and nothing held under `key`."""
         with self.lock:
             held = self.held.get(key)
             if held is not None:
                 if held[1] == nbytes and held[0] == kind:
-                    return  # unchanged (a stage's gradients after every backward but the first): nothing moves
+                    return True  # unchanged (a stage's gradients after every backward but the first): nothing moves
                 self._release(key)
             if self.capacity is not None and self.current + nbytes > self.capacity:
-                raise CapacityError(
-                    f"device {self.index} ({self.device}) needs {format_bytes(nbytes)} more for {kind} at "
-                    f"`{instruction}` but already holds {format_bytes(self.current)} of its {format_bytes(self.capacity)} "
-                    f"({self._breakdown()}). Give the device more memory, use more devices or fewer "
-                    "microbatches in flight (schedule='1f1b'), or let compile plan swapping."
-                )
+                return False
             self.held[key] = (kind, nbytes)
             self.by_kind[kind] += nbytes
             self.current += nbytes
             self.peak = max(self.peak, self.current)
+            return True
+
+    def shortfall(self, kind: str, nbytes: int, instruction: str) -> str:
+        """What `nbytes` more of `kind` at `instruction` would exceed: the device, what it holds, its capacity."""
+        with self.lock:
+            return (f"device {self.index} ({self.device}) needs {format_bytes(nbytes)} more for {kind} at "
+                    f"`{instruction}` but already holds {format_bytes(self.current)} of its "
+                    f"{format_bytes(self.capacity or 0)} ({self._breakdown()})")
 
     def release(self, key: tuple) -> None:
         with self.lock:
             self._release(key)
+        if self.freed is not None:
+            self.freed(self.index)
 
     def _release(self, key: tuple) -> None:
         kind, nbytes = self.held.pop(key, (None, 0))

@@ -54,6 +54,9 @@ class Sync:
         self._by_key: dict[Hashable, list[_Waiter]] = {}  # key -> the registered waiters waiting on it
         self._waiting = 0  # registered waiters
         self._unchanged = 0  # registered waiters none of whose keys changed since they registered
+        # the step's error where the programs deadlock, if what they wait for says one (a message no memory
+        # will be freed for: runtime/transport.py); else a PlanError naming the last wait
+        self.explain: Callable[[], BaseException | None] | None = None
 
     def wait_until(self, ready: Callable[[], bool], what: str, keys: Sequence[Hashable]) -> None:
         """Block until `ready()` (evaluated under the lock); a change of one of `keys` re-checks it.
@@ -78,7 +81,8 @@ class Sync:
             self._register(me, keys)
             if self._waiting >= self.alive and self._unchanged == self._waiting:
                 self._unregister(me)
-                self._fail(PlanError(f"the device programs wait on each other forever (deadlock) at: {what}"))
+                self._fail((self.explain and self.explain())
+                           or PlanError(f"the device programs wait on each other forever (deadlock) at: {what}"))
                 raise Aborted
             remaining = deadline - time.monotonic()
             if remaining <= 0:

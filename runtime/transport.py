@@ -17,6 +17,7 @@ from typing import Protocol, cast
 
 import torch
 
+from stagewise.ir.errors import CapacityError
 from stagewise.runtime.pool import MemoryPool
 from stagewise.runtime.sync import Sync
 
@@ -65,26 +66,83 @@ class Transport(Protocol):
 class LocalTransport:
     def __init__(self, pools: list[MemoryPool]):
         self.pools = pools
-        self.sync: Sync | None = None
+        self._sync: Sync | None = None
         self.mailbox: dict[tuple, torch.Tensor] = {}
         self.receiver: dict[tuple, MemoryPool] = {}  # a message's key -> the pool its buffer came from
         self.reductions: dict[tuple, dict[int, list[torch.Tensor]]] = {}
         self.taken: dict[tuple, set[int]] = {}
         self.transfer_specs: dict | None = None  # this step's sizes of what is sent: in memory, never needed
+        self.waiting: dict[tuple, tuple[torch.Tensor, int, str]] = {}  # messages waiting for room: tensor, receiver, send
+        for pool in pools:
+            pool.freed = self._freed
 
     def send(self, key: tuple, src_device: int, dst_device: int, tensor: torch.Tensor, instruction: str) -> None:
-        """key = (what, value, microbatch, src stage, dst stage)."""
+        """key = (what, value, microbatch, src stage, dst stage). A message whose buffer does not fit its
+        receiver's pool now (it came before the receiver freed memory: a sender ran ahead, or `memory=` is
+        tighter than the plan) waits, never the sender: the release that makes room posts it."""
         pool = self.pools[dst_device]
-        buffer = pool.take_buffer(tensor, ("buffer",) + key, instruction)
+        self.pools[src_device].count_sent(tensor.numel() * tensor.element_size())
+        if pool.try_allocate("buffer", ("buffer",) + key, tensor.numel() * tensor.element_size()):
+            self._post(key, pool, tensor)
+            return
+        _finish_on_gpu(tensor)  # whichever thread posts it later reads it ready
+        sync = self._monitor()
+        with sync.locked():
+            self.waiting[key] = (tensor.detach(), dst_device, instruction)
+        self._admit(dst_device)  # a release between the try and now made room without seeing it waiting
+
+    def _post(self, key: tuple, pool: MemoryPool, tensor: torch.Tensor) -> None:
+        """Copy the message into a transfer buffer its receiver's pool holds for it, and post it."""
+        buffer = pool.take_buffer(tensor, ("buffer",) + key, "post a message")  # held already: takes no room
         buffer.copy_(tensor.detach(), non_blocking=True)  # detached: autograd records nothing
         if buffer.is_cuda or tensor.is_cuda:
             _finish_on_gpu(tensor, buffer)
-        self.pools[src_device].count_sent(tensor.numel() * tensor.element_size())
         sync = self._monitor()
         with sync.locked():  # any thread may send (a forward run early, a threadless stream)
             self.mailbox[key] = buffer
             self.receiver[key] = pool
             sync.changed(("message", key))
+
+    def _admit(self, device: int) -> None:
+        """Post the messages waiting for room on `device`, in the order they came, while they fit."""
+        pool, sync = self.pools[device], self.sync
+        while sync is not None:
+            with sync.locked():
+                key = next((k for k, (_, d, _) in self.waiting.items() if d == device), None)
+                if key is None:
+                    return
+                tensor = self.waiting[key][0]
+                if not pool.try_allocate("buffer", ("buffer",) + key, tensor.numel() * tensor.element_size()):
+                    return
+                del self.waiting[key]
+            self._post(key, pool, tensor)
+
+    def _freed(self, device: int) -> None:
+        """A pool released memory: the messages waiting for room on that device may fit now."""
+        if self.waiting:
+            self._admit(device)
+
+    def _no_room(self) -> CapacityError | None:
+        """Where the programs deadlock with a message still waiting for room (`Sync.explain`): nothing will
+        free it, and the error names the receiver and the bytes."""
+        for tensor, device, instruction in self.waiting.values():
+            shortfall = self.pools[device].shortfall("buffer", tensor.numel() * tensor.element_size(), instruction)
+            return CapacityError(f"{shortfall}, and no instruction will free memory before it must arrive. Give "
+                                 "the device more memory, or let compile plan for its limit (leave schedule, "
+                                 "microbatches and activations to it).")
+        return None
+
+    @property
+    def sync(self) -> Sync | None:
+        """The running step's monitor (the executor installs one at each launch); told to name a message
+        waiting for memory where the programs deadlock."""
+        return self._sync
+
+    @sync.setter
+    def sync(self, sync: Sync | None) -> None:
+        self._sync = sync
+        if sync is not None:
+            sync.explain = self._no_room
 
     def recv(self, key: tuple, instruction: str) -> torch.Tensor:
         sync = self._monitor()
@@ -143,6 +201,7 @@ class LocalTransport:
             self.receiver[key].give_back_buffer(buffer, ("buffer",) + key)
         self.mailbox.clear()
         self.receiver.clear()
+        self.waiting.clear()
         self.reductions.clear()
         self.taken.clear()
 

@@ -152,6 +152,8 @@ class StageWorker(CheckpointAccess):
         grads[name] = grad if name not in grads else grads[name] + grad
 
     def backward(self, microbatch: int, loss_scale: float, instruction: str) -> None:
+        if not self.swapped:
+            self.pool.allocate("grads", self.keys.grads, self.grad_bytes.from_start(), instruction)
         stash = self._stash_for(microbatch, instruction, keep=False)
         tensors, grads = self._seeds(microbatch, loss_scale)
         if tensors:
@@ -217,9 +219,7 @@ class StageWorker(CheckpointAccess):
             inputs = self.inputs.get(microbatch, _NO_INPUTS)
             self.input_grads[microbatch] = {
                 name: grad.clone() if (grad := grad_of(name, inputs[name])) is not None else torch.zeros_like(inputs[name])
-                for name in self.grad_inputs
-                if name in inputs
-            }
+                for name in self.grad_inputs if name in inputs}
 
     def _backward_done(self, microbatch: int, stash: Stash | None, instruction: str) -> None:
         if stash is not None:

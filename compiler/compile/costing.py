@@ -24,7 +24,8 @@ from stagewise.compiler.compile.modelled_costs import (
     modelled_runtime_costs,
     modelled_topology,
 )
-from stagewise.ir.choices import CostModel
+from stagewise.compiler.compile.split_backward_cost import split_backward_seconds
+from stagewise.ir.choices import CostModel, Schedule
 from stagewise.ir.costs import RuntimeCosts, training_state_per_param_byte
 from stagewise.ir.devices import Device
 from stagewise.ir.plan import LayerCost
@@ -112,8 +113,8 @@ def with_host_links(topology: Topology, host_links: Sequence[float]) -> Topology
 def runtime_costs(request: CompileRequest, analysis: Analysis, layer_costs: LayerCostModel) -> RuntimeCosts:
     """What the runtime adds on this machine: per-instruction hand-offs, contention between the
     in-process CPU devices (measured on the model's costliest layer kind with cost="profile", the
-    cores' share with cost="analytic"), and the optimizer step, timed on the first device, with the
-    undo record the runtime takes before it."""
+    cores' share with cost="analytic"), the optimizer step, timed on the first device, with the
+    undo record the runtime takes before it, and on a CPU what splitting each layer's backward adds."""
     first = analysis.first
     sharing = request.sharing_cpu_devices
     optimizer = request.options.optimizer
@@ -130,8 +131,24 @@ def runtime_costs(request: CompileRequest, analysis: Analysis, layer_costs: Laye
     update = tuple(step.seconds(len(params), sum(p.numel() * p.element_size() for p in params)) + record
                    for params, record in zip(analysis.trainable_per_layer(), undo_record_seconds(request, analysis),
                                              strict=True))
+    split: tuple[float, ...] = ()
+    if may_split_backward(request):
+        split = split_backward_seconds(first.graph, first.layers, first.microbatch_size)
     return RuntimeCosts(instruction_s=handoff_seconds(), concurrency=concurrency, update_s=update, wake_s=wake_s,
-                        update_concurrency=update_concurrency)
+                        update_concurrency=update_concurrency, split_backward_s=split)
+
+
+SPLITTING = (Schedule.AUTO, Schedule.ZB_H1, Schedule.ZB_V)  # schedules whose plans may split a backward
+
+
+def may_split_backward(request: CompileRequest) -> bool:
+    """Whether a plan may split a backward whose Python adds to the compute: a zero-bubble schedule, or
+    auto weighing one, of several devices the first of which is a CPU (a GPU's host issues the split
+    ahead of the device), each stage run eagerly (compiled or graphed stages run their backward whole)."""
+    options = request.options
+    eager = not (options.acceleration.compile_stages or options.acceleration.cuda_graphs)
+    return (options.schedule in SPLITTING and len(request.devices) > 1 and eager
+            and request.devices[0].torch_device.type == "cpu")
 
 
 def undo_record_seconds(request: CompileRequest, analysis: Analysis) -> tuple[float, ...]:

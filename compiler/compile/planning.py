@@ -283,8 +283,7 @@ def _choose_among(request: CompileRequest, builder: PlanBuilder, analysis: Analy
         options_to_try = [c for c in options_to_try if fewest <= request.batch // c.microbatches <= most]
     search = builder.pack_search(analysis.first, exact=False)
     whole_backward = options.acceleration.compile_stages or options.acceleration.cuda_graphs
-    if options.schedule != Schedule.AUTO or needs_swap or not weighs_split_backward(
-            [spec.kind for spec in request.specs], whole_backward):
+    if options.schedule != Schedule.AUTO or needs_swap or not weighs_split_backward(whole_backward):
         return choose_with_harmony(options_to_try, builder.build, search)
     build = _built_once(builder.build)
     first = choose_with_harmony(options_to_try, build, search)
