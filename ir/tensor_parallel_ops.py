@@ -19,8 +19,14 @@ _GROUP: list[dist.ProcessGroup | None] = [None]  # this process's tensor-paralle
 
 
 def use_group(group: dist.ProcessGroup | None) -> None:
-    """The group every f and g of this process sums over (None: the default group)."""
+    """The group every f and g of this process sums over (None: the default group, when the
+    whole job is one stage's ranks)."""
     _GROUP[0] = group
+
+
+def stage_group() -> dist.ProcessGroup | None:
+    """This process's stage group, as `use_group` set it (None: the default group)."""
+    return _GROUP[0]
 
 
 def summed_over_ranks(tensor: torch.Tensor) -> torch.Tensor:

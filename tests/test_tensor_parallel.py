@@ -224,5 +224,5 @@ def test_degree_without_its_ranks_or_with_compiled_stages_is_refused():
         sw.compile(model, ["cpu"], (x,), **kwargs)
     with pytest.raises(OptionError, match="compile_stages"):
         sw.compile(model, ["cpu"], (x,), compile_stages=True, **kwargs)
-    with pytest.raises(OptionError, match="one pipeline device"):
+    with pytest.raises(DeviceError, match="2 pipeline devices x 2.*nproc-per-node 4"):  # T x P: T·P ranks
         sw.compile(model, ["cpu", "cpu"], (x,), **kwargs)
