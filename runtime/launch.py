@@ -46,15 +46,6 @@ def distributed_context(timeout_s: float = DEFAULT_TIMEOUT_S) -> DistributedCont
     return context
 
 
-def pipeline_context(tensor_parallel: int = 1) -> DistributedContext | None:
-    """The job as the pipeline sees it: with `tensor_parallel` ranks per stage and the whole job one
-    stage's group (compiler/assembly/tensor_parallel.py), the pipeline runs in this process (None)."""
-    context = distributed_context()
-    if context is not None and tensor_parallel > 1 and context.world_size == tensor_parallel:
-        return None
-    return context
-
-
 def _from_environment(world_size: int) -> DistributedContext:
     missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
     if missing or not dist.is_available():

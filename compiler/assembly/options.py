@@ -38,7 +38,7 @@ from stagewise.passes.capture import input_names
 from stagewise.passes.contention import available_cores, computes_at_full_speed
 from stagewise.passes.layout import PER_STAGE
 from stagewise.passes.swap import SwapMode
-from stagewise.runtime.launch import DistributedContext, pipeline_context
+from stagewise.runtime.launch import DistributedContext, distributed_context
 from stagewise.runtime.stage_calls import EAGER, Acceleration
 
 DEFAULT_OPTIMIZER = functools.partial(torch.optim.SGD, lr=0.01)
@@ -299,7 +299,7 @@ class CompileRequest:
                         options.acceleration.compile_stages or options.acceleration.cuda_graphs)
         if runs_here and options.tensor_parallel > 1:
             tensor_parallel_position(options.tensor_parallel, len(resolved))
-        distributed = pipeline_context(options.tensor_parallel) if runs_here else None
+        distributed = distributed_context() if runs_here else None
         if runs_here:
             _warn_if_oversubscribed(_sharing_cpu_devices(resolved, distributed))
         names, kind = input_names(model, example_inputs)

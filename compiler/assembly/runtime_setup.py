@@ -21,7 +21,7 @@ from stagewise.ir.precision import LossScaling
 from stagewise.ir.tensor_parallel_ops import use_group
 from stagewise.runtime.distributed import DistributedTransport
 from stagewise.runtime.executor import DEFAULT_TIMEOUT_S, StreamExecutor
-from stagewise.runtime.launch import DistributedContext, pipeline_context
+from stagewise.runtime.launch import DistributedContext, distributed_context
 from stagewise.runtime.pool import MemoryPool
 from stagewise.runtime.stage_calls import EAGER, Acceleration, stage_call
 from stagewise.runtime.transport import LocalTransport
@@ -48,17 +48,15 @@ def start_runtime(plan: Plan, modules: Sequence[fx.GraphModule | None], optimize
     rank holds it; `swapped`: the stages whose state lives in host memory between uses; `acceleration`:
     compiled or graphed stage calls) and their executor (`loss_scaling`: fp16's, default LossScaling())."""
     layout = plan.rank_layout()
-    context = pipeline_context(layout.degree)
+    context = distributed_context()
     local = set(range(len(plan.devices))) if context is None else {layout.device_of(context.rank)}
     pools = [MemoryPool(i, _torch_device(plan, i, context), d.memory) for i, d in enumerate(plan.devices)]
     transport: LocalTransport | DistributedTransport
     if context is None:
-        transport, tensor_group = LocalTransport(pools), None  # P = 1: the whole job is the stage's ranks
+        transport = LocalTransport(pools)
     else:
         transport = DistributedTransport(plan, context.rank, pools, DEFAULT_TIMEOUT_S)
-        tensor_group = transport.tensor_group
-    if layout.degree > 1:  # the stage code's f and g sum over this device's ranks
-        use_group(tensor_group)
+        use_group(transport.tensor_group)  # the stage code's f and g sum over this device's ranks
     states = [state_specs(m) if m is not None else None for m in modules]  # before swapping empties them
     received_with_grad = {(t.dst, t.value) for t in plan.transfers if t.requires_grad}
     last = max(s.position for s in plan.stages)
