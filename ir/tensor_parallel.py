@@ -40,6 +40,12 @@ class ShardedParameter:
         grouped = full.unflatten(self.dim, (self.groups, degree, full.shape[self.dim] // (self.groups * degree)))
         return grouped.select(self.dim + 1, rank).flatten(self.dim, self.dim + 1).contiguous()
 
+    def part_shape(self, whole: tuple[int, ...], degree: int) -> tuple[int, ...] | None:
+        """The shape of one rank's part of a tensor of shape `whole`; None where it does not split so."""
+        if self.dim >= len(whole) or whole[self.dim] % (self.groups * degree):
+            return None
+        return whole[:self.dim] + (whole[self.dim] // degree,) + whole[self.dim + 1:]
+
     def full_of(self, shards: Sequence[torch.Tensor]) -> torch.Tensor:
         """The full tensor from every rank's shard, in rank order (`shard_of` undone)."""
         grouped = [s.unflatten(self.dim, (self.groups, s.shape[self.dim] // self.groups)) for s in shards]

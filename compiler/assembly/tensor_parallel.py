@@ -72,7 +72,7 @@ def full_state(found: dict[str, torch.Tensor], parallel: TensorParallel) -> dict
     sharded = parallel.sharded()
     result = dict(found)
     for name in sorted(n for n in found if n in sharded):
-        result[name] = _gathered(sharded[name].full_of, found[name])
+        result[name] = gathered(sharded[name].full_of, found[name])
     return result
 
 
@@ -89,23 +89,15 @@ def full_optimizer_state(state: dict[str, dict], parallel: TensorParallel) -> di
     for name in sorted(state):
         values = state[name]
         if name in sharded:
-            values = {key: _gathered(sharded[name].full_of, value) for key, value in values.items()}
+            values = {key: gathered(sharded[name].full_of, value) for key, value in values.items()}
         result[name] = values
     return result
 
 
 def local_optimizer_state(state: dict[str, dict], parallel: TensorParallel) -> dict[str, dict]:
     """`full_optimizer_state` undone: each sharded parameter's moments cut to this rank's part."""
-    return {name: {key: local_part(parallel, name, value) if _per_element(value) else value
+    return {name: {key: local_part(parallel, name, value) if per_element(value) else value
                    for key, value in values.items()} for name, values in state.items()}
-
-
-def refuse_checkpoint(parallel: TensorParallel | None, what: str) -> None:
-    """Checkpoints of split stages (DCP shards per rank, re-planned on load) are not written yet."""
-    if parallel is not None:
-        raise OptionError(f"{what} with tensor_parallel={parallel.degree} is not supported yet (a checkpoint would "
-                          "need each rank's shards); save pipe.state_dict() and pipe.optimizer.state_dict(), which "
-                          "are whole, with torch.save, or compile with tensor_parallel=1")
 
 
 def _position(parallel: TensorParallel) -> int:
@@ -113,14 +105,15 @@ def _position(parallel: TensorParallel) -> int:
     return parallel.layout(dist.get_world_size() // parallel.degree).position_of(dist.get_rank())
 
 
-def _per_element(value: object) -> bool:
+def per_element(value: object) -> bool:
     """An optimizer state tensor with one entry per parameter element (not a step count)."""
     return isinstance(value, torch.Tensor) and value.dim() > 0
 
 
-def _gathered(join: Callable[[list[torch.Tensor]], torch.Tensor], value: Any) -> Any:
-    """`value` whole from every rank's part (`join`), or as it is where it is not per element."""
-    if not _per_element(value):
+def gathered(join: Callable[[list[torch.Tensor]], torch.Tensor], value: Any) -> Any:
+    """`value` whole from every rank's part (`join`: a `ShardedParameter.full_of`), or as it is where it
+    is not per element (a collective of this process's stage group)."""
+    if not per_element(value):
         return value
     local, group = value.detach().contiguous(), stage_group()
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
