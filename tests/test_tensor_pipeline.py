@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import stagewise as sw
-from stagewise.ir.errors import CheckpointError
+from stagewise.compiler.checkpoint.dcp import read_metadata
+from stagewise.ir.errors import CheckpointError, OptionError
 from stagewise.ir.tensor_parallel import RankLayout
 from tests import hf
 from tests.harness.crafted import crafted
@@ -140,10 +141,24 @@ def test_checkpoints_load_at_any_degree_and_train_on_as_uninterrupted(trained, c
 def test_a_t2_checkpoint_loads_into_t1_and_trains_on(trained, folder):
     """The ranks' shards (DTensor chunks; GPT-2's fused c_attn whole) read whole in one process."""
     want = case_results(trained, "trained", LIMIT_S)[0]
+    weights = folder / "t2" / "weights"
+    tensors = read_metadata((weights / ".metadata").read_bytes(), weights).state_dict_metadata
+    chunks = {key: [tuple(c.offsets) for c in tensors[key].chunks] for key in (
+        "model.transformer.h.0.mlp.c_fc.weight", "optimizer.state.transformer.h.1.mlp.c_proj.weight.momentum_buffer",
+        "model.transformer.h.0.attn.c_attn.weight")}
+    assert list(chunks.values()) == [[(0, 0), (0, 64)], [(0, 0), (64, 0)], [(0, 0)]]  # by columns, by rows, whole
     result = _second_step(sw.load(folder / "t2", tensor_parallel=1))
     assert result["degree"] == 1
     torch.testing.assert_close(result["loss"], want["want"][1], rtol=RTOL, atol=ATOL)
     assert_state_equal(result["state"], want["want_state"])
+
+
+def test_another_degree_without_a_new_plan_is_refused(trained, folder):
+    case_results(trained, "trained", LIMIT_S)  # the checkpoint was written
+    with pytest.raises(OptionError, match="another T needs a new plan"):
+        sw.load(folder / "t2", tensor_parallel=1, replan=False)
+    with pytest.raises(OptionError, match="tensor_parallel="):
+        sw.load(folder / "t2", tensor_parallel=0)
 
 
 def _split_of(parameter: str, **changes: int):
