@@ -3,9 +3,8 @@ full parameters gathered back from the ranks' shards (state_dict gives the model
 
 Each of the P pipeline devices' stages spans T ranks: `torchrun --nproc-per-node T·P` (or a
 process group of T·P ranks) with `tensor_parallel=T` (ir/tensor_parallel.py's `RankLayout` says
-which rank runs which device at which position). With P = 1 the whole job is one stage's group
-and the pipeline runs in each process. The plan records which parameters are split and where the
-collectives are (ir/tensor_parallel.py).
+which rank runs which device at which position; P = 1 is one device over all T ranks). The plan
+records which parameters are split and where the collectives are (ir/tensor_parallel.py).
 """
 
 from __future__ import annotations
