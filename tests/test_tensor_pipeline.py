@@ -58,10 +58,11 @@ def _trained(out: Path) -> dict:
     momentum = {name: values["momentum_buffer"] for name, values in pipe.optimizer.state_dict()["state"].items()}
     reference.eval()
     with torch.no_grad():
-        eager_eval = reference(**batches[0][0]).loss
+        eager_eval, eager_logits = reference(**batches[0][0])[:2]
     return {"losses": torch.stack(losses), "want": torch.stack(want), "state": _state(pipe),
             "want_state": reference.state_dict(), "norm": pipe.last_grad_norm, "want_norm": norms[-1],
             "evaluated": pipe.evaluate(**batches[0][0]), "eager_eval": eager_eval,
+            "logits": pipe.predict(**batches[0][0]).logits, "eager_logits": eager_logits,
             "momentum": momentum, "eager_momentum": eager_momentum,
             "held": {n: tuple(p.shape) for worker in pipe._workers for n, p in worker.module.named_parameters()},
             "devices": sorted({worker.stage.device for worker in pipe._workers}), "plan": str(pipe.plan)}
@@ -105,13 +106,14 @@ def trained(folder):
 
 
 def test_two_by_two_trains_like_eager(trained):
-    """Losses, the clipped global norm, the whole state and evaluate equal eager on every rank."""
+    """Losses, the clipped global norm, the whole state, evaluate and predict equal eager on every rank."""
     for result in case_results(trained, "trained", LIMIT_S):
         torch.testing.assert_close(result["losses"], result["want"], rtol=RTOL, atol=ATOL)
         assert result["want_norm"] > CLIP
         assert result["norm"] == pytest.approx(result["want_norm"], rel=1e-5)
         assert_state_equal(result["state"], result["want_state"])
         torch.testing.assert_close(result["evaluated"], result["eager_eval"], rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(result["logits"], result["eager_logits"], rtol=RTOL, atol=ATOL)
 
 
 def test_each_rank_runs_its_device_at_its_position(trained):
