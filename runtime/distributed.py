@@ -100,6 +100,9 @@ class DistributedTransport(EndOfStep):
         tensor_groups = [dist.new_group(list(self.layout.ranks_of(d))) if self.layout.degree > 1 else None
                          for d in range(self.layout.devices)]
         self.tensor_group = tensor_groups[self.device]  # this device's stage group (None: one rank)
+        self.tensor_ranks = self.layout.ranks_of(self.device)
+        if self.tensor_group is not None:  # the drain completes its sums as it does the other all-reduces
+            self.groups[self.tensor_ranks] = self.tensor_group
         self.notice = FailureNotice(self.world.group_name)  # the same name on every rank
         self._check_same_plan()
 
@@ -234,6 +237,14 @@ class DistributedTransport(EndOfStep):
     def _ranks(self, devices: tuple[int, ...], position: int) -> tuple[int, ...]:
         """The global ranks running `devices` at tensor-parallel `position`, in the devices' order."""
         return tuple(self.layout.rank(d, position) for d in devices)
+
+    def wait_stage_sum(self, work: dist.Work, total: torch.Tensor) -> None:
+        """A split stage's f or g (ir/tensor_parallel_ops.py), issued on `tensor_group`: recorded and
+        waited for as this transport's own all-reduces are (stopped when the step failed)."""
+        peers = "ranks " + ",".join(str(r) for r in self.tensor_ranks)
+        pending = Pending(work, self.blocking_wait, "a split stage's all-reduce", peers)
+        self.records.collective(self.tensor_ranks, total.numel(), str(total.dtype).removeprefix("torch."), pending)
+        self._await(pending)
 
     # ---- waiting -----------------------------------------------------------------------------
     def _await(self, pending: Pending, what: str | None = None, abortable: bool = True,

@@ -29,7 +29,8 @@ from tests.reference import ATOL, RTOL, assert_state_equal, eager_train, pipelin
 RANKS, LIMIT_S = 4, 200.0
 SGD = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)  # as tests/test_tensor_parallel.py: no AdamW eps noise
 CLIP = 0.5  # below the first step's norm: the global norm must add every stage's and every shard's squares
-CASES = ("trained", "t1_into_t2", "t2_reloaded")
+CASES = ("trained", "t1_into_t2", "t2_reloaded", "failed_step")
+FAILING_RANK = 3  # device 1 at position 1: its partner, rank 2, waits in the stage's first all-reduce
 
 
 def _setup() -> tuple[torch.nn.Module, list]:
@@ -79,9 +80,39 @@ def _second_step(pipe: sw.Pipeline) -> dict:
     return {"loss": loss, "state": _state(pipe), "degree": pipe.plan.rank_layout().degree}
 
 
+class InjectedFault(RuntimeError):
+    pass
+
+
+def _failed_step(rank: int) -> dict:
+    """A good step, a step whose stage forward fails on one rank before its first all-reduce, a
+    good step: what each rank raised, and the losses and state of the good steps."""
+    model, batches = _setup()
+    pipe = _compile(model, batches, 2)
+    losses = pipeline_train(pipe, batches[:1])
+    if rank == FAILING_RANK:
+        (worker,) = pipe._workers
+        call = worker.call
+
+        def failing(*args, **kwargs):
+            worker.call = call  # once
+            raise InjectedFault("the stage's forward failed on purpose")
+
+        worker.call = failing
+    try:
+        pipeline_train(pipe, batches[1:])
+        raised = None
+    except Exception as error:  # noqa: BLE001 - the parent checks what it was
+        raised = (type(error).__name__, str(error))
+    losses += pipeline_train(pipe, batches[1:])
+    return {"raised": raised, "losses": torch.stack(losses), "state": _state(pipe)}
+
+
 def _case(rank: int, out: str, case: str) -> dict:
     if case == "trained":
         return _trained(Path(out))
+    if case == "failed_step":
+        return _failed_step(rank)
     if case == "t1_into_t2":  # the parent's T = 1 checkpoint, planned again for T = 2
         return _second_step(sw.load(Path(out) / "t1", tensor_parallel=2))
     return _second_step(sw.load(Path(out) / "t2"))  # the saved T = 2 plan, its stage code rebuilt
@@ -161,6 +192,20 @@ def test_another_degree_without_a_new_plan_is_refused(trained, folder):
         sw.load(folder / "t2", tensor_parallel=1, replan=False)
     with pytest.raises(OptionError, match="tensor_parallel="):
         sw.load(folder / "t2", tensor_parallel=0)
+
+
+def test_a_step_failed_on_one_rank_of_a_stage_is_undone_on_every_rank(trained):
+    """Its partner stops waiting in the stage's all-reduce (the failure notice), every rank undoes
+    the step, the drain completes that all-reduce, and training goes on as eager's without it."""
+    want = case_results(trained, "trained", LIMIT_S)[0]
+    for rank, result in enumerate(case_results(trained, "failed_step", LIMIT_S)):
+        name, message = result["raised"]
+        if rank == FAILING_RANK:
+            assert name == "InjectedFault", result["raised"]
+        else:
+            assert name == "StepFailedError" and f"rank {FAILING_RANK} failed" in message, result["raised"]
+        torch.testing.assert_close(result["losses"], want["want"], rtol=RTOL, atol=ATOL)
+        assert_state_equal(result["state"], want["want_state"])
 
 
 def _split_of(parameter: str, **changes: int):

@@ -56,7 +56,7 @@ def start_runtime(plan: Plan, modules: Sequence[fx.GraphModule | None], optimize
         transport = LocalTransport(pools)
     else:
         transport = DistributedTransport(plan, context.rank, pools, DEFAULT_TIMEOUT_S)
-        use_group(transport.tensor_group)  # the stage code's f and g sum over this device's ranks
+        use_group(transport.tensor_group, transport.wait_stage_sum)  # the stage code's f and g: this device's ranks
     states = [state_specs(m) if m is not None else None for m in modules]  # before swapping empties them
     received_with_grad = {(t.dst, t.value) for t in plan.transfers if t.requires_grad}
     last = max(s.position for s in plan.stages)
