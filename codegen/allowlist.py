@@ -21,7 +21,8 @@ kin. Each group's safety:
   indexing, never `attrgetter` / `methodcaller` / `call`, which reach any attribute or call.
 - builtins: conversions, containers, `len`, `min`, `getattr` (its attribute name is checked:
   `allowed_attribute`), never `eval`, `exec`, `open` or `__import__`.
-- stagewise: the keyed random streams the random-op pass writes into stage code.
+- stagewise: the keyed random streams the random-op pass writes into stage code, and the
+  tensor-parallel all-reduces (f and g) a split stage's code calls.
 - classes (annotations, `isinstance`): torch's tensor, size, dtype and device and Python's plain types.
 - torch.nn leaves: modules whose constructors take plain values and whose forward is tensor
   math; no containers, lazy modules or modules that take other modules or callables.
@@ -39,6 +40,7 @@ import torch.nn.functional
 import torch.optim
 
 import stagewise.ir.random_streams  # noqa: F401 - its functions are listed by name
+import stagewise.ir.tensor_parallel_ops  # noqa: F401 - as random_streams
 
 ATEN_REFUSED = frozenset({
     "from_file", "save", "_print", "warn", "wait", "set_", "set_data", "record_stream", "set_grad_enabled",
@@ -93,6 +95,7 @@ FUNCTIONS: Mapping[str, str] = {
     "math": "ceil cos exp fabs floor isfinite isinf isnan log log10 log2 pow prod sin sqrt tanh trunc",
     "builtins": "abs bool dict float getattr int isinstance len list max min range slice str tuple",
     "stagewise.ir.random_streams": "keyed keyed_dropout",
+    "stagewise.ir.tensor_parallel_ops": "tp_enter tp_all_reduce",
 }
 CLASSES: Mapping[str, str] = {
     "torch": "Tensor Size dtype device",

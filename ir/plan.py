@@ -17,7 +17,14 @@ from stagewise.ir.instructions import Phase
 from stagewise.ir.plan_checks import activations_run, check_plan
 from stagewise.ir.program import Program, programs_from_text
 from stagewise.ir.report import plan_group, render_plan
-from stagewise.ir.tensor_parallel import Placement, ShardedBlock, ShardedParameter, SizeEdit, TensorParallel
+from stagewise.ir.tensor_parallel import (
+    Placement,
+    RankLayout,
+    ShardedBlock,
+    ShardedParameter,
+    SizeEdit,
+    TensorParallel,
+)
 from stagewise.ir.time_split import Bound, TimeSplit
 from stagewise.ir.topology import Level, Topology
 
@@ -235,6 +242,10 @@ class Plan:
     output_spec: str | None = None  # the model output's structure, pytree JSON: what pipe.predict returns
     output_nodes: tuple[str | None, ...] = ()  # per leaf of output_spec, the graph node computing it (None: none)
     tensor_parallel: TensorParallel | None = None  # each stage over several ranks (ir/tensor_parallel.py)
+
+    def rank_layout(self) -> RankLayout:
+        """Which torch.distributed rank runs which device at which tensor-parallel position."""
+        return RankLayout(len(self.devices), 1 if self.tensor_parallel is None else self.tensor_parallel.degree)
 
     def to_json(self) -> str:
         """The plan as JSON text, what a checkpoint's plan.json holds.

@@ -44,6 +44,7 @@ def check_plan(plan: Plan) -> Plan:
         _refuse("input_kind", plan.input_kind, "'positional' or 'keyword'")
     if plan.tensor_parallel is not None:
         _check_tensor_parallel(plan.tensor_parallel, len(plan.layers))
+        _check_split_shapes(plan.tensor_parallel, dict(zip(plan.state_names, plan.state_shapes, strict=False)))
     for position, stage in enumerate(plan.stages):
         name = f"stages[{position}]"
         _count(f"{name}.index", stage.index, position, position)
@@ -168,6 +169,19 @@ def _check_tensor_parallel(parallel: TensorParallel, layers: int) -> None:
             _count(f"{name} {parameter.name!r} groups", parameter.groups, 1, MAX_COUNT)
         for edit in block.edits:
             _count(f"{name} size of {edit.node!r}", edit.value, 1, MAX_MICROBATCH_SIZE)
+
+
+def _check_split_shapes(parallel: TensorParallel, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Each split parameter is one of the model's, whose shape splits over the ranks as recorded
+    (its dim divides by groups x degree): else a stage would be cut from sizes no weight has."""
+    for name, parameter in parallel.sharded().items():
+        shape = shapes.get(name)
+        if shapes and shape is None:
+            _refuse(f"tensor_parallel's split parameter {name!r}", name, "a parameter of the model's state_dict")
+        if shape is not None and parameter.part_shape(tuple(shape), parallel.degree) is None:
+            _refuse(f"tensor_parallel's split of {name!r} (shape {tuple(shape)})",
+                    {"dim": parameter.dim, "groups": parameter.groups, "degree": parallel.degree},
+                    "a dim whose size divides by groups x degree")
 
 
 def _refuse(name: str, value: object, expected: str) -> None:

@@ -40,6 +40,12 @@ class ShardedParameter:
         grouped = full.unflatten(self.dim, (self.groups, degree, full.shape[self.dim] // (self.groups * degree)))
         return grouped.select(self.dim + 1, rank).flatten(self.dim, self.dim + 1).contiguous()
 
+    def part_shape(self, whole: tuple[int, ...], degree: int) -> tuple[int, ...] | None:
+        """The shape of one rank's part of a tensor of shape `whole`; None where it does not split so."""
+        if self.dim >= len(whole) or whole[self.dim] % (self.groups * degree):
+            return None
+        return whole[:self.dim] + (whole[self.dim] // degree,) + whole[self.dim + 1:]
+
     def full_of(self, shards: Sequence[torch.Tensor]) -> torch.Tensor:
         """The full tensor from every rank's shard, in rank order (`shard_of` undone)."""
         grouped = [s.unflatten(self.dim, (self.groups, s.shape[self.dim] // self.groups)) for s in shards]
@@ -68,17 +74,46 @@ class ShardedBlock:
 
 
 @dataclass(frozen=True)
+class RankLayout:
+    """Which torch.distributed rank runs which (pipeline device, tensor-parallel position): device d's
+    stages span ranks d·degree .. d·degree + degree - 1, so a device's group is on neighbouring ranks
+    (one host under torchrun's numbering) and position t of every device forms one pipeline, whose
+    p2p messages and data-parallel all-reduces stay among ranks of that position."""
+
+    devices: int  # pipeline devices of the plan
+    degree: int = 1  # ranks per device (tensor_parallel=)
+
+    @property
+    def world_size(self) -> int:
+        return self.devices * self.degree
+
+    def rank(self, device: int, position: int) -> int:
+        """The global rank running `device`'s stages at tensor-parallel `position`."""
+        return device * self.degree + position
+
+    def device_of(self, rank: int) -> int:
+        return rank // self.degree
+
+    def position_of(self, rank: int) -> int:
+        return rank % self.degree
+
+    def ranks_of(self, device: int) -> tuple[int, ...]:
+        """The ranks one pipeline device's stages span (its tensor-parallel group), by position."""
+        return tuple(self.rank(device, position) for position in range(self.degree))
+
+
+@dataclass(frozen=True)
 class TensorParallel:
-    """A plan's tensor parallelism: every stage spans `degree` ranks (stage on device d: ranks
-    d·degree .. d·degree + degree - 1), the blocks sharded on them, and why others were not."""
+    """A plan's tensor parallelism: every stage spans `degree` ranks (`RankLayout`), the blocks
+    sharded on them, and why others were not."""
 
     degree: int
     blocks: tuple[ShardedBlock, ...]
     unsharded: tuple[str, ...] = ()  # one line per matmul pair left replicated, with the reason
 
-    def ranks_of(self, device: int) -> tuple[int, ...]:
-        """The ranks one pipeline device's stages span."""
-        return tuple(range(device * self.degree, (device + 1) * self.degree))
+    def layout(self, devices: int) -> RankLayout:
+        """The ranks of a plan of `devices` pipeline devices with this degree."""
+        return RankLayout(devices, self.degree)
 
     def sharded(self) -> dict[str, ShardedParameter]:
         """Every sharded parameter by its FQN."""
@@ -86,7 +121,7 @@ class TensorParallel:
 
     def describe(self, layer_names: tuple[str, ...], devices: int) -> str:
         """The plan printout's section: the groups, and where each block's collectives are."""
-        groups = ", ".join(f"dev{d} -> ranks {list(self.ranks_of(d))}" for d in range(devices))
+        groups = ", ".join(f"dev{d} -> ranks {list(self.layout(devices).ranks_of(d))}" for d in range(devices))
         lines = [f"tensor parallel: {self.degree} ranks per stage ({groups}); parameters not listed are "
                  "replicated on a stage's ranks"]
         for block in self.blocks:

@@ -5,22 +5,35 @@ sharded block, as autograd Functions over torch.distributed's all_reduce.
 rank's column shards give only part of the input's gradient. `tp_all_reduce` (g) sums the row
 matmul's partial outputs forward and passes the gradient through backward (every rank needs all of
 it). They live in the IR, beside keyed dropout, because generated code names them; the process
-group is this process's one stage group, set once by the runtime (`use_group`). On fake or meta
-tensors (shape propagation of the stage code) they only pass the shape on.
+group is this process's one stage group, set once by the runtime (`use_group`), with how to wait
+for each sum: the runtime's transport polls it, so a step that failed on another rank stops it
+instead of blocking until the process group's timeout, and records it, so that the drain completes
+it for a partner that never joined. On fake or meta tensors (shape propagation of the stage code)
+they only pass the shape on.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import is_fake
 
+Wait = Callable[[dist.Work, torch.Tensor], None]  # waits for an issued all-reduce of that tensor
 _GROUP: list[dist.ProcessGroup | None] = [None]  # this process's tensor-parallel group
+_WAIT: list[Wait | None] = [None]
 
 
-def use_group(group: dist.ProcessGroup | None) -> None:
-    """The group every f and g of this process sums over (None: the default group)."""
-    _GROUP[0] = group
+def use_group(group: dist.ProcessGroup | None, wait: Wait | None = None) -> None:
+    """The group every f and g of this process sums over (None: the default group), and how each
+    sum is waited for (None: a blocking wait)."""
+    _GROUP[0], _WAIT[0] = group, wait
+
+
+def stage_group() -> dist.ProcessGroup | None:
+    """This process's stage group, as `use_group` set it (None: the default group)."""
+    return _GROUP[0]
 
 
 def summed_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
@@ -28,7 +41,12 @@ def summed_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
     if is_fake(tensor) or tensor.is_meta:
         return tensor.clone()
     total = tensor.contiguous().clone()
-    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=_GROUP[0])
+    work = dist.all_reduce(total, op=dist.ReduceOp.SUM, group=_GROUP[0], async_op=True)
+    wait = _WAIT[0]
+    if wait is None:
+        work.wait()
+    else:
+        wait(work, total)
     return total
 
 

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from stagewise.ir.errors import CapacityError, PeerError, PlanError
 from stagewise.ir.plan import Plan
+from stagewise.ir.tensor_parallel import RankLayout
 from stagewise.runtime.drain import EndOfStep
 from stagewise.runtime.failure_notice import FailureNotice, PeerFailed
 from stagewise.runtime.links import (
@@ -57,13 +58,22 @@ EXECUTED_FIELDS = ("devices", "input_names", "input_kind", "target_name", "graph
 
 
 class DistributedTransport(EndOfStep):
-    """The `LocalTransport` interface over torch.distributed, for the rank that holds device `rank`;
-    the end of a step (conclude, drain, notify_failure) is in runtime/drain.py."""
+    """The `LocalTransport` interface over torch.distributed, for global rank `rank`, which runs
+    one pipeline device at one tensor-parallel position (`plan.rank_layout()`); the end of a step
+    (conclude, drain, notify_failure) is in runtime/drain.py.
+
+    The executor names devices; the transport turns each into the rank of that device at this
+    rank's position, so each position is a pipeline of its own: p2p and data-parallel all-reduces
+    stay among ranks of one position, the stage's own all-reduces (generated code) run on
+    `tensor_group`. Records and the end-of-step collectives use global ranks, over every rank."""
 
     def __init__(self, plan: Plan, rank: int, pools: list[MemoryPool], timeout_s: float):
-        _check_world(plan, rank)
+        self.layout = plan.rank_layout()
+        _check_world(self.layout, rank)
         self.plan = plan
         self.rank = rank
+        self.device = self.layout.device_of(rank)  # the pipeline device this rank runs
+        self.position = self.layout.position_of(rank)
         self.pools = pools
         self.timeout_s = timeout_s
         self.local = LocalTransport(pools)  # two stages of one device exchange in memory
@@ -79,10 +89,20 @@ class DistributedTransport(EndOfStep):
         self.receives_lock = threading.Lock()
         self.issue_lock = threading.Lock()  # one thread at a time starts an op (receives come from two threads)
         # dist.new_group is collective: every rank creates the same groups in the same order.
-        self.world = dist.new_group(list(range(len(plan.devices))))
-        self.checkpoints = dist.new_group(list(range(len(plan.devices))), backend="gloo")  # DCP's CPU collectives
-        self.groups = {group: dist.new_group(sorted(group)) for group in reduction_groups(plan)}
-        self.links = {pair: dist.new_group(sorted(pair)) for pair in directed_links(plan)}
+        everyone = list(range(self.layout.world_size))
+        self.world = dist.new_group(everyone)
+        self.checkpoints = dist.new_group(everyone, backend="gloo")  # DCP's CPU collectives
+        positions = range(self.layout.degree)
+        self.groups = {group: dist.new_group(list(group)) for group in
+                       (self._ranks(devices, t) for devices in reduction_groups(plan) for t in positions)}
+        pairs = [(self.layout.rank(src, t), self.layout.rank(dst, t)) for src, dst in directed_links(plan) for t in positions]
+        self.links = {pair: dist.new_group(sorted(pair)) for pair in pairs}
+        tensor_groups = [dist.new_group(list(self.layout.ranks_of(d))) if self.layout.degree > 1 else None
+                         for d in range(self.layout.devices)]
+        self.tensor_group = tensor_groups[self.device]  # this device's stage group (None: one rank)
+        self.tensor_ranks = self.layout.ranks_of(self.device)
+        if self.tensor_group is not None:  # the drain completes its sums as it does the other all-reduces
+            self.groups[self.tensor_ranks] = self.tensor_group
         self.notice = FailureNotice(self.world.group_name)  # the same name on every rank
         self._check_same_plan()
 
@@ -114,19 +134,19 @@ class DistributedTransport(EndOfStep):
         self.records.reap()
         _check_shape(tensor, self.tags.like(self.tags.of(key)), key, instruction)
         payload = tensor.detach().contiguous()
-        link = self.links[(src_device, dst_device)]
+        peer = self.layout.rank(dst_device, self.position)
+        link = self.links[(self.rank, peer)]
         tag = self.tags.of(key)
         wire = self.tags.on_wire(tag, self.epoch)
-        work = self._issue(lambda: dist.isend(payload, dst_device, group=link, tag=wire), instruction,
-                           f"rank {dst_device}")
+        work = self._issue(lambda: dist.isend(payload, peer, group=link, tag=wire), instruction, f"rank {peer}")
         self.pools[src_device].count_sent(payload.numel() * payload.element_size())
         # the compute thread may send too (a forward run early): the records take a lock
-        self.records.send(dst_device, tag, Pending(work, self.blocking_wait, instruction, f"rank {dst_device}"))
+        self.records.send(peer, tag, Pending(work, self.blocking_wait, instruction, f"rank {peer}"))
 
     def recv(self, key: tuple, instruction: str) -> torch.Tensor:
         """The tensor sent under `key`, in a transfer buffer of this device's pool (received into the
         buffer `poll` posted, if it did)."""
-        if self.device_of[key[3]] == self.rank:
+        if self.device_of[key[3]] == self.device:
             return self.local.recv(key, instruction)
         pending, buffer = self._post(key, instruction)
         self._await(pending)  # when the step fails, the receive stays posted: `drain` completes it
@@ -146,7 +166,7 @@ class DistributedTransport(EndOfStep):
     def arrived(self, key: tuple) -> bool:
         """Whether the message under `key` is here: its receive was posted and has finished. Never blocks,
         posts nothing (the thread that owns the receive posts it)."""
-        if self.device_of[key[3]] == self.rank:
+        if self.device_of[key[3]] == self.device:
             return self.local.arrived(key)
         with self.receives_lock:
             posted = self.receives.get(key)
@@ -156,7 +176,7 @@ class DistributedTransport(EndOfStep):
         """Post the receive of `key` now if it was not (the caller owns that receive; `recv` takes it
         later) and tell whether its message has arrived. Where the buffer does not fit in the pool
         yet, nothing is posted: not arrived."""
-        if self.device_of[key[3]] == self.rank:
+        if self.device_of[key[3]] == self.device:
             return self.local.poll(key, instruction)
         try:
             pending, _ = self._post(key, instruction)
@@ -169,22 +189,21 @@ class DistributedTransport(EndOfStep):
         with self.receives_lock:
             if key in self.receives:
                 return self.receives[key]
-            src_device = self.device_of[key[3]]
+            peer = self.layout.rank(self.device_of[key[3]], self.position)
             shape, dtype = self.tags.like(self.tags.of(key))
             like = torch.empty(shape, dtype=dtype, device="meta")
-            pool = self.pools[self.rank]
+            pool = self.pools[self.device]
             buffer = pool.take_buffer(like, ("buffer",) + key, instruction)
-            link = self.links[(src_device, self.rank)]
+            link = self.links[(peer, self.rank)]
             tag = self.tags.of(key)
             wire = self.tags.on_wire(tag, self.epoch)
             try:
-                work = self._issue(lambda: dist.irecv(buffer, src_device, group=link, tag=wire), instruction,
-                                   f"rank {src_device}")
+                work = self._issue(lambda: dist.irecv(buffer, peer, group=link, tag=wire), instruction, f"rank {peer}")
             except BaseException:
                 pool.release(("buffer",) + key)
                 raise
-            self.records.receive(src_device, tag)
-            pending = Pending(work, self.blocking_wait, instruction, f"rank {src_device}",
+            self.records.receive(peer, tag)
+            pending = Pending(work, self.blocking_wait, instruction, f"rank {peer}",
                                on_done=lambda: self._arrived_now(key))
             self.receives[key] = (pending, buffer)
             return pending, buffer
@@ -198,9 +217,11 @@ class DistributedTransport(EndOfStep):
 
     def all_reduce(self, tag: tuple, group: tuple[int, ...], rank: int, tensors: list[torch.Tensor],
                    instruction: str) -> list[torch.Tensor]:
-        """Sum `tensors` over the group's ranks; every member gets the same bits (one collective per dtype)."""
+        """Sum `tensors` over the group's devices (their ranks at this position); every member gets the
+        same bits (one collective per dtype)."""
         if len(set(group)) == 1:
             return self.local.all_reduce(tag, group, rank, tensors, instruction)
+        group = self._ranks(group, self.position)
         peers = "ranks " + ",".join(str(r) for r in group)
         buckets = {}
         for dtype in dict.fromkeys(t.dtype for t in tensors):
@@ -212,6 +233,18 @@ class DistributedTransport(EndOfStep):
         for _, pending in buckets.values():
             self._await(pending)
         return _unflatten(tensors, {dtype: flat for dtype, (flat, _) in buckets.items()})
+
+    def _ranks(self, devices: tuple[int, ...], position: int) -> tuple[int, ...]:
+        """The global ranks running `devices` at tensor-parallel `position`, in the devices' order."""
+        return tuple(self.layout.rank(d, position) for d in devices)
+
+    def wait_stage_sum(self, work: dist.Work, total: torch.Tensor) -> None:
+        """A split stage's f or g (ir/tensor_parallel_ops.py), issued on `tensor_group`: recorded and
+        waited for as this transport's own all-reduces are (stopped when the step failed)."""
+        peers = "ranks " + ",".join(str(r) for r in self.tensor_ranks)
+        pending = Pending(work, self.blocking_wait, "a split stage's all-reduce", peers)
+        self.records.collective(self.tensor_ranks, total.numel(), str(total.dtype).removeprefix("torch."), pending)
+        self._await(pending)
 
     # ---- waiting -----------------------------------------------------------------------------
     def _await(self, pending: Pending, what: str | None = None, abortable: bool = True,
@@ -285,7 +318,7 @@ class DistributedTransport(EndOfStep):
         data = json.loads(self.plan.to_json())  # the programs in their printed form
         executed = json.dumps({name: data[name] for name in EXECUTED_FIELDS})
         digest = int.from_bytes(hashlib.sha256(executed.encode()).digest()[:7], "big")
-        values = [torch.tensor([digest], dtype=torch.int64, device=self.pools[self.rank].device) for _ in range(2)]
+        values = [torch.tensor([digest], dtype=torch.int64, device=self.pools[self.device].device) for _ in range(2)]
         for value, op in zip(values, (dist.ReduceOp.MIN, dist.ReduceOp.MAX), strict=True):
             work = self._issue(lambda value=value, op=op: dist.all_reduce(value, op, group=self.world, async_op=True),
                                "comparing plans", "the other ranks")
@@ -297,15 +330,15 @@ class DistributedTransport(EndOfStep):
             )
 
 
-def _check_world(plan: Plan, rank: int) -> None:
+def _check_world(layout: RankLayout, rank: int) -> None:
     if not dist.is_initialized():
         raise PlanError("the distributed transport needs torch.distributed initialised (launch with torchrun)")
     world = dist.get_world_size()
-    if world != len(plan.devices) or dist.get_rank() != rank:
+    if world != layout.world_size or dist.get_rank() != rank:
         raise PlanError(
-            f"the plan has {len(plan.devices)} devices but this is rank {dist.get_rank()} of {world} processes "
-            f"asked to run device {rank}; launch one process per device "
-            f"(torchrun --nproc-per-node {len(plan.devices)})"
+            f"the plan has {layout.devices} devices of {layout.degree} rank(s) each but this is rank "
+            f"{dist.get_rank()} of {world} processes asked to run rank {rank}; launch one process per device "
+            f"and tensor-parallel rank (torchrun --nproc-per-node {layout.world_size})"
         )
 
 

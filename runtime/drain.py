@@ -36,7 +36,9 @@ FAILED_HERE, STOPPED_BY_NOTICE = 2.0, 1.0  # a rank's flag in `conclude`'s all-r
 class EndOfStep:
     """conclude / drain / notify_failure over the transport's world group, records and receives."""
 
-    rank: int
+    rank: int  # global
+    device: int  # the pipeline device this rank runs (its pool)
+    position: int  # its tensor-parallel position: every position computes the same loss
     pools: list[MemoryPool]
     local: LocalTransport
     world: dist.ProcessGroup
@@ -74,8 +76,8 @@ class EndOfStep:
 
     def _agree(self, partial: torch.Tensor | None, failed: BaseException | None) -> StepOutcome:
         world = dist.get_world_size(self.world)
-        payload = torch.zeros(1 + world, dtype=torch.float64, device=self.pools[self.rank].device)
-        if partial is not None and failed is None:
+        payload = torch.zeros(1 + world, dtype=torch.float64, device=self.pools[self.device].device)
+        if partial is not None and failed is None and self.position == 0:  # each position computes the same loss
             payload[0] += partial.detach().double()
         if failed is not None:
             payload[1 + self.rank] = STOPPED_BY_NOTICE if isinstance(failed, PeerFailed) else FAILED_HERE
@@ -110,7 +112,7 @@ class EndOfStep:
         pending += [self._zero_reduction(group, numel, dtype) for group, numel, dtype in sides.reductions]
         for operation in pending:
             self._await(operation, f"draining the failed step: `{operation.what}`", abortable=False)
-        pool = self.pools[self.rank]
+        pool = self.pools[self.device]
         for key, (_, buffer) in self.receives.items():
             pool.give_back_buffer(buffer, ("buffer",) + key)
         self.receives.clear()
@@ -122,7 +124,7 @@ class EndOfStep:
         """Satisfy a receive `peer` posted: zeros of the transfer's shape under its tag."""
         what = f"placeholder for rank {peer}"
         shape, dtype = self.tags.like(tag)
-        payload = torch.zeros(shape, dtype=dtype, device=self.pools[self.rank].device)
+        payload = torch.zeros(shape, dtype=dtype, device=self.pools[self.device].device)
         link, wire = self.links[(self.rank, peer)], self.tags.on_wire(tag, self.epoch)
         work = self._issue(lambda: dist.isend(payload, peer, group=link, tag=wire), what, f"rank {peer}")
         return Pending(work, self.blocking_wait, what, f"rank {peer}")
@@ -131,7 +133,7 @@ class EndOfStep:
         """Take a message `peer` sent that no receive here was posted for, into a throwaway buffer."""
         what = f"scratch receive from rank {peer}"
         shape, dtype = self.tags.like(tag)
-        buffer = torch.empty(shape, dtype=dtype, device=self.pools[self.rank].device)
+        buffer = torch.empty(shape, dtype=dtype, device=self.pools[self.device].device)
         link, wire = self.links[(peer, self.rank)], self.tags.on_wire(tag, self.epoch)
         work = self._issue(lambda: dist.irecv(buffer, peer, group=link, tag=wire), what, f"rank {peer}")
         return Pending(work, self.blocking_wait, what, f"rank {peer}")
@@ -139,14 +141,14 @@ class EndOfStep:
     def _zero_reduction(self, group: tuple[int, ...], numel: int, dtype: str) -> Pending:
         """Complete an all-reduce the other members of `group` entered: contribute zeros of its size."""
         what = "ranks " + ",".join(str(r) for r in group)
-        zeros = torch.zeros(numel, dtype=DTYPES[dtype], device=self.pools[self.rank].device)
+        zeros = torch.zeros(numel, dtype=DTYPES[dtype], device=self.pools[self.device].device)
         work = self._issue(lambda: dist.all_reduce(zeros, group=self.groups[group], async_op=True),
                            "completing an all-reduce of the failed step", what)
         return Pending(work, self.blocking_wait, "completing an all-reduce of the failed step", what)
 
     def _exchange(self, value: object, what: str) -> list:
         """Every rank's `value` (JSON), in rank order, with the transport's deadline (failure path only)."""
-        device = self.pools[self.rank].device
+        device = self.pools[self.device].device
         data = torch.tensor(list(json.dumps(value).encode()), dtype=torch.uint8, device=device)
         size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
         world = dist.get_world_size(self.world)

@@ -3,7 +3,8 @@
 torchrun starts one process per device and describes the job in environment variables
 (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). The pipeline asks once: without
 them (or with a world of one) everything runs in this process; with them, this process runs
-the program of device RANK and talks to the others through `DistributedTransport`.
+the program of device RANK (RANK // T with `tensor_parallel=T`) and talks to the others through
+`DistributedTransport`.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ DEFAULT_TIMEOUT_S = 300.0
 
 
 class DistributedContext(NamedTuple):
-    rank: int  # this process's device index in the plan
-    world_size: int  # number of processes = number of devices
+    rank: int  # this process's global rank: the plan's device rank // T (`Plan.rank_layout()`)
+    world_size: int  # number of processes = devices x tensor_parallel
     local_rank: int  # index among the processes of this machine (its CUDA device)
 
 
@@ -43,15 +44,6 @@ def distributed_context(timeout_s: float = DEFAULT_TIMEOUT_S) -> DistributedCont
         return None
     context = _from_environment(world_size)
     _init_default_group(context, timeout_s)
-    return context
-
-
-def pipeline_context(tensor_parallel: int = 1) -> DistributedContext | None:
-    """The job as the pipeline sees it: with `tensor_parallel` ranks per stage and the whole job one
-    stage's group (compiler/assembly/tensor_parallel.py), the pipeline runs in this process (None)."""
-    context = distributed_context()
-    if context is not None and tensor_parallel > 1 and context.world_size == tensor_parallel:
-        return None
     return context
 
 

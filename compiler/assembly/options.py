@@ -19,7 +19,7 @@ from stagewise.compiler.assembly.stage_acceleration import check_devices
 from stagewise.compiler.assembly.tensor_parallel import (
     check_supported,
     check_tensor_parallel,
-    tensor_parallel_rank,
+    tensor_parallel_position,
 )
 from stagewise.ir.choices import ActivationPolicy, CostModel, Schedule, parse_choice
 from stagewise.ir.devices import Device, check_present, resolve_devices
@@ -39,7 +39,7 @@ from stagewise.passes.capture import input_names
 from stagewise.passes.contention import available_cores, computes_at_full_speed
 from stagewise.passes.layout import PER_STAGE
 from stagewise.passes.swap import SwapMode
-from stagewise.runtime.launch import DistributedContext, pipeline_context
+from stagewise.runtime.launch import DistributedContext, distributed_context
 from stagewise.runtime.stage_calls import EAGER, Acceleration
 
 DEFAULT_OPTIMIZER = functools.partial(torch.optim.SGD, lr=0.01)
@@ -298,11 +298,11 @@ class CompileRequest:
             raise OptionError(f"cost='{options.cost}' times layers on this machine's devices; a plan for devices that "
                               "need not be here is costed from their figures: cost='analytic'")
         _check_model_precision(model, options.precision, resolved)
-        check_supported(options.tensor_parallel, len(resolved), options.precision,
+        check_supported(options.tensor_parallel, options.precision,
                         options.acceleration.compile_stages or options.acceleration.cuda_graphs)
         if runs_here and options.tensor_parallel > 1:
-            tensor_parallel_rank(options.tensor_parallel)
-        distributed = pipeline_context(options.tensor_parallel) if runs_here else None
+            tensor_parallel_position(options.tensor_parallel, len(resolved))
+        distributed = distributed_context() if runs_here else None
         if runs_here:
             _warn_if_oversubscribed(_sharing_cpu_devices(resolved, distributed))
         names, kind = input_names(model, example_inputs)

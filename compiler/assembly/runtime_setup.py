@@ -18,9 +18,10 @@ from stagewise.ir.errors import DeviceError, PlanError
 from stagewise.ir.instructions import StashOut
 from stagewise.ir.plan import Plan, Stage
 from stagewise.ir.precision import LossScaling
+from stagewise.ir.tensor_parallel_ops import use_group
 from stagewise.runtime.distributed import DistributedTransport
 from stagewise.runtime.executor import DEFAULT_TIMEOUT_S, StreamExecutor
-from stagewise.runtime.launch import DistributedContext, pipeline_context
+from stagewise.runtime.launch import DistributedContext, distributed_context
 from stagewise.runtime.pool import MemoryPool
 from stagewise.runtime.stage_calls import EAGER, Acceleration, stage_call
 from stagewise.runtime.transport import LocalTransport
@@ -47,14 +48,16 @@ def start_runtime(plan: Plan, modules: Sequence[fx.GraphModule | None], optimize
     """Pools, transport, this process's stage workers (modules[i] runs stage i, None where another
     rank holds it; `swapped`: the stages whose state lives in host memory between uses; `acceleration`:
     compiled or graphed stage calls) and their executor (`loss_scaling`: fp16's, default LossScaling())."""
-    context = pipeline_context(plan.tensor_parallel.degree if plan.tensor_parallel is not None else 1)
-    local = set(range(len(plan.devices))) if context is None else {context.rank}
+    layout = plan.rank_layout()
+    context = distributed_context()
+    local = set(range(len(plan.devices))) if context is None else {layout.device_of(context.rank)}
     pools = [MemoryPool(i, _torch_device(plan, i, context), d.memory) for i, d in enumerate(plan.devices)]
     transport: LocalTransport | DistributedTransport
     if context is None:
         transport = LocalTransport(pools)
     else:
         transport = DistributedTransport(plan, context.rank, pools, DEFAULT_TIMEOUT_S)
+        use_group(transport.tensor_group, transport.wait_stage_sum)  # the stage code's f and g: this device's ranks
     states = [state_specs(m) if m is not None else None for m in modules]  # before swapping empties them
     received_with_grad = {(t.dst, t.value) for t in plan.transfers if t.requires_grad}
     last = max(s.position for s in plan.stages)

@@ -1,9 +1,10 @@
-"""`tensor_parallel=`: the option checked, this process's rank in its stage's group, and the
+"""`tensor_parallel=`: the option checked, this process's position in its stage's group, and the
 full parameters gathered back from the ranks' shards (state_dict gives the model's tensors).
 
-This first slice runs one pipeline device (P = 1) whose stage spans every rank of the job:
-`torchrun --nproc-per-node T` (or a process group of T ranks) with `tensor_parallel=T`. The
-plan records which parameters are split and where the collectives are (ir/tensor_parallel.py).
+Each of the P pipeline devices' stages spans T ranks: `torchrun --nproc-per-node T·P` (or a
+process group of T·P ranks) with `tensor_parallel=T` (ir/tensor_parallel.py's `RankLayout` says
+which rank runs which device at which position; P = 1 is one device over all T ranks). The plan
+records which parameters are split and where the collectives are (ir/tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from stagewise.ir.errors import DeviceError, OptionError
-from stagewise.ir.tensor_parallel import TensorParallel
+from stagewise.ir.tensor_parallel import RankLayout, TensorParallel
+from stagewise.ir.tensor_parallel_ops import stage_group
 from stagewise.runtime.launch import distributed_context
 
 
@@ -26,7 +28,7 @@ def check_tensor_parallel(degree: object) -> None:
                           "(e.g. tensor_parallel=2 under `torchrun --nproc-per-node 2`), or 1 for none")
 
 
-def check_supported(degree: int, devices: int, precision: str, compiled: bool) -> None:
+def check_supported(degree: int, precision: str, compiled: bool) -> None:
     """What this slice of tensor parallelism does not run yet, refused before anything is traced."""
     if degree == 1:
         return
@@ -38,20 +40,20 @@ def check_supported(degree: int, devices: int, precision: str, compiled: bool) -
     if refused:
         raise OptionError(f"tensor_parallel={degree} does not run with {', '.join(refused)} yet; drop "
                           f"{'it' if len(refused) == 1 else 'them'}, or give tensor_parallel=1")
-    if devices != 1:
-        raise OptionError(f"tensor_parallel={degree} runs one pipeline device spanning {degree} ranks (P = 1) in "
-                          f"this version; give devices=['cpu'] (or one 'cuda'), not {devices} devices")
 
 
-def tensor_parallel_rank(degree: int) -> int:
-    """This process's rank in its stage's group: the job must be exactly `degree` ranks."""
+def tensor_parallel_position(degree: int, devices: int) -> int:
+    """This process's position in its stage's group: the job must be exactly `degree` ranks per
+    pipeline device."""
     context = distributed_context()
-    world = 1 if context is None else context.world_size
-    if world != degree:
-        raise DeviceError(f"tensor_parallel={degree} splits the stage over {degree} processes, but this job has "
-                          f"{world}; launch with `torchrun --nproc-per-node {degree} script.py` (or "
-                          f"dist.init_process_group with world_size={degree})")
-    return dist.get_rank()
+    world, layout = 1 if context is None else context.world_size, RankLayout(devices, degree)
+    if world != layout.world_size:
+        per = f" ({devices} pipeline devices x {degree})" if devices > 1 else ""
+        raise DeviceError(f"tensor_parallel={degree} over {devices} pipeline device(s) needs {layout.world_size} "
+                          f"processes{per}, but this job has {world}; launch with `torchrun --nproc-per-node "
+                          f"{layout.world_size} script.py` (or dist.init_process_group with world_size="
+                          f"{layout.world_size}), or give {world // degree or 1} device(s)")
+    return layout.position_of(dist.get_rank())
 
 
 def rank0_state(modules: Sequence[torch.nn.Module]) -> None:
@@ -69,14 +71,14 @@ def full_state(found: dict[str, torch.Tensor], parallel: TensorParallel) -> dict
     sharded = parallel.sharded()
     result = dict(found)
     for name in sorted(n for n in found if n in sharded):
-        result[name] = _gathered(sharded[name].full_of, found[name])
+        result[name] = gathered(sharded[name].full_of, found[name])
     return result
 
 
 def local_part(parallel: TensorParallel, name: str, full: torch.Tensor) -> torch.Tensor:
     """This rank's part of `full`, the whole tensor `name` names (itself where not sharded)."""
     sharded = parallel.sharded().get(name)
-    return full if sharded is None else sharded.shard_of(full, dist.get_rank(), parallel.degree)
+    return full if sharded is None else sharded.shard_of(full, _position(parallel), parallel.degree)
 
 
 def full_optimizer_state(state: dict[str, dict], parallel: TensorParallel) -> dict[str, dict]:
@@ -86,35 +88,33 @@ def full_optimizer_state(state: dict[str, dict], parallel: TensorParallel) -> di
     for name in sorted(state):
         values = state[name]
         if name in sharded:
-            values = {key: _gathered(sharded[name].full_of, value) for key, value in values.items()}
+            values = {key: gathered(sharded[name].full_of, value) for key, value in values.items()}
         result[name] = values
     return result
 
 
 def local_optimizer_state(state: dict[str, dict], parallel: TensorParallel) -> dict[str, dict]:
     """`full_optimizer_state` undone: each sharded parameter's moments cut to this rank's part."""
-    return {name: {key: local_part(parallel, name, value) if _per_element(value) else value
+    return {name: {key: local_part(parallel, name, value) if per_element(value) else value
                    for key, value in values.items()} for name, values in state.items()}
 
 
-def refuse_checkpoint(parallel: TensorParallel | None, what: str) -> None:
-    """Checkpoints of split stages (DCP shards per rank, re-planned on load) are not written yet."""
-    if parallel is not None:
-        raise OptionError(f"{what} with tensor_parallel={parallel.degree} is not supported yet (a checkpoint would "
-                          "need each rank's shards); save pipe.state_dict() and pipe.optimizer.state_dict(), which "
-                          "are whole, with torch.save, or compile with tensor_parallel=1")
+def _position(parallel: TensorParallel) -> int:
+    """This process's position in its stage's group."""
+    return parallel.layout(dist.get_world_size() // parallel.degree).position_of(dist.get_rank())
 
 
-def _per_element(value: object) -> bool:
+def per_element(value: object) -> bool:
     """An optimizer state tensor with one entry per parameter element (not a step count)."""
     return isinstance(value, torch.Tensor) and value.dim() > 0
 
 
-def _gathered(join: Callable[[list[torch.Tensor]], torch.Tensor], value: Any) -> Any:
-    """`value` whole from every rank's part (`join`), or as it is where it is not per element."""
-    if not _per_element(value):
+def gathered(join: Callable[[list[torch.Tensor]], torch.Tensor], value: Any) -> Any:
+    """`value` whole from every rank's part (`join`: a `ShardedParameter.full_of`), or as it is where it
+    is not per element (a collective of this process's stage group)."""
+    if not per_element(value):
         return value
-    local = value.detach().contiguous()
-    parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, local)
+    local, group = value.detach().contiguous(), stage_group()
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local, group=group)
     return join(parts)

@@ -32,6 +32,7 @@ from stagewise.compiler.checkpoint.paths import plain_name
 from stagewise.ir.declared import plain_shape
 from stagewise.ir.errors import CheckpointError
 from stagewise.ir.plan import Plan
+from stagewise.ir.tensor_parallel import TensorParallel
 
 _MAX_CHUNKS = 4096  # per tensor: one per rank that wrote a part of it
 _CRAFTED = "stagewise never writes this: the checkpoint was altered; save the pipeline again"
@@ -126,10 +127,12 @@ def checked_shape(value: object, where: object) -> tuple[int, ...]:
     return shape
 
 
-def check_declared(structure: object, plan: Plan, saved: Mapping[str, TensorStorageMetadata], where: Path) -> None:
+def check_declared(structure: object, plan: Plan, saved: Mapping[str, TensorStorageMetadata], where: Path,
+                   split: TensorParallel | None = None) -> None:
     """Every tensor a stage structure (or graph.json's graph) declares is a saved one of its shape
-    and dtype (a tie is its owner's), so building the stage allocates no more than the shards hold.
-    A structure of another format is left to `build_stage`, which refuses it before allocating."""
+    and dtype (a tie is its owner's), so building the stage allocates no more than the shards hold;
+    a stage `split` over ranks declares one rank's part of each split tensor. A structure of another
+    format is left to `build_stage`, which refuses it before allocating."""
     if not (isinstance(structure, dict) and structure.get("format") == STRUCTURE_FORMAT):
         return
     records = structure.get("tensors")
@@ -146,10 +149,18 @@ def check_declared(structure: object, plan: Plan, saved: Mapping[str, TensorStor
         held = [a for a in aliases_of(plan, str(fqn)) if a in state_names]
         key = f"{MODEL}.{held[0]}" if held else f"{CONSTANTS}.{fqn}"
         entry = saved.get(key)
-        if entry is None or tuple(entry.size) != shape or entry.properties.dtype != dtype:
-            got = "nothing" if entry is None else f"{tuple(entry.size)} {entry.properties.dtype}"
+        expected = None if entry is None else _part_shape(tuple(entry.size), held[0] if held else None, split)
+        if entry is None or expected != shape or entry.properties.dtype != dtype:
+            got = "nothing" if entry is None else f"{expected} {entry.properties.dtype}"
             raise CheckpointError(f"{where} declares the tensor {fqn} as {shape} {dtype}, but the weights hold {got} "
                                   f"under {key!r}; {_CRAFTED}")
+
+
+def _part_shape(whole: tuple[int, ...], name: str | None, split: TensorParallel | None) -> tuple[int, ...] | None:
+    """The shape a stage holds of a saved tensor: `whole`, or one rank's part of a split one (None: it
+    does not split as plan.json says)."""
+    parameter = None if split is None or name is None else split.sharded().get(name)
+    return whole if parameter is None or split is None else parameter.part_shape(whole, split.degree)
 
 
 def check_model_graph(model_graph: object) -> dict:

@@ -108,7 +108,7 @@ def _read(root: Path, rank: int, ranks: int) -> Checkpoint:
              if GRAPH_FILE in files else None)
     tensors = _saved_tensors(root, files)
     for stage, structure in zip(plan.stages, structures, strict=True):
-        check_declared(structure, plan, tensors, root / f"stage_{stage.index}.json")
+        check_declared(structure, plan, tensors, root / f"stage_{stage.index}.json", plan.tensor_parallel)
     if isinstance(graph, dict) and "graph" in graph:
         check_declared(graph["graph"], plan, tensors, root / GRAPH_FILE)
     return Checkpoint(root, plan, training, structures, tensors, graph)

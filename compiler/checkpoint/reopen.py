@@ -26,7 +26,7 @@ def reopen(saved: Checkpoint, stages: list[fx.GraphModule], plan: Plan, trusted:
            context: DistributedContext | None) -> tuple[Runtime, dict[str, torch.Tensor]]:
     """`saved`'s state in a runtime of `plan` (the saved plan, perhaps on other physical devices) over
     the `stages` rebuilt from it (compiler/checkpoint/verify.py), and the state no stage holds."""
-    modules = _stage_modules(saved, stages, None if context is None else context.rank)
+    modules = _stage_modules(saved, stages, None if context is None else plan.rank_layout().device_of(context.rank))
     training = saved.training
     optimizer = recorded_optimizer(training.get("optimizer"), training.get("optimizer_groups", []), plan.aliases,
                                    trusted)
@@ -38,10 +38,10 @@ def reopen(saved: Checkpoint, stages: list[fx.GraphModule], plan: Plan, trusted:
     return runtime, unheld
 
 
-def _stage_modules(saved: Checkpoint, stages: list[fx.GraphModule], rank: int | None) -> list[fx.GraphModule]:
-    """The rebuilt stages (meta): this process's given CPU memory (filled by the restore), another
-    rank's left on the meta device (its shapes only)."""
-    return [materialize(module, "cpu") if rank is None or stage.device == rank else module
+def _stage_modules(saved: Checkpoint, stages: list[fx.GraphModule], device: int | None) -> list[fx.GraphModule]:
+    """The rebuilt stages (meta): this process's (on its pipeline `device`) given CPU memory (filled by
+    the restore), another rank's left on the meta device (its shapes only)."""
+    return [materialize(module, "cpu") if device is None or stage.device == device else module
             for stage, module in zip(saved.plan.stages, stages, strict=True)]
 
 

@@ -15,6 +15,7 @@ from stagewise.compiler.assembly.runtime_setup import Runtime
 from stagewise.compiler.assembly.state_dict import aliases_of
 from stagewise.compiler.checkpoint.dcp import read_tensors
 from stagewise.compiler.checkpoint.read import Checkpoint
+from stagewise.compiler.checkpoint.shards import keep_parts, optimizer_parts, whole_buffers
 from stagewise.compiler.checkpoint.state import (
     newest_tensors,
     optimizer_tensors,
@@ -36,6 +37,7 @@ def restore_state(plan: Plan, runtime: Runtime, unheld: dict[str, torch.Tensor],
     shapes = {k: (tuple(v.size), v.properties.dtype) for k, v in saved.tensors.items()}
     read_constants = {w.stage.index: stage_constants(plan, w) for w in runtime.workers} if constants else {}
     wanted, copies = wanted_tensors(plan, runtime.workers, unheld, read_constants)
+    parts = whole_buffers(wanted, plan.tensor_parallel)  # a split stage reads whole weights, keeps its part
     newest, unsaved = newest_tensors(plan, runtime.workers, saved.tensors)
     optimizer = {w.stage.index: optimizer_tensors(plan, w, shapes) if training_state else {} for w in runtime.workers}
     group = runtime.transport.checkpoints if isinstance(runtime.transport, DistributedTransport) else None
@@ -47,11 +49,13 @@ def restore_state(plan: Plan, runtime: Runtime, unheld: dict[str, torch.Tensor],
             wanted[key] = tensor
     with torch.no_grad():
         read_tensors(saved.weights, saved.tensors, wanted, group)
+        keep_parts(wanted, parts, plan.tensor_parallel)
         for key, tensor in copies:
             tensor.copy_(wanted[key])
     for worker in unsaved:
         worker.weight_versions.match(worker.params)
     if training_state:
+        optimizer = {stage: optimizer_parts(part, plan.tensor_parallel) for stage, part in optimizer.items()}
         _restore_training(plan, runtime, saved.training, optimizer)
 
 

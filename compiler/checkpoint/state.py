@@ -19,6 +19,7 @@ import torch
 from stagewise.codegen.graph_data import stage_tensors
 from stagewise.compiler.assembly.state_dict import aliases_of, model_name
 from stagewise.compiler.checkpoint.dcp import CONSTANTS, MODEL, NEWEST, OPTIMIZER_STATE
+from stagewise.compiler.checkpoint.shards import SavedSplit, split_for_saving
 from stagewise.ir.errors import CheckpointError
 from stagewise.ir.plan import Plan
 from stagewise.runtime.worker import StageWorker
@@ -33,6 +34,7 @@ class SavedState:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     optimizer_values: dict[str, dict[str, object]] = field(default_factory=dict)  # name -> non-tensor entries
     groups: list[dict] = field(default_factory=list)  # per group: hyper-parameters and this process's names
+    split: SavedSplit = field(default_factory=SavedSplit)  # which tensors are chunks of a whole (tensor_parallel)
 
 
 def stage_constants(plan: Plan, worker: StageWorker) -> dict[str, torch.Tensor]:
@@ -60,6 +62,7 @@ def saved_state(plan: Plan, workers: list[StageWorker], unheld: dict[str, torch.
         for name, tensor in worker.weight_versions.newest.items():  # 2bw's other version
             saved.tensors.setdefault(f"{NEWEST}.{_saved_name(plan, name)}", tensor.detach().cpu())
         _add_optimizer(plan, worker, saved)
+    saved.split = split_for_saving(saved.tensors, plan.tensor_parallel)
     return saved
 
 

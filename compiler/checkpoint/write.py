@@ -80,7 +80,7 @@ def prepare(plan: Plan, runtime: Runtime, directory, unheld: dict[str, torch.Ten
 
     def finish() -> None:
         try:
-            write_tensors(staging / WEIGHTS_DIR, nested(state.tensors), None)
+            write_tensors(staging / WEIGHTS_DIR, nested(state.split.written(state.tensors)), None)
             complete(staging, target, replacing, _write_small(plan, staging, [part], settings))
         except BaseException:
             abandon(staging)
@@ -135,7 +135,7 @@ def _finish_distributed(plan: Plan, transport: DistributedTransport, target: Pat
     group = transport.checkpoints
     failure: BaseException | None = None
     try:
-        write_tensors(staging / WEIGHTS_DIR, nested(state.tensors), group)
+        write_tensors(staging / WEIGHTS_DIR, nested(state.split.written(state.tensors)), group)
     except Exception as error:  # noqa: BLE001 - DCP raises on every rank alike
         failure = error
     parts = transport.gather_to_first(part, group)
@@ -230,7 +230,7 @@ def _snapshot(state: SavedState, workers: list[StageWorker], unheld: dict[str, t
     for key, tensor in state.tensors.items():
         shared = tensor.device.type != "cpu" or tensor.untyped_storage().data_ptr() in live
         copied[key] = tensor.detach().to("cpu", copy=True) if shared or key.startswith(OPTIMIZER_STATE + ".") else tensor
-    return SavedState(copied, copy.deepcopy(state.optimizer_values), copy.deepcopy(state.groups))
+    return SavedState(copied, copy.deepcopy(state.optimizer_values), copy.deepcopy(state.groups), state.split)
 
 
 def serialised(value: object) -> bytes:

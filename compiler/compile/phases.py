@@ -16,7 +16,7 @@ from stagewise.codegen.stages import build_stage_modules
 from stagewise.codegen.tensor_parallel import shard_stage
 from stagewise.compiler.assembly.runtime_setup import start_runtime
 from stagewise.compiler.assembly.stage_acceleration import check_plan as check_acceleration
-from stagewise.compiler.assembly.tensor_parallel import rank0_state, tensor_parallel_rank
+from stagewise.compiler.assembly.tensor_parallel import rank0_state, tensor_parallel_position
 from stagewise.compiler.compile.analysis import Analysed, Analysis
 from stagewise.compiler.compile.context import CompileContext, after
 from stagewise.compiler.compile.costing import measure_costs
@@ -110,9 +110,9 @@ def codegen(ctx: CompileContext) -> None:
     modules = build_stage_modules(key_random_ops(graph.graph), graph.layers, chosen.stages)
     parallel = after(ctx.plan, "plan").tensor_parallel
     if parallel is not None:  # this rank's part of each stage, the collectives in its code
-        rank = tensor_parallel_rank(parallel.degree)
+        position = tensor_parallel_position(parallel.degree, len(after(ctx.plan, "plan").devices))
         rank0_state(modules)
-        modules = [shard_stage(module, parallel, rank) for module in modules]
+        modules = [shard_stage(module, parallel, position) for module in modules]
     ctx.modules = modules
 
 

@@ -13,6 +13,7 @@ from stagewise.compiler.assembly.fx_sources import releasing_fx_sources
 from stagewise.compiler.assembly.loss_reduction import reduction_from_data
 from stagewise.compiler.assembly.options import check_flags
 from stagewise.compiler.assembly.shape_buckets import padding_from_data
+from stagewise.compiler.assembly.tensor_parallel import check_tensor_parallel
 from stagewise.compiler.checkpoint.arguments import checkpoint_path
 from stagewise.compiler.checkpoint.arguments import trusted_functions as checked_trusted
 from stagewise.compiler.checkpoint.read import Checkpoint, read_checkpoint, trusted_by_name
@@ -29,7 +30,7 @@ from stagewise.runtime.launch import distributed_context
 
 @releasing_fx_sources
 def load(directory, trusted_functions: Sequence[Callable] = (), devices=None, replan: bool | None = None,
-         report: bool = True) -> Pipeline:
+         report: bool = True, tensor_parallel: int | None = None) -> Pipeline:
     """A Pipeline from `pipe.save(directory)`, trained on from where it was saved. `trusted_functions`:
     functions and classes of yours the checkpoint names but never holds (a `loss_fn`, an optimizer
     class, a torch function or op that stagewise's allowlist does not list, codegen/allowlist.py);
@@ -40,6 +41,9 @@ def load(directory, trusted_functions: Sequence[Callable] = (), devices=None, re
     compiler/elastic/replan.py; what moved is printed unless not `report`), except for a plan compiled with
     `virtual_devices`, whose devices are placed on them as `pipe.resize` places them (bitwise the
     same training, compiler/pipeline/virtual_devices.py). `replan=True` / `False` asks for one or the other.
+    `tensor_parallel`: the ranks each stage spans, by default the saved plan's; another T plans again
+    (on the saved devices unless `devices` says), the saved whole tensors split anew
+    (compiler/checkpoint/shards.py).
 
     In one process it holds every stage. Under torch.distributed (torchrun, one process per device
     of the plan) each rank builds every stage's code and reads only its own stages' state; the
@@ -52,6 +56,7 @@ def load(directory, trusted_functions: Sequence[Callable] = (), devices=None, re
         replan: True to plan again for `devices`, False to place the saved plan on them; None
             decides as above.
         report: whether to print what moved when it plans again.
+        tensor_parallel: the ranks each stage spans (T); None for the saved plan's.
 
     Returns:
         The `Pipeline`, with its weights, optimizer state, step count, mode and `extra`.
@@ -71,13 +76,17 @@ def load(directory, trusted_functions: Sequence[Callable] = (), devices=None, re
     check_flags(report=report)
     if replan is not None:  # None: plan again only for other devices
         check_flags(replan=replan)
+    if tensor_parallel is not None:
+        check_tensor_parallel(tensor_parallel)
     directory, trusted_functions = checkpoint_path(directory, "sw.load"), checked_trusted(trusted_functions)
     context = distributed_context()
     saved = read_checkpoint(directory, context)
     trusted = trusted_by_name(trusted_functions)
     rebuilt = rebuild_checkpoint(saved, trusted)  # every name resolved before anything runs
-    if _replans(saved, devices, replan):
-        return plan_again(saved, rebuilt.graph, devices, trusted, report)
+    degree = tensor_parallel or saved.plan.rank_layout().degree
+    if _replans(saved, devices, replan, degree):
+        return plan_again(saved, rebuilt.graph, devices or [d.name for d in saved.plan.devices], trusted, report,
+                          degree)
     plan = saved.plan if devices is None else remapped(saved.plan, devices)
     runtime, unheld = reopen(saved, rebuilt.stages, plan, trusted, context)
     training = saved.training
@@ -90,13 +99,20 @@ def load(directory, trusted_functions: Sequence[Callable] = (), devices=None, re
     return pipe
 
 
-def _replans(saved: Checkpoint, devices, replan: bool | None) -> bool:
-    """Whether `load` plans again for `devices` (its docstring): asked, or other devices than the
-    saved plan's and a plan not made for virtual devices."""
+def _replans(saved: Checkpoint, devices, replan: bool | None, degree: int) -> bool:
+    """Whether `load` plans again for `devices` with `degree` ranks per stage (its docstring): asked,
+    another T, or other devices than the saved plan's and a plan not made for virtual devices."""
+    other_degree = degree != saved.plan.rank_layout().degree
+    if other_degree and replan is False:
+        raise OptionError(f"sw.load(..., tensor_parallel={degree}, replan=False): the saved plan spans "
+                          f"{saved.plan.rank_layout().degree} rank(s) per stage; another T needs a new plan: drop "
+                          "replan=False")
     if replan is not None:
         if replan and devices is None:
             raise OptionError("sw.load(..., replan=True) plans for other devices: give them, devices=[...]")
         return replan
+    if other_degree:
+        return True
     if devices is None:
         return False
     given = resolve_devices(devices)

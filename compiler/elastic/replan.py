@@ -49,15 +49,16 @@ from stagewise.runtime.stage_calls import Acceleration
 
 
 def replan(saved: Checkpoint, graph: fx.GraphModule | None, devices, trusted: Mapping[str, Callable],
-           report: bool) -> Pipeline:
+           report: bool, tensor_parallel: int = 1) -> Pipeline:
     """A pipeline planned for `devices` from `saved`'s graph (`graph`: graph.json rebuilt on the meta
-    device, compiler/checkpoint/verify.py), holding its state; trains on from it. `trusted`: the
-    caller's functions by name."""
+    device, compiler/checkpoint/verify.py), each stage over `tensor_parallel` ranks, holding its state;
+    trains on from it. `trusted`: the caller's functions by name."""
     model_graph, rebuilt = usable(saved.model_graph, graph, saved.root)
     model = stand_in(model_graph, saved, rebuilt)
     plan, training = saved.plan, saved.training
     inputs, target = _example_batch(plan)
-    options = _options(model_graph, plan, training, target, trusted, saved.root / GRAPH_FILE)
+    options = replace(_options(model_graph, plan, training, target, trusted, saved.root / GRAPH_FILE),
+                      tensor_parallel=tensor_parallel)
     request = CompileRequest.make(model, devices, inputs, options)
     request = replace(request, input_names=plan.input_names, input_kind=plan.input_kind)
     captured = SavedGraph(model, plan, str(model_graph.get("tracer", "fx")))

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 
 from stagewise.compiler.assembly.optimizer_recipe import check_same_optimizer
 from stagewise.compiler.assembly.state_dict import aliases_of
-from stagewise.compiler.assembly.tensor_parallel import refuse_checkpoint
 from stagewise.compiler.checkpoint.dcp import MODEL, OPTIMIZER_STATE
 from stagewise.compiler.checkpoint.read import Checkpoint, read_checkpoint
 from stagewise.compiler.checkpoint.restore import restore_state
@@ -59,7 +58,6 @@ class Move:
 def restore_into(pipe: Pipeline, directory: str | Path, report: bool, training_state: bool) -> Move:
     """Fill `pipe` from the checkpoint at `directory` (any plan of the same model) and say what moved;
     without `training_state` only the weights (the optimizer, step count and scheduler stay)."""
-    refuse_checkpoint(pipe.plan.tensor_parallel, "pipe.restore")
     pipe._executor.settle(broken_ok=True)
     return restore_checkpoint(pipe, read_checkpoint(directory, pipe.context), report, training_state)
 

@@ -123,6 +123,8 @@ class PipelineOptimizer(torch.optim.Optimizer):
             for index, values in saved["state"].items():
                 state.setdefault(self._names[id(order[index])], values)
         names = [list(g["param_names"]) for g in self.param_groups]
+        if self._parallel is not None:  # the moments of this rank's sharded parameters, whole (from its stage group)
+            state = full_optimizer_state(state, self._parallel)
         if self._distributed:
             parts: list = [None] * dist.get_world_size()
             dist.all_gather_object(parts, (state, names))
@@ -131,8 +133,6 @@ class PipelineOptimizer(torch.optim.Optimizer):
                 for name, values in part_state.items():
                     state.setdefault(name, values)
             names = self._merged([part_names for _, part_names in parts])
-        if self._parallel is not None:  # the ranks' moments of each sharded parameter, whole
-            state = full_optimizer_state(state, self._parallel)
         state = {name: state[name] for name in sorted(state, key=self._ordered)}  # the model's order, however made
         groups = [{**{k: copy.deepcopy(v) for k, v in g.items() if k not in _OWN_KEYS}, "param_names": group_names}
                   for g, group_names in zip(self.param_groups, names, strict=True)]

@@ -10,7 +10,6 @@ from stagewise.compiler.assembly.loss_reduction import LossReduction, check_loss
 from stagewise.compiler.assembly.options import check_flags
 from stagewise.compiler.assembly.runtime_setup import Runtime
 from stagewise.compiler.assembly.shape_buckets import padding_to_data
-from stagewise.compiler.assembly.tensor_parallel import refuse_checkpoint
 from stagewise.compiler.checkpoint.arguments import checkpoint_path, save_path
 from stagewise.compiler.checkpoint.async_save import SaveHandle, SaveSlot
 from stagewise.compiler.checkpoint.write import MODEL_GRAPH
@@ -262,7 +261,6 @@ class Pipeline(PipelineState):
             {'epoch': 3}
         """
         check_flags(asynchronous=asynchronous)
-        refuse_checkpoint(self.plan.tensor_parallel, "pipe.save")
         directory = save_path(directory)
         self._saves.settle()  # before the step count and the learning rates are read
         self._executor.settle()

@@ -101,7 +101,7 @@ class PipelineState(PipelineReadings):
         if self.plan.tensor_parallel is not None:  # every rank its shards: the full tensors gathered
             found = full_state(found, self.plan.tensor_parallel)
         if self.context is not None:
-            gathered: list[dict[str, torch.Tensor] | None] = [None] * len(self.plan.devices)
+            gathered: list[dict[str, torch.Tensor] | None] = [None] * torch.distributed.get_world_size()
             mine = {k: v.detach().cpu() for k, v in found.items() if k not in self._unheld}  # every rank has those
             torch.distributed.all_gather_object(gathered, mine)
             for part in gathered:

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from stagewise.compiler.assembly.fx_sources import releasing_fx_sources
-from stagewise.compiler.assembly.tensor_parallel import refuse_checkpoint
 from stagewise.compiler.checkpoint.read import read_checkpoint, trusted_by_name
 from stagewise.compiler.checkpoint.reopen import reopen
 from stagewise.compiler.checkpoint.verify import rebuild_checkpoint
@@ -106,7 +105,6 @@ def resize(pipe: Pipeline, devices) -> None:
     if pipe.context is not None:
         raise OptionError("pipe.resize under torch.distributed: each process runs one device; restart the job on "
                           "the new processes and restore the latest checkpoint (pipe.restore)")
-    refuse_checkpoint(pipe.plan.tensor_parallel, "pipe.resize")  # it goes through a checkpoint
     pipe.wait_for_save()  # a save in flight reads this runtime's state; its failure is told here
     plan = remapped(pipe.plan, devices, "pipe.resize")
     trusted = trusted_by_name([n.target for w in pipe._workers for n in w.module.graph.nodes

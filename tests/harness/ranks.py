@@ -50,11 +50,11 @@ def save_result(path: Path, result: object) -> None:
 
 
 def run_cases(rank: int, init_file: str, out: str, cases: Iterable[Hashable],
-              run_case: Callable[[Hashable], dict]) -> None:
-    """On one rank: join, then `run_case(case)` for every case in turn, saving the results after each;
-    the first failure (saved as its traceback) ends the matrix on this rank (the peer then fails on a
-    PeerError: later collectives could not be matched)."""
-    join(init_file, rank, 30.0)
+              run_case: Callable[[Hashable], dict], ranks: int = RANKS) -> None:
+    """On one rank of `ranks`: join, then `run_case(case)` for every case in turn, saving the results
+    after each; the first failure (saved as its traceback) ends the matrix on this rank (the peer then
+    fails on a PeerError: later collectives could not be matched)."""
+    join(init_file, rank, 30.0, ranks)
     torch.set_num_threads(1)  # two ranks share the machine's cores
     path = Path(out) / f"rank{rank}.pkl"
     results: dict = {}

@@ -6,7 +6,7 @@ order the full suite hands files to its workers in."""
 # matrices. Handing the longest out first keeps one long file from running alone at the end.
 SLOW_FILES_LONGEST_FIRST = (
     "test_distributed.py", "test_frozen_shared.py", "test_differential.py", "test_distributed_training_api.py",
-    "test_distributed_faults.py", "test_swap.py", "test_randomness.py", "test_replicated_stages.py",
+    "test_distributed_faults.py", "test_tensor_pipeline.py", "test_swap.py", "test_randomness.py", "test_replicated_stages.py",
     "test_no_leak.py", "test_evaluate.py", "test_equality.py", "test_planner.py", "test_precision.py",
     "test_inplace.py", "test_huggingface.py", "test_cli.py", "test_trainable_gradients.py",
     "test_harmony_search.py", "test_schedules.py", "test_loss_reduction.py", "test_opportunistic.py",
