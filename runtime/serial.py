@@ -86,20 +86,27 @@ class SerialWalk:
 
     def __init__(self, order: tuple[Position, ...], tables: Mapping[int, ProgramTables]):
         self.devices = sorted(tables)
-        # each position with what running it reads, resolved once: its stream and prebound call
-        self.entries = [(device, index, tables[device].stream[index], tables[device].calls[index])
+        slot = {device: n for n, device in enumerate(self.devices)}
+        # each position with what running it reads, resolved once: its device's slot in the walk's
+        # per-device lists, its stream, whether that is the device's compute stream, its prebound call
+        self.entries = [(device, slot[device], index, tables[device].stream[index],
+                         tables[device].stream[index] is Stream.COMPUTE, tables[device].calls[index])
                         for device, index in order]
 
     def run(self, times: StepTimes, done: Mapping[int, list[bool]], started: Mapping[int, list[bool]],
             timeline: list, sync: Sync, blame: Callable[[BaseException, int, int], None]) -> None:
-        """Run every instruction, recording what stream threads record: the flags, the timeline, a clock
-        per device whose waiting is the time the walk spent on other devices. Stops once `sync` failed."""
-        clocks = {device: ThreadClock(device, Stream.COMPUTE) for device in self.devices}
-        times.threads.extend(clocks.values())
-        dispatch = dict.fromkeys(self.devices, 0.0)  # the walk's own time before each device's instructions
+        """Run every instruction, recording what stream threads record: the flags, the timeline, a
+        compute-thread clock per device whose waiting is the time the walk spent on other devices.
+        Stops once `sync` failed (the caller's deadline passed)."""
+        clocks = [ThreadClock(device, Stream.COMPUTE) for device in self.devices]
+        times.threads.extend(clocks)
+        devices = len(clocks)
+        own, other, dispatch = [0.0] * devices, [0.0] * devices, [0.0] * devices  # seconds, per device slot
+        ended: list[float | None] = [None] * devices
+        net, step_began = times.net, times.started_at
         began = last = time.perf_counter()
         try:
-            for device, index, stream, call in self.entries:
+            for device, slot, index, stream, compute, call in self.entries:
                 if sync.error is not None:
                     raise Aborted
                 start = time.perf_counter()
@@ -109,14 +116,19 @@ class SerialWalk:
                 except BaseException as error:
                     blame(error, device, index)
                     raise
-                last = time.perf_counter()
-                clocks[device].ran(times, device, index, stream, last - start)
-                dispatch[device] += start - began
+                last = ended[slot] = time.perf_counter()
+                seconds = net[device][index] = last - start
+                if compute:
+                    own[slot] += seconds
+                else:
+                    other[slot] += seconds
+                dispatch[slot] += start - began  # the walk's own time before the instruction
                 began = last
-                timeline.append((device, stream, index, start - times.started_at, last - times.started_at))
+                timeline.append((device, stream, index, start - step_began, last - step_began))
                 done[device][index] = True
-                clocks[device].ended = last
         finally:
-            for device, clock in clocks.items():
-                clock.ended = last if clock.ended is None else clock.ended
-                clock.waited_s = max(0.0, clock.ended - clock.began - clock.own_s - clock.other_s - dispatch[device])
+            for slot, clock in enumerate(clocks):
+                clock.own_s, clock.other_s = own[slot], other[slot]
+                returned = ended[slot]
+                clock.ended = returned = last if returned is None else returned
+                clock.waited_s = max(0.0, returned - clock.began - own[slot] - other[slot] - dispatch[slot])
