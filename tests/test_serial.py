@@ -2,6 +2,8 @@
 (runtime/serial.py): the order fixed at load is legal, training stays eager's, a failed step is
 rolled back, the time split adds up, and where no such order exists the threads run the step."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,6 +18,9 @@ from tests.reference import check_equal_training
 from tests.test_atomic_step import TWO
 from tests.test_atomic_step import (
     test_a_failed_step_is_rolled_back_and_training_goes_on_as_eager as rolled_back,
+)
+from tests.test_atomic_step import (
+    test_a_stuck_stage_meets_the_deadline_and_the_pipeline_waits_for_it as stuck_stage,
 )
 from tests.test_step_timing import assert_parts_add_up
 
@@ -90,9 +95,24 @@ def test_threads_run_what_one_thread_cannot(one_core):
     assert len(pipe._executor.threads.queues) == 2
 
 
-def test_one_thread_is_opt_out_and_threads_train_alike(one_core):
-    pipe = sw.compile(mlp(), 2, (X,), loss_fn=F.cross_entropy, example_target=Y, microbatches=2, cost="analytic")
-    pipe._executor.state.one_thread = False
-    assert pipe._executor.state.serial_step() is None
-    assert torch.isfinite(pipe.step(X, target=Y))
-    assert len(pipe._executor.threads.queues) == 2
+def test_one_thread_and_a_thread_per_device_train_bit_for_bit_alike(one_core):
+    """The same model, batches and programs, `one_thread` forced off and on: the same losses and weights."""
+    torch.manual_seed(0)
+    model = mlp()
+    pipes = [sw.compile(copy.deepcopy(model), 3, (X,), loss_fn=F.cross_entropy, example_target=Y, microbatches=4,
+                        schedule="1f1b", cost="analytic") for _ in range(2)]
+    pipes[0]._executor.state.one_thread = False
+    assert pipes[0]._executor.state.serial_step() is None and pipes[1]._executor.state.serial_step() is not None
+    for _ in range(2):
+        x, y = torch.randn(8, 8), torch.randint(0, 5, (8,))
+        threaded, walked = (pipe.step(x, target=y) for pipe in pipes)
+        assert torch.equal(threaded, walked)
+    assert len(pipes[0]._executor.threads.queues) == 3 and len(pipes[1]._executor.threads.queues) == 1
+    for name, tensor in pipes[0].state_dict().items():
+        assert torch.equal(tensor, pipes[1].state_dict()[name]), name
+
+
+def test_a_stuck_stage_on_one_thread_meets_the_deadline(one_core, tmp_path):
+    """tests/test_atomic_step.py's stuck stage, its devices on one thread: the caller still returns at
+    the deadline, and the pipeline waits for the walk before the next step."""
+    stuck_stage(tmp_path)
