@@ -8,6 +8,8 @@ so one device's copies and sends overlap its compute and devices compute concurr
 On a CPU device the swap streams have no thread, nor, where its messages stay in this process,
 the two p2p streams: the thread that makes their next instruction ready runs it
 (runtime/threadless.py), which saves the thread hand-offs a swap or message otherwise costs.
+Where the in-process CPU devices could not compute in parallel anyway (one device, one core) one
+thread walks every device's instructions in an order fixed at load (runtime/serial.py).
 Each instruction runs through the call `Interpreter.bind` made for it when the programs were
 loaded (runtime/tables.py): a step resolves no handler, worker or message key. The executor adds
 no barrier the programs do not state; `Sync` turns a deadlock, a failed thread or a silent peer
@@ -43,6 +45,7 @@ from stagewise.runtime.opportunistic import OpportunisticCompute
 from stagewise.runtime.precision import LossScaler
 from stagewise.runtime.recovery import GRACE_S, StepRecovery
 from stagewise.runtime.rollback import StepGuard
+from stagewise.runtime.serial import SerialWalk
 from stagewise.runtime.step_timing import THREAD
 from stagewise.runtime.streams import DeviceStreams
 from stagewise.runtime.sync import Aborted, Sync
@@ -152,17 +155,21 @@ class StreamExecutor:
         """Start a thread job per stream; wait for them until the step's deadline."""
         state = self.state
         plans = {p.device: self.varuna.opportunities(p) for p in state.programs}
+        serial = state.serial_step() if all(plan is None for plan in plans.values()) else None  # runtime/serial.py
         threadless = {p.device: ThreadlessStreams(p, state.tables[p.device], self._threadless(p, plans[p.device]))
-                      for p in state.programs}
+                      for p in state.programs if serial is None}
         streams = [(p, s) for p in state.programs for s in state.tables[p.device].streams
-                   if s not in threadless[p.device].streams]
-        sync = Sync(len(streams), state.timeout_s)
+                   if serial is None and s not in threadless[p.device].streams]
+        sync = Sync(1 if serial is not None else len(streams), state.timeout_s)
         state.transport.sync = sync
         state.step = StepRun.launched(state.programs, microbatches, sync, threadless)
         deadline = time.monotonic() + state.timeout_s
         for device_streams in state.streams.values():
             device_streams.begin_step()
-        jobs = self.threads.start([((p.device, s), self._stream_job(p, s, plans[p.device])) for p, s in streams])
+        if serial is not None:  # one thread walks every device's instructions (named for the first device)
+            jobs = self.threads.start([((state.programs[0].device, Stream.COMPUTE), lambda: self._walk(serial))])
+        else:
+            jobs = self.threads.start([((p.device, s), self._stream_job(p, s, plans[p.device])) for p, s in streams])
         state.jobs = jobs
         if not jobs.wait(deadline - time.monotonic()):
             sync.fail(self.recovery.timeout_error())
@@ -199,6 +206,21 @@ class StreamExecutor:
             return ()
         candidates = THREADLESS if state.transport.in_memory else SWAPS
         return tuple(stream for stream in candidates if state.tables[program.device].order[stream])
+
+    def _walk(self, serial: SerialWalk) -> None:
+        """Run the step's instructions on this one thread, in the order fixed at load (runtime/serial.py)."""
+        step = self.state.step
+
+        def blame(error: BaseException, device: int, index: int) -> None:
+            self.recovery.blame(error, device, index, self.state.program_of[device].instructions[index])
+        try:
+            serial.run(step.times, step.done, step.started, step.timeline, step.sync, blame)
+        except Aborted:
+            pass
+        except BaseException as error:  # noqa: BLE001 - handed to the caller of run()
+            step.sync.fail(error)
+        finally:
+            step.sync.thread_done()
 
     def _stream(self, program: Program, stream: Stream, plan: DeviationPoints | None) -> None:
         """Run this stream's instructions in order; on CUDA each waits for its events on the GPU too.

@@ -21,6 +21,7 @@ from stagewise.runtime.forward_replay import ForwardReplay
 from stagewise.runtime.loss_weights import LossWeights
 from stagewise.runtime.precision import LossScaler
 from stagewise.runtime.rollback import StepGuard
+from stagewise.runtime.serial import SerialWalk, one_core, serial_order
 from stagewise.runtime.step_timing import StepTimes
 from stagewise.runtime.streams import DeviceStreams
 from stagewise.runtime.sync import Sync
@@ -84,6 +85,11 @@ class ExecutorState:
     tables: dict[int, ProgramTables] = field(default_factory=dict)  # per device: its lookups, computed once
     updated: frozenset[int] = frozenset()  # the stages these programs update (none to evaluate)
     deviation_points: dict[int, DeviationPoints] = field(default_factory=dict)  # per device, computed once
+    # every device on one thread (runtime/serial.py): where its devices could not compute in parallel anyway
+    # (None: one in-process CPU device, or one core for all), wherever legal (True), never (False); may change
+    one_thread: bool | None = None
+    serial: SerialWalk | None = None  # the programs as one thread's walk, where legal (computed once)
+    serial_pays: bool = False  # the devices could not compute in parallel: one of them, or one core
     stash_bytes: dict[int, int] = field(default_factory=dict)  # stage -> bytes its last forward stashed
     iteration: int = 0  # completed steps (a failed one does not count); keys random draws and tags
     step_grad_norm: float | None = None  # the running step's global gradient norm, once all-reduced
@@ -108,3 +114,17 @@ class ExecutorState:
         for program in self.programs:
             self.tables[program.device].lower(program, bind)
         self.deviation_points.clear()
+        self.serial = self._serial_walk()
+        self.serial_pays = len(self.programs) == 1 or one_core()
+
+    def _serial_walk(self) -> SerialWalk | None:
+        """The programs as one thread's walk (runtime/serial.py), for in-process CPU devices."""
+        if not self.transport.in_memory or any(s.cuda for s in self.streams.values()):
+            return None
+        order = serial_order(self.programs, self.tables, self.device_of)
+        return None if order is None else SerialWalk(order, self.tables)
+
+    def serial_step(self) -> SerialWalk | None:
+        """The walk this step runs on one thread, or None: a thread per stream (`one_thread`)."""
+        wanted = self.serial_pays if self.one_thread is None else self.one_thread
+        return self.serial if wanted else None

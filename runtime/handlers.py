@@ -123,7 +123,11 @@ class InstructionHandlers(Interpreter):
                 tensor = take(microbatch, value)
                 streams.hand_to([tensor], Stream.P2P_OUT)
                 state.transport.send(key, device, peer, tensor, label)
-        return send
+
+        def send_from_cpu() -> None:  # a CPU device has no streams to hand the tensor between
+            for value, key in messages:
+                state.transport.send(key, device, peer, take(microbatch, value), label)
+        return send if streams.cuda else send_from_cpu
 
     def _recv(self, device: int, index: int, ins: Recv) -> None:
         self._bind_recv(device, index, ins)()
@@ -140,7 +144,11 @@ class InstructionHandlers(Interpreter):
                 tensor = state.transport.recv(key, label)
                 streams.hand_to([tensor], Stream.COMPUTE)
                 keep(microbatch, value, tensor, buffer_key)
-        return recv
+
+        def recv_on_cpu() -> None:
+            for value, key, buffer_key in messages:
+                keep(microbatch, value, state.transport.recv(key, label), buffer_key)
+        return recv if streams.cuda else recv_on_cpu
 
     def _swap_in(self, device: int, index: int, ins: SwapIn | StashIn) -> None:
         """State (weights, grads, optimizer) or one microbatch's stash into the device pool."""

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 import stagewise as sw
 from stagewise.ir.instructions import Carried, Recv, Stream
 from stagewise.ir.program import Program
+from stagewise.runtime import executor_state
 from stagewise.runtime.handlers import InstructionHandlers
 from stagewise.runtime.sync import Aborted, Sync
 from tests.models.gpt import TinyGPT, lm_loss
@@ -17,6 +18,13 @@ from tests.models.mlp import mlp
 from tests.reference import check_equal_training, token_batches
 
 X, Y = torch.randn(8, 8), torch.randint(0, 5, (8,))
+
+
+@pytest.fixture
+def thread_per_device(monkeypatch):
+    """The threaded strategy whatever cores this process may use (on one core the devices of a
+    process share one thread, runtime/serial.py)."""
+    monkeypatch.setattr(executor_state, "one_core", lambda: False)
 
 
 def compile_mlp(devices=3, **kwargs):
@@ -77,7 +85,7 @@ def test_a_wait_nobody_answers_times_out_while_another_thread_works():
     assert isinstance(sync.error, sw.PeerError)
 
 
-def test_cpu_p2p_streams_run_without_threads_in_program_order():
+def test_cpu_p2p_streams_run_without_threads_in_program_order(thread_per_device):
     pipe = compile_mlp()
     loss = pipe.step(X, target=Y)
     executor = pipe._executor
@@ -96,7 +104,7 @@ def _ran_in_program_order(executor, device: int, stream: Stream) -> bool:
     return [index for _, index in ran] == executor.state.tables[device].order[stream]
 
 
-def test_cpu_swap_streams_run_on_the_devices_compute_threads():
+def test_cpu_swap_streams_run_on_the_devices_compute_threads(thread_per_device):
     """Issue 23: a CPU device keeps one compute thread; its swaps (host copies) run inline, in program
     order, and training stays eager's (before: a thread per swap stream, a hand-off per swap)."""
     pipe = check_equal_training(TinyGPT(layers=2), token_batches(steps=2), 2, loss_fn=lm_loss, microbatches=2,
