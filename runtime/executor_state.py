@@ -118,8 +118,12 @@ class ExecutorState:
         self.serial_pays = len(self.programs) == 1 or one_core()
 
     def _serial_walk(self) -> SerialWalk | None:
-        """The programs as one thread's walk (runtime/serial.py), for in-process CPU devices."""
+        """The programs as one thread's walk (runtime/serial.py), for in-process CPU devices without a
+        memory limit: on a bounded device a message may wait for room a later instruction frees
+        (runtime/transport.py), and a walk fixed at load would wait for it on the one thread."""
         if not self.transport.in_memory or any(s.cuda for s in self.streams.values()):
+            return None
+        if any(pool.capacity is not None for pool in self.transport.pools):
             return None
         order = serial_order(self.programs, self.tables, self.device_of)
         return None if order is None else SerialWalk(order, self.tables)

@@ -95,6 +95,20 @@ def test_threads_run_what_one_thread_cannot(one_core):
     assert len(pipe._executor.threads.queues) == 2
 
 
+def test_threads_run_devices_with_a_memory_limit(one_core):
+    """On a bounded device a message may wait for room that a later instruction frees (issue 24's
+    early arrivals): an order fixed at load would wait for it on the one thread, so threads run it."""
+    memory = sw.compile(mlp(), 2, (X,), loss_fn=F.cross_entropy, example_target=Y, microbatches=2,
+                        cost="analytic").plan.predicted_peak_bytes
+    devices = [sw.Device("cpu", memory=4 * max(memory)), "cpu"]
+    pipe = sw.compile(mlp(), devices, (X,), loss_fn=F.cross_entropy, example_target=Y, microbatches=2,
+                      cost="analytic")
+    state = pipe._executor.state
+    assert serial_order(state.programs, state.tables, state.device_of) is not None and state.serial_step() is None
+    assert torch.isfinite(pipe.step(X, target=Y))
+    assert len(pipe._executor.threads.queues) == 2
+
+
 def test_one_thread_and_a_thread_per_device_train_bit_for_bit_alike(one_core):
     """The same model, batches and programs, `one_thread` forced off and on: the same losses and weights."""
     torch.manual_seed(0)
