@@ -180,7 +180,8 @@ def run_kind(rank: int, args, kind: str, batches) -> dict[str, Result]:
     results = {r.system: Result(r.how) for r in runners}
     results.update({system: r for system, r in zip(("stagewise", "torch"), built, strict=True) if isinstance(r, Result)})
     for i, (ids, target) in enumerate(batches):
-        for runner in runners[i % 2:] + runners[:i % 2] if len(runners) == 2 else runners:
+        first = i % max(len(runners), 1)
+        for runner in runners[first:] + runners[:first]:
             seconds, loss = base.timed_step(runner, ids, target)
             bubble = runner.bubble()
             if i >= args.warmup:
@@ -227,11 +228,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _ratio(numerator: Result, denominator: Result) -> str:
-    """numerator's median step over denominator's: denominator's throughput ratio to numerator's."""
+def _ratio(numerator: Result, denominator: Result, of=statistics.median) -> str:
+    """numerator's median (or `of`) step over denominator's: denominator's throughput ratio to numerator's."""
     if not numerator.times or not denominator.times:
         return ""
-    return f"{statistics.median(numerator.times) / statistics.median(denominator.times):.3f}x"
+    return f"{of(numerator.times) / of(denominator.times):.3f}x"
 
 
 def report_model(console, args, by_kind: dict[str, dict[str, Result]]) -> None:
@@ -244,7 +245,7 @@ def report_model(console, args, by_kind: dict[str, dict[str, Result]]) -> None:
         for system, r in results.items():
             console.print(f"  {kind:5s} {system}: {r.how or 'refused: ' + r.error}")
     table = Table(title=f"{args.model}: stagewise vs torch.distributed.pipelining, the same cuts per kind (medians)")
-    for col in ("kind", "system", "median ms", "best ms", "samples/s", "sw/torch", "vs own 1f1b",
+    for col in ("kind", "system", "median ms", "best ms", "samples/s", "sw/torch", "sw/torch best", "vs own 1f1b",
                 "measured bubble", "first loss", "last loss", "max |loss diff|"):
         table.add_column(col, justify="left" if col in ("kind", "system") else "right")
     for kind, results in by_kind.items():
@@ -252,13 +253,14 @@ def report_model(console, args, by_kind: dict[str, dict[str, Result]]) -> None:
         diff = max((abs(a - b) for a, b in zip(sw.losses, th.losses, strict=False)), default=float("nan"))
         for system, r in results.items():
             if not r.times:
-                table.add_row(kind, system, "refused", *[""] * 7, "", end_section=system == "torch")
+                table.add_row(kind, system, "refused", *[""] * 9, end_section=system == "torch")
                 continue
             own = by_kind.get("1f1b", {}).get(system)
             bubbles = [b for b in r.bubbles if b == b]
             table.add_row(kind, system, f"{1e3 * statistics.median(r.times):.1f}", f"{1e3 * min(r.times):.1f}",
                           f"{args.batch / statistics.median(r.times):.1f}",
-                          _ratio(th, sw) if system == "stagewise" else "", _ratio(own, r) if own else "",
+                          _ratio(th, sw) if system == "stagewise" else "",
+                          _ratio(th, sw, min) if system == "stagewise" else "", _ratio(own, r) if own else "",
                           f"{statistics.median(bubbles):.3f}" if bubbles else "-",
                           f"{r.losses[0]:.6f}", f"{r.losses[-1]:.6f}",
                           f"{diff:.2e}" if system == "torch" else "", end_section=system == "torch")
@@ -273,7 +275,7 @@ def report(args, results: dict) -> None:
     for name, by_kind in results.items():
         report_model(console, base.model_args(args, name), by_kind)
     console.print("sw/torch = torch's median step / stagewise's (stagewise's throughput over torch's, same kind; issue "
-                  "25's target for zb-h1 >= 1.05). vs own 1f1b = the system's 1F1B median over this one's (issue 25's "
+                  "25's target for zb-h1 >= 1.05); best: the same of each one's fastest step, the least disturbed by other load. vs own 1f1b = the system's 1F1B median over this one's (issue 25's "
                   "target for stagewise zb-h1 >= 1.08). measured bubble: stagewise's busiest rank, (step - compute) / compute.")
     console.print(f"1-min load average before the run {args.load_before:.2f}, at its end {os.getloadavg()[0]:.2f} "
                   f"({os.cpu_count()} cores; this benchmark alone adds about 2)")
