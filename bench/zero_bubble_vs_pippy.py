@@ -270,7 +270,7 @@ def report_model(console, args, by_kind: dict[str, dict[str, Result]]) -> None:
 def report(args, results: dict) -> None:
     from rich.console import Console
 
-    console = Console(width=150)
+    console = Console(width=170)
     console.print(f"[bold]command:[/bold] {base.command_line()}")
     for name, by_kind in results.items():
         report_model(console, base.model_args(args, name), by_kind)
