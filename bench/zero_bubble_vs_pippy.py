@@ -103,14 +103,13 @@ class Torch:
                             split_spec=split)
         # PipelineStage over the traced stage modules, not build_stage: the latter's first step sends each
         # stage's neighbour a probe, which in ZB-V's V is this rank itself, and gloo cannot send to itself
-        stages = [PipelineStage(pipe.get_stage_module(i), i, pipe.num_stages, torch.device("cpu"))
-                  for i in local_stages(kind, rank)]
+        held = local_stages(kind, rank)
+        stages = [PipelineStage(pipe.get_stage_module(i), i, pipe.num_stages, torch.device("cpu")) for i in held]
         self.schedule, name = _torch_schedule(kind, stages, args.microbatches)
-        self.how = f"pipeline(split_spec={sorted(split)}) + PipelineStage {local_stages(kind, rank)} + {name}"
+        self.how = f"pipeline(split_spec={sorted(split)}) + PipelineStage {held} + {name}"
         params = [p for stage in stages for p in stage.submod.parameters()]
         self.optimizer = base.optimizer_factory(args)(params)
-        self.first = 0 in local_stages(kind, rank)
-        self.last = 2 * RANKS - 1 in local_stages(kind, rank) if kind == "zb-v" else rank == RANKS - 1
+        self.first, self.last = 0 in held, pipe.num_stages - 1 in held  # who feeds the inputs, who the targets
 
     def step(self, ids, target) -> float:
         losses: list[torch.Tensor] = []
