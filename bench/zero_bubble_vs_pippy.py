@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from stagewise.ir.devices import format_bytes
+
 RANKS = base.RANKS
 KINDS = ("1f1b", "zb-h1", "zb-v")
 
@@ -65,6 +67,8 @@ class Result:
     losses: list[float] = field(default_factory=list)
     bubbles: list[float] = field(default_factory=list)
     error: str = ""
+    simulated: float = float("nan")  # stagewise's predicted bubble (the simulator's, over the busiest compute)
+    peaks: tuple[int, ...] = ()  # stagewise's peak pool bytes per rank
 
 
 class Stagewise:
@@ -82,6 +86,11 @@ class Stagewise:
 
     def step(self, ids, target) -> float:
         return float(self.pipe.step(ids, target=target))
+
+    def readings(self) -> tuple[float, tuple[int, ...]]:
+        """The simulator's bubble and each rank's peak pool bytes (a collective)."""
+        mine = self.pipe.time_breakdown()[0].device  # the device this process runs (stats lists every device's pool)
+        return self.pipe.simulate().bubble_fraction, tuple(base._every_rank(self.pipe.stats[mine]["peak_bytes"]))
 
     def bubble(self) -> float:
         """This rank's last step: (step - compute, compute), gathered into the busiest rank's bubble."""
@@ -187,6 +196,9 @@ def run_kind(rank: int, args, kind: str, batches) -> dict[str, Result]:
                 results[runner.system].times.append(seconds)
                 results[runner.system].bubbles.append(bubble)
             results[runner.system].losses.append(_shared_loss(loss) if runner.system == "torch" else loss)
+    for runner in runners:
+        if isinstance(runner, Stagewise):
+            results[runner.system].simulated, results[runner.system].peaks = runner.readings()
     return results
 
 
@@ -245,14 +257,14 @@ def report_model(console, args, by_kind: dict[str, dict[str, Result]]) -> None:
             console.print(f"  {kind:5s} {system}: {r.how or 'refused: ' + r.error}")
     table = Table(title=f"{args.model}: stagewise vs torch.distributed.pipelining, the same cuts per kind (medians)")
     for col in ("kind", "system", "median ms", "best ms", "samples/s", "sw/torch", "sw/torch best", "vs own 1f1b",
-                "measured bubble", "first loss", "last loss", "max |loss diff|"):
+                "measured bubble", "simulated bubble", "peak rank0 / rank1", "first loss", "last loss", "max |loss diff|"):
         table.add_column(col, justify="left" if col in ("kind", "system") else "right")
     for kind, results in by_kind.items():
         sw, th = results["stagewise"], results["torch"]
         diff = max((abs(a - b) for a, b in zip(sw.losses, th.losses, strict=False)), default=float("nan"))
         for system, r in results.items():
             if not r.times:
-                table.add_row(kind, system, "refused", *[""] * 9, end_section=system == "torch")
+                table.add_row(kind, system, "refused", *[""] * 11, end_section=system == "torch")
                 continue
             own = by_kind.get("1f1b", {}).get(system)
             bubbles = [b for b in r.bubbles if b == b]
@@ -261,6 +273,8 @@ def report_model(console, args, by_kind: dict[str, dict[str, Result]]) -> None:
                           _ratio(th, sw) if system == "stagewise" else "",
                           _ratio(th, sw, min) if system == "stagewise" else "", _ratio(own, r) if own else "",
                           f"{statistics.median(bubbles):.3f}" if bubbles else "-",
+                          f"{r.simulated:.3f}" if r.simulated == r.simulated else "-",
+                          " / ".join(format_bytes(b) for b in r.peaks) or "-",
                           f"{r.losses[0]:.6f}", f"{r.losses[-1]:.6f}",
                           f"{diff:.2e}" if system == "torch" else "", end_section=system == "torch")
     console.print(table)
@@ -269,7 +283,7 @@ def report_model(console, args, by_kind: dict[str, dict[str, Result]]) -> None:
 def report(args, results: dict) -> None:
     from rich.console import Console
 
-    console = Console(width=170)
+    console = Console(width=200)
     console.print(f"[bold]command:[/bold] {base.command_line()}")
     for name, by_kind in results.items():
         report_model(console, base.model_args(args, name), by_kind)
