@@ -20,7 +20,7 @@ of the same kind (sw/torch: torch's median step over stagewise's) and against th
 the measured bubble (the busiest rank's step less its compute, over that compute; stagewise's
 `pipe.time_breakdown()`, its rows gathered from both ranks) and the first and last loss with their
 largest difference over every step (both start from the same weights and see the same batches).
-Systems alternate in round robin after warm-up. A schedule a system refuses is a row with its error.
+Every system of every kind is built first, then all step in round robin after warm-up. A schedule a system refuses is a row with its error.
 Nothing here is asserted.
 """
 
@@ -181,24 +181,30 @@ def build(args, kind: str, example, rank: int) -> list:
     return out
 
 
-def run_kind(rank: int, args, kind: str, batches) -> dict[str, Result]:
-    """Both systems' warm-up and timed steps under one kind of schedule, alternating who goes first."""
-    built = build(args, kind, batches[0], rank)
-    runners = [r for r in built if not isinstance(r, Result)]
-    results = {r.system: Result(r.how) for r in runners}
-    results.update({system: r for system, r in zip(("stagewise", "torch"), built, strict=True) if isinstance(r, Result)})
+def run_model(rank: int, args, batches) -> dict[str, dict[str, Result]]:
+    """Every kind's two systems, all built first, then their steps in round robin over all of them (the
+    first rotating each step), so that drift in the machine's speed moves every ratio alike, between
+    systems and between kinds."""
+    results: dict[str, dict[str, Result]] = {}
+    runners: list[tuple[Result, Stagewise | Torch]] = []
+    for kind in args.kinds:
+        results[kind] = {}
+        for system, built in zip(("stagewise", "torch"), build(args, kind, batches[0], rank), strict=True):
+            results[kind][system] = built if isinstance(built, Result) else Result(built.how)
+            if not isinstance(built, Result):
+                runners.append((results[kind][system], built))
     for i, (ids, target) in enumerate(batches):
         first = i % max(len(runners), 1)
-        for runner in runners[first:] + runners[:first]:
+        for result, runner in runners[first:] + runners[:first]:
             seconds, loss = base.timed_step(runner, ids, target)
             bubble = runner.bubble()
             if i >= args.warmup:
-                results[runner.system].times.append(seconds)
-                results[runner.system].bubbles.append(bubble)
-            results[runner.system].losses.append(_shared_loss(loss) if runner.system == "torch" else loss)
-    for runner in runners:
+                result.times.append(seconds)
+                result.bubbles.append(bubble)
+            result.losses.append(_shared_loss(loss) if isinstance(runner, Torch) else loss)
+    for result, runner in runners:
         if isinstance(runner, Stagewise):
-            results[runner.system].simulated, results[runner.system].peaks = runner.readings()
+            result.simulated, result.peaks = runner.readings()
     return results
 
 
@@ -209,7 +215,7 @@ def run_rank(rank: int, args) -> dict | None:
     for name in args.models:
         model = base.model_args(args, name)
         batches = base.make_batches(model, model.warmup + model.steps)
-        results[name] = {kind: run_kind(rank, model, kind, batches) for kind in args.kinds}
+        results[name] = run_model(rank, model, batches)
     return results if rank == 0 else None
 
 
