@@ -1,8 +1,8 @@
 """stagewise's 1F1B, ZB-H1 and ZB-V beside torch.distributed.pipelining's on the same cuts, 2 ranks over gloo.
 
-    python bench/zero_bubble_vs_pippy.py                   # the "small" GPT, 20 timed steps (a few minutes)
-    python bench/zero_bubble_vs_pippy.py --models large    # 4x the parameters, 8x the FLOPs
-    python bench/zero_bubble_vs_pippy.py --quick           # smoke run
+    python bench/zero_bubble_vs_pippy.py                       # the "small" GPT, 20 timed steps (about 2 minutes)
+    python bench/zero_bubble_vs_pippy.py --models small,large  # and one of 4x the parameters (about 5 minutes)
+    python bench/zero_bubble_vs_pippy.py --quick               # smoke run
 
 Issue 25 item 5. The model, batches, loss, optimizer, launch (one process per device, one intra-op
 thread each) and the timing (each step framed by `dist.barrier()` on both ranks, timed on rank 0)
@@ -16,12 +16,16 @@ on the same cut points of the 8-block GPT:
   and 6), four stages in a V: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2.
 
 Per system: median and best step, samples/s, the throughput ratio against the other system's schedule
-of the same kind (sw/torch: torch's median step over stagewise's) and against the same system's 1F1B,
-the measured bubble (the busiest rank's step less its compute, over that compute; stagewise's
-`pipe.time_breakdown()`, its rows gathered from both ranks) and the first and last loss with their
-largest difference over every step (both start from the same weights and see the same batches).
-Every system of every kind is built first, then all step in round robin after warm-up. A schedule a system refuses is a row with its error.
-Nothing here is asserted.
+of the same kind (sw/torch: torch's median step over stagewise's, and the same of the best steps) and
+against the same system's 1F1B; for stagewise the measured bubble (the busiest rank's step less its
+compute, over that compute: `pipe.time_breakdown()`, gathered from both ranks), the simulator's
+(`pipe.simulate()`) and each rank's peak pool bytes; and the first and last loss with their largest
+difference over every step (both start from the same weights and see the same batches). Every
+system of every kind is built first, then all step in one round robin after warm-up, so drift in
+the machine's speed moves every ratio alike. torch's stages are the traced stage modules wrapped in
+`PipelineStage`: `build_stage`'s stages probe their neighbours on the first step, which in ZB-V's V
+is the rank itself, and gloo cannot send to itself. A schedule a system refuses is a row with its
+error. Nothing here is asserted.
 """
 
 from __future__ import annotations
