@@ -123,6 +123,32 @@ def test_sizes_the_symbolic_export_does_not_cover_are_exported_again(exports, mo
     assert once.exports == expected_exports == len(exports)
 
 
+class EvenBatch(nn.Module):
+    """The same function at every batch, one included (a branch on the batch: fx cannot trace it, export can)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.shape[0] > 0:
+            return self.lin(x).pow(2).mean()
+        return x.sum()
+
+
+@pytest.mark.parametrize(("model_class", "smallest"), [(EvenBatch, 1), (SpecialBatchOfOne, 2)])
+def test_smallest_microbatch_runs_the_graph_at_one_sample_without_evaluating_it(monkeypatch, exports, model_class,
+                                                                                smallest):
+    """One sample is allowed only where the symbolic graph, run on it, gives eager's loss; the check
+    runs the graph and plans nothing at that size: no export, no FLOPs counted."""
+    torch.manual_seed(0)
+    once = capture(model_class(), (torch.randn(4, 4),), None, None, dynamic=True)
+    counted = []
+    monkeypatch.setattr("stagewise.passes.capture.op_flops", lambda *args: counted.append(args) or 0)
+    assert once.smallest_microbatch((torch.randn(4, 4),), None, planned=4) == smallest
+    assert (len(exports), once.exports, len(counted)) == (1, 1, 0)
+
+
 def test_fx_graphs_are_traced_once_and_propagated_per_size(exports):
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
     once = capture(model, (torch.randn(4, 4),), torch.randn(4, 1), nn.functional.mse_loss, dynamic=True)
