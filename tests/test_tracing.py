@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten
 
 import stagewise as sw
@@ -147,6 +148,22 @@ def test_smallest_microbatch_runs_the_graph_at_one_sample_without_evaluating_it(
     monkeypatch.setattr("stagewise.passes.capture.op_flops", lambda *args: counted.append(args) or 0)
     assert once.smallest_microbatch((torch.randn(4, 4),), None, planned=4) == smallest
     assert (len(exports), once.exports, len(counted)) == (1, 1, 0)
+
+
+def test_export_makes_its_fake_tensors_without_the_dispatch_cache(monkeypatch):
+    """Under symbolic sizes a cache hit costs more than the op it saves in one export
+    (bench/export_cache.py): export's fake-tensor modes are made without it, torch's setting is back after."""
+    made = []
+    original = FakeTensorMode.__init__
+
+    def recording(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.append(self.cache_enabled)
+
+    monkeypatch.setattr(FakeTensorMode, "__init__", recording)
+    assert capture(EvenBatch(), (torch.randn(4, 4),), None, None, dynamic=True).tracer == "export"
+    assert made and not any(made)
+    assert torch._dynamo.config.fake_tensor_cache_enabled
 
 
 def test_fx_graphs_are_traced_once_and_propagated_per_size(exports):
