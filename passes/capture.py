@@ -32,7 +32,8 @@ step may give follows (`lowest_sizes`, `smallest_microbatch`): compiler/assembly
 The parts live beside this module: capture_tracers (the two tracers and the normalisation of
 their graphs), symbolic_sizes (binding and evaluating the symbolic sizes), local_sizes (sizes read where used),
 capture_annotate (node values and FLOPs by fake-tensor propagation, FLOPs of an ATen node),
-capture_functional (in-place ops written out of place where no alias can tell).
+capture_copy (the template copied into a graph of one size's own), capture_functional (in-place
+ops written out of place where no alias can tell).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from torch.utils._pytree import tree_flatten
 
 from stagewise.ir.errors import ExampleInputsError, LossError, TraceError
 from stagewise.passes.capture_annotate import annotate, check_loss, op_flops
+from stagewise.passes.capture_copy import copied, copy_graph, module_of
 from stagewise.passes.capture_functional import functionalize
 from stagewise.passes.capture_tracers import Exported, normalise, trace_export, trace_fx
 from stagewise.passes.local_sizes import localise_sizes
@@ -267,12 +269,17 @@ class Capture:
 
         inputs = {k: one(v) for k, v in inputs.items()} if isinstance(inputs, dict) else tuple(map(one, inputs))
         target, leaves = one(target), self._leaves(inputs, one(target))
+        try:
+            verify = self._bound(self.template, leaves)[1]
+        except NotCovered:
+            return 2
+        if not verify:
+            return 1
+        # Only run, never planned: the template as the stages run it, without values or FLOPs at this size.
+        runnable = copied(self.template)
+        functionalize(runnable)
         with _buffers_kept(self.objective._stagewise_model):
-            try:
-                gm, verify = self._specialised(self.template, leaves, inputs, target)
-            except NotCovered:
-                return 2
-            return 1 if not verify or self._agrees_with_eager(gm, inputs, target, leaves) else 2
+            return 1 if self._agrees_with_eager(runnable, inputs, target, leaves) else 2
 
     def _graph_at(self, inputs, target) -> fx.GraphModule:
         if self.tracer == "fx":
@@ -293,7 +300,7 @@ class Capture:
     def propagated(self, inputs, target) -> fx.GraphModule:
         """A copy of the template with values and FLOPs from fake-tensor propagation at this size
         (a graph that computes its own sizes: fx's, or one saved for re-planning)."""
-        gm = _copy(self.template)
+        gm = copied(self.template)
         annotate(gm, inputs, target)
         functionalize(gm)
         check_loss(gm)
@@ -307,10 +314,8 @@ class Capture:
     def _specialised(self, template: fx.GraphModule, leaves: list, inputs, target) -> tuple[fx.GraphModule, bool]:
         """A copy of an exported template with its symbols bound by `leaves`' shapes: values, FLOPs
         and literal sizes at that size; and whether the size needs the check against eager."""
-        ranges = self.exported.ranges if self.exported is not None else {}
-        guards = self.exported.guards if self.exported is not None and template is self.template else None
-        bindings, verify = bind(template, leaves, ranges, guards)
-        graph = _copy_graph(template)
+        bindings, verify = self._bound(template, leaves)
+        graph = copy_graph(template)
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         evaluate = Evaluator(bindings, mode)
         try:
@@ -322,11 +327,18 @@ class Capture:
             for node in graph.nodes:
                 node.meta["flops"] = op_flops(template, node, mode, self.flop_memo)
         except Exception:  # noqa: BLE001 - what is not evaluated here (Unsupported) is propagated
-            annotate(_module(template, graph), inputs, target)
-        gm = _module(template, graph)
+            annotate(module_of(template, graph), inputs, target)
+        gm = module_of(template, graph)
         functionalize(gm)
         check_loss(gm)
         return gm, verify
+
+    def _bound(self, template: fx.GraphModule, leaves: list) -> tuple[dict, bool]:
+        """The template's symbols bound by `leaves`' shapes, checked against the export's ranges (and its
+        guards, for this capture's own template); NotCovered where it does not describe them."""
+        ranges = self.exported.ranges if self.exported is not None else {}
+        guards = self.exported.guards if self.exported is not None and template is self.template else None
+        return bind(template, leaves, ranges, guards)
 
     def _has_weights(self) -> bool:
         return not any(p.is_meta for p in self.objective._stagewise_model.parameters())
@@ -347,39 +359,6 @@ class Capture:
             return False
         return (isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor) and got.shape == want.shape
                 and bool(torch.allclose(got, want, rtol=1e-4, atol=1e-6)))
-
-
-def _copy_graph(template: fx.GraphModule) -> fx.Graph:
-    """The template's graph copied, node meta copied shallowly (values of one size are set on the copy)."""
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(template.graph, {}))
-    return graph
-
-
-def _copy(template: fx.GraphModule) -> fx.GraphModule:
-    return _module(template, _copy_graph(template))
-
-
-def _module(template: fx.GraphModule, graph: fx.Graph) -> fx.GraphModule:
-    """A GraphModule of `graph` holding the template's own parameters, buffers and submodules,
-    every name of them included (also those the graph does not use: tied weights' other names)."""
-    gm = fx.GraphModule(template, graph, class_name=type(template).__name__)
-    for name, tensor in [*template.named_parameters(remove_duplicate=False),
-                         *template.named_buffers(remove_duplicate=False)]:
-        *path, leaf = name.split(".")
-        owner, source = gm, template
-        for part in path:
-            source = getattr(source, part)
-            if not hasattr(owner, part):
-                owner.add_module(part, torch.nn.Module())
-            owner = getattr(owner, part)
-        if hasattr(owner, leaf):
-            continue
-        if isinstance(tensor, torch.nn.Parameter):
-            owner.register_parameter(leaf, tensor)
-        else:
-            owner.register_buffer(leaf, tensor, persistent=leaf not in source._non_persistent_buffers_set)
-    return gm
 
 
 @contextlib.contextmanager

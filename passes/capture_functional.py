@@ -48,13 +48,16 @@ _NAMESPACES = (torch, torch._C._nn, torch.special)
 
 
 def functionalize(gm: fx.GraphModule) -> None:
-    """Rewrite gm's in-place ops out of place where provably equivalent (module docstring)."""
+    """Rewrite gm's in-place ops out of place where provably equivalent (module docstring); its code is
+    generated again only where that changed the graph (a compile calls this once per size)."""
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     swapped: set[str] = set()
+    rewritten = False
     for node in list(gm.graph.nodes):
         functional = _functional_form(gm, node)
         if functional is None or not _safe(gm, node, order):
             continue
+        rewritten = True
         if node.op == "call_module":
             swapped.add(str(node.target))
         elif _inplace_keyword(node):
@@ -67,8 +70,8 @@ def functionalize(gm: fx.GraphModule) -> None:
                 user.replace_input_with(modified, node)
     for target in swapped:
         _swap_out_of_place(gm, target)
-    gm.graph.eliminate_dead_code(lambda n: n.is_impure() or modifies_input(gm, n))
-    gm.recompile()
+    if gm.graph.eliminate_dead_code(lambda n: n.is_impure() or modifies_input(gm, n)) or rewritten:
+        gm.recompile()
 
 
 def modifies_input(gm: fx.GraphModule, node: fx.Node) -> bool:

@@ -282,8 +282,8 @@ def _measured_under_load(cached: Sequence[LayerProfile], gm: fx.GraphModule, lay
     _, costliest = max(((p.fwd_s(traced) + p.bwd_s(traced), p) for p in cached), key=lambda pair: pair[0])
     layer = layers[costliest.layer]
     where = device.torch_device
-    inputs = real_inputs([shapes_at(gm, layers, traced, traced, precision).values[name] for name in layer.inputs], where,
-                         seed=layer.index)
+    values = shapes_at(gm, layers, traced, traced, precision).values  # the whole graph run once, on fake tensors
+    inputs = real_inputs([values[name] for name in layer.inputs], where, seed=layer.index)
     with torch.random.fork_rng(devices=[where.index or 0] if where.type == "cuda" else []):
         fresh = measure_layer(at_precision(layer_module(gm, layer).to(where), precision, where), inputs, where,
                               repeats=SPOT_CHECK_REPEATS)

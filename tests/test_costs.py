@@ -165,6 +165,18 @@ def test_second_call_hits_the_disk_cache(mlp_graph, monkeypatch, tmp_path):
     assert len(calls) > 1
 
 
+def test_a_cache_hit_runs_the_graph_on_fake_tensors_once(gpt_graph, monkeypatch):
+    """The spot check of a cache hit times the costliest layer on inputs at the traced size: one fake
+    run of the whole graph gives all of them (it was one run per input of that layer)."""
+    _, gm, layers = gpt_graph
+    monkeypatch.setattr(prof, "STALE_RATIO", math.inf)  # read back, not profiled again
+    profile_layers(gm, layers, "cpu", quiet=True, repeats=1)  # writes the cache entry
+    runs = []
+    monkeypatch.setattr(prof, "shapes_at", lambda *args, **kwargs: runs.append(args) or shapes_at(*args, **kwargs))
+    profile_layers(gm, layers, "cpu", quiet=True, repeats=1)
+    assert len(runs) == 1  # the costliest layer here, the head and loss, has two inputs: two runs on b87c994
+
+
 def test_a_cache_entry_timed_under_load_is_measured_again(mlp_graph, monkeypatch, tmp_path):
     """Times 20x what the layers take now (as when other jobs loaded the machine) are not trusted."""
     _, gm, layers = mlp_graph

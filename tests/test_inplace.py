@@ -9,6 +9,8 @@ import torch.nn.functional as F
 
 import stagewise as sw
 from stagewise.passes.capture import capture
+from stagewise.passes.capture_annotate import annotate
+from stagewise.passes.capture_functional import functionalize
 from tests.models.densenet import DenseNet
 from tests.models.mobilenet import MobileNetV3Small
 from tests.models.resnet_inplace import ResNetInplace
@@ -95,3 +97,19 @@ def test_capture_keeps_what_an_alias_sees(tracer, monkeypatch):
         torch.testing.assert_close(traced.graph_module(x), model(x))
     check_equal_training(ViewsAndMethods(), [((torch.randn(4, 6),), None) for _ in range(2)], 2, cost="analytic",
                          split_points=["act"])
+
+
+@pytest.mark.parametrize(("inplace", "recompiles"), [(False, 0), (True, 1)])
+def test_functionalize_generates_the_code_again_only_for_a_graph_it_changed(monkeypatch, inplace, recompiles):
+    """A compile functionalizes the graph at every size it weighs: a graph with nothing to rewrite keeps
+    the code its module already has."""
+    model, x = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.ReLU(inplace=inplace)), torch.randn(4, 6)
+    gm = torch.fx.symbolic_trace(model)
+    annotate(gm, (x,), None)
+    generated = []
+    original = torch.fx.GraphModule.recompile
+    monkeypatch.setattr(torch.fx.GraphModule, "recompile", lambda self: generated.append(self) or original(self))
+    functionalize(gm)
+    assert len(generated) == recompiles and not gm.get_submodule("1").inplace
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), model(x))

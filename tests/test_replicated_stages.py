@@ -364,3 +364,16 @@ def test_layout_contradictions_are_refused_before_the_model_is_traced(kwargs, ma
     x = torch.randn(8, 4)
     with pytest.raises(sw.PartitionError, match=match):
         sw.compile(_Untraceable(4, 4), 3, (x,), loss_fn=lambda out, y: out.sum(), example_target=x, **kwargs)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    (dict(replicas=3, microbatches=2, schedule="1f1b"), "3 data-parallel replicas need microbatches divisible by 3"),
+    (dict(replicas=3, microbatches=4), "3 data-parallel replicas need microbatches divisible by 3"),
+    (dict(replicas=(2, 1), microbatches=1), "stage 0 has 2 replicas but there are only 1 microbatches"),
+])
+def test_replicas_the_microbatches_cannot_share_are_refused_before_the_model_is_traced(kwargs, match) -> None:
+    """More replicas than microbatches (or D pipelines that cannot split them evenly): known from the
+    options alone, refused at once (passes/replicate.py found them only after torch.export)."""
+    x = torch.randn(8, 4)
+    with pytest.raises(sw.BatchSizeError, match=match):
+        sw.compile(_Untraceable(4, 4), 3, (x,), loss_fn=lambda out, y: out.sum(), example_target=x, **kwargs)

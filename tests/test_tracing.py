@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten
 
 import stagewise as sw
@@ -121,6 +122,48 @@ def test_sizes_the_symbolic_export_does_not_cover_are_exported_again(exports, mo
         gm = once.at((x[:b],), None).graph_module
         torch.testing.assert_close(gm(x[:b]), model(x[:b]), rtol=0, atol=0)
     assert once.exports == expected_exports == len(exports)
+
+
+class EvenBatch(nn.Module):
+    """The same function at every batch, one included (a branch on the batch: fx cannot trace it, export can)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.shape[0] > 0:
+            return self.lin(x).pow(2).mean()
+        return x.sum()
+
+
+@pytest.mark.parametrize(("model_class", "smallest"), [(EvenBatch, 1), (SpecialBatchOfOne, 2)])
+def test_smallest_microbatch_runs_the_graph_at_one_sample_without_evaluating_it(monkeypatch, exports, model_class,
+                                                                                smallest):
+    """One sample is allowed only where the symbolic graph, run on it, gives eager's loss; the check
+    runs the graph and plans nothing at that size: no export, no FLOPs counted."""
+    torch.manual_seed(0)
+    once = capture(model_class(), (torch.randn(4, 4),), None, None, dynamic=True)
+    counted = []
+    monkeypatch.setattr("stagewise.passes.capture.op_flops", lambda *args: counted.append(args) or 0)
+    assert once.smallest_microbatch((torch.randn(4, 4),), None, planned=4) == smallest
+    assert (len(exports), once.exports, len(counted)) == (1, 1, 0)
+
+
+def test_export_makes_its_fake_tensors_without_the_dispatch_cache(monkeypatch):
+    """Under symbolic sizes a cache hit costs more than the op it saves in one export
+    (bench/export_cache.py): export's fake-tensor modes are made without it, torch's setting is back after."""
+    made = []
+    original = FakeTensorMode.__init__
+
+    def recording(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.append(self.cache_enabled)
+
+    monkeypatch.setattr(FakeTensorMode, "__init__", recording)
+    assert capture(EvenBatch(), (torch.randn(4, 4),), None, None, dynamic=True).tracer == "export"
+    assert made and not any(made)
+    assert torch._dynamo.config.fake_tensor_cache_enabled
 
 
 def test_fx_graphs_are_traced_once_and_propagated_per_size(exports):

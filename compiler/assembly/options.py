@@ -291,7 +291,8 @@ class CompileRequest:
         resolved = resolve_devices(devices)
         check_devices(options.acceleration, resolved)
         _check_topology(options.topology, len(resolved))
-        check_layout_options(options.schedule, options.replicas, options.stages, options.split_points, len(resolved))
+        check_layout_options(options.schedule, options.replicas, options.stages, options.split_points, len(resolved),
+                             options.microbatches)
         if runs_here:
             check_present(resolved)
         elif options.cost != CostModel.ANALYTIC:
