@@ -244,7 +244,17 @@ class Plan:
     tensor_parallel: TensorParallel | None = None  # each stage over several ranks (ir/tensor_parallel.py)
 
     def rank_layout(self) -> RankLayout:
-        """Which torch.distributed rank runs which device at which tensor-parallel position."""
+        """Which torch.distributed rank runs which device at which tensor-parallel position.
+
+        Returns:
+            The plan's RankLayout: device d at position t runs on rank d·T + t (T = 1 without
+            tensor parallelism, so rank d runs device d).
+
+        Example:
+            >>> layout = pipe.plan.rank_layout()
+            >>> layout.world_size, layout.rank(1, 0)
+            (2, 1)
+        """
         return RankLayout(len(self.devices), 1 if self.tensor_parallel is None else self.tensor_parallel.degree)
 
     def to_json(self) -> str:

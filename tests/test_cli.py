@@ -23,6 +23,7 @@ from stagewise.cli.errors import CommandLineError
 from stagewise.cli.main import build_parser, main
 from stagewise.cli.models import load_workload
 from stagewise.ir.errors import CheckpointError
+from tests.harness.cli import stagewise_here
 from tests.harness.crafted import crafted, with_node
 from tests.models.gpt import TinyGPT, lm_loss
 
@@ -37,13 +38,6 @@ def stagewise(*args: str | Path, script: bool = False) -> subprocess.CompletedPr
     command = [str(CONSOLE_SCRIPT)] if script else [sys.executable, "-m", "stagewise"]
     return subprocess.run([*command, *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           check=False)
-
-
-def stagewise_here(capsys: pytest.CaptureFixture, *args: str | Path) -> tuple[int, str, str]:
-    """The command through `main` in this process: (exit status, stdout, stderr)."""
-    status = main([str(arg) for arg in args])
-    out, err = capsys.readouterr()
-    return status, out, err
 
 
 @pytest.fixture(scope="module")

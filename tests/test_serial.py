@@ -13,16 +13,10 @@ from stagewise.ir.instructions import Recv, Send, Stream
 from stagewise.runtime import executor_state
 from stagewise.runtime.serial import serial_order
 from stagewise.runtime.sync import Sync
+from tests.harness.faults import TWO, rolled_back_as_eager, stuck_stage_meets_the_deadline
+from tests.harness.measured import assert_parts_add_up
 from tests.models.mlp import mlp
 from tests.reference import check_equal_training
-from tests.test_atomic_step import TWO
-from tests.test_atomic_step import (
-    test_a_failed_step_is_rolled_back_and_training_goes_on_as_eager as rolled_back,
-)
-from tests.test_atomic_step import (
-    test_a_stuck_stage_meets_the_deadline_and_the_pipeline_waits_for_it as stuck_stage,
-)
-from tests.test_step_timing import assert_parts_add_up
 
 X, Y = torch.randn(8, 8), torch.randint(0, 5, (8,))
 
@@ -82,7 +76,7 @@ def test_a_step_on_one_core_blocks_no_thread(one_core, monkeypatch):
 
 def test_a_failed_step_on_one_thread_is_rolled_back(one_core):
     """tests/test_atomic_step.py's faults (forward, backward, update) on one thread: each step rolled back."""
-    rolled_back("1f1b", {"split_points": TWO}, batchnorm=True)
+    rolled_back_as_eager("1f1b", {"split_points": TWO}, batchnorm=True)
 
 
 def test_threads_run_what_one_thread_cannot(one_core):
@@ -129,4 +123,4 @@ def test_one_thread_and_a_thread_per_device_train_bit_for_bit_alike(one_core):
 def test_a_stuck_stage_on_one_thread_meets_the_deadline(one_core, tmp_path):
     """tests/test_atomic_step.py's stuck stage, its devices on one thread: the caller still returns at
     the deadline, and the pipeline waits for the walk before the next step."""
-    stuck_stage(tmp_path)
+    stuck_stage_meets_the_deadline(tmp_path)

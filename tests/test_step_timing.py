@@ -12,6 +12,7 @@ from torch import nn
 
 import stagewise as sw
 from stagewise.ir.instructions import Stream
+from tests.harness.measured import assert_parts_add_up
 from tests.models.mlp import mlp
 
 X, Y = torch.randn(64, 16), torch.randint(0, 5, (64,))
@@ -31,14 +32,6 @@ class Heavy(nn.Module):
         for _ in range(self.rounds):
             h = torch.tanh(self.mix(h))
         return self.down(h)
-
-
-def assert_parts_add_up(row: sw.DeviceTime, wall_s: float) -> None:
-    """Every part measured, none negative, and the compute thread's parts sum to the step."""
-    assert all(row[name] >= 0 for name in row), row  # dispatch, the remainder, too: nothing counted twice
-    parts = row.compute_s + row.waiting_s + row.dispatch_s + row.inline_s + row.idle_s
-    assert parts == pytest.approx(row.step_s, rel=1e-9, abs=1e-12)
-    assert 0 < row.step_s <= wall_s
 
 
 def compute_busy(pipe: sw.Pipeline, device: int) -> float:

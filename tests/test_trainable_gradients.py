@@ -207,7 +207,9 @@ def test_every_trainable_parameter_gets_eager_gradient(precision: str, schedule:
 def test_the_cases_cover_every_pair_the_sweep_names() -> None:
     """The 24 cases hold every pair of precision and schedule, precision and pattern, pattern and
     device count, schedule and device count (a covering array: the full product is 270 compiles)."""
-    schedules = tuple(s for s in SCHEDULES if s != "auto")  # every schedule compile accepts ("auto" picks one)
+    # every synchronous schedule compile accepts ("auto" picks one); 2bw's one-step-stale update is held
+    # to its own rule, frozen parameters included, by tests/test_two_bw.py
+    schedules = tuple(s for s in SCHEDULES if s != "auto" and not sw.Schedule(s).asynchronous)
     axes = {"precision": tuple(AUTOCAST_DTYPES), "schedule": schedules, "pattern": tuple(PATTERNS), "devices": (1, 2, 3)}
     columns = dict(zip(axes, zip(*CASES, strict=True), strict=True))
     for a, b in [("precision", "schedule"), ("precision", "pattern"), ("pattern", "devices"), ("schedule", "devices")]:

@@ -15,10 +15,10 @@ import torch.nn.functional as F
 import stagewise as sw
 from stagewise.compiler.checkpoint.dcp import NEWEST
 from stagewise.compiler.checkpoint.read import read_checkpoint
+from tests.harness.cli import stagewise_here
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.models.mlp import mlp
 from tests.reference import ADAMW, ATOL, RTOL, SGD, assert_state_equal, chunks, eager_train, token_batches
-from tests.test_cli import stagewise_here
 
 STEPS, MICROBATCHES = 4, 2
 
@@ -56,7 +56,16 @@ def _mlp_batches():
     return [((torch.randn(8, 8),), torch.randint(0, 5, (8,))) for _ in range(STEPS)]
 
 
+def _partly_frozen() -> torch.nn.Module:
+    """The MLP with its first layer frozen (as a LoRA base is): one version, never moved."""
+    model = mlp()
+    for parameter in model[0].parameters():
+        parameter.requires_grad_(False)
+    return model
+
+
 CASES = {"mlp-sgd-clipped": (mlp, _mlp_batches, SGD, F.cross_entropy, {"clip_grad_norm": 0.5}),
+         "frozen-mlp-adamw": (_partly_frozen, _mlp_batches, ADAMW, F.cross_entropy, {}),
          "tied-gpt-adamw": (lambda: TinyGPT(layers=2), lambda: token_batches(STEPS), ADAMW, lm_loss, {}),
          "mlp-sgd-2x2": (mlp, _mlp_batches, SGD, F.cross_entropy, {"devices": 4, "replicas": 2})}
 

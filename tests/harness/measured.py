@@ -7,6 +7,8 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+import pytest
+
 import stagewise as sw
 from stagewise.ir.instructions import (
     Backward,
@@ -141,3 +143,11 @@ def nominal_and_early(plan: sw.Plan) -> tuple[dict[int, float], tuple[int, ...]]
     nominal = simulate(plan.programs, cost).peak_bytes
     bounded = [replace(spec, memory=int(nominal[d])) for d, spec in enumerate(plan.devices)]
     return nominal, early_arrival_peaks(plan.programs, cost, bounded, nominal)
+
+
+def assert_parts_add_up(row: sw.DeviceTime, wall_s: float) -> None:
+    """Every part measured, none negative, and the compute thread's parts sum to the step."""
+    assert all(row[name] >= 0 for name in row), row  # dispatch, the remainder, too: nothing counted twice
+    parts = row.compute_s + row.waiting_s + row.dispatch_s + row.inline_s + row.idle_s
+    assert parts == pytest.approx(row.step_s, rel=1e-9, abs=1e-12)
+    assert 0 < row.step_s <= wall_s
