@@ -12,7 +12,9 @@ import pytest
 import torch
 
 import stagewise as sw
+from stagewise.compiler.pipeline import virtual_devices
 from stagewise.compiler.pipeline.virtual_devices import virtual_counts, virtual_layout
+from stagewise.runtime.launch import DistributedContext
 from tests.training_problems import (
     GROUPED,
     batches_of,
@@ -100,3 +102,13 @@ def test_bad_virtual_device_counts_are_named():
     with pytest.raises(sw.CapacityError, match="would run virtual devices"):
         pipe.resize([sw.Device("cpu", memory="1KiB")])
     step(pipe, batches[0])  # a refused resize leaves the pipeline as it was
+
+
+def test_under_tensor_parallel_virtual_devices_count_pipeline_devices(monkeypatch):
+    """With tensor_parallel=T, T ranks run each device of the plan (`RankLayout`): on 4 ranks at
+    T = 2 the plan has 2 devices, so virtual_devices=2 is right and 4 (the world size) is not."""
+    monkeypatch.setattr(virtual_devices, "distributed_context", lambda: DistributedContext(0, 4, 0))
+    assert len(virtual_layout(["cpu"], 2, tensor_parallel=2)) == 2
+    with pytest.raises(sw.OptionError, match="world size / 2"):
+        virtual_layout(["cpu"], 4, tensor_parallel=2)
+    assert len(virtual_layout(["cpu"], 4)) == 4  # T = 1: one process per device, as before

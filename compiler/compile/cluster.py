@@ -11,6 +11,11 @@ group's own transport: gloo's TCP over loopback is far slower than the in-proces
 link between them) when torchrun numbered the ranks host by host in equal numbers; otherwise the
 matrix alone, without levels (the DP then plans over one level at the slowest link). Rank 0's
 topology is the one every rank plans with.
+
+With tensor_parallel=T the topology is the plan's P pipeline devices', not the T·P ranks': device
+d's host is the host of its T ranks (`RankLayout`), which must share one, as Megatron keeps T
+within a server (Narayanan §3); the links measured are those a pipeline's p2p crosses, between
+ranks at position 0 of two devices.
 """
 
 from __future__ import annotations
@@ -24,25 +29,56 @@ import torch
 import torch.distributed as dist
 
 from stagewise.compiler.compile.calibrate import COPY_BYTES, REPEATS, local_topology
+from stagewise.ir.errors import DeviceError
+from stagewise.ir.tensor_parallel import RankLayout
 from stagewise.ir.topology import Topology
 
 
-def cluster_topology(devices, local_rank: int) -> Topology:
-    """The links between the job's ranks, with a level per host where the ranks are on several;
-    the same on every rank (a collective: every rank calls it)."""
+def cluster_topology(devices, local_rank: int, tensor_parallel: int = 1) -> Topology:
+    """The links between the plan's pipeline devices, with a level per host where they are on
+    several; the same on every rank (a collective: every rank calls it)."""
     local = local_topology(devices)
-    hosts: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, socket.gethostname())
-    names = [str(h) for h in hosts]
+    ranks: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, socket.gethostname())
+    layout = RankLayout(local.n_devices, tensor_parallel)
+    names = device_hosts([str(h) for h in ranks], layout)
     if len(set(names)) == 1:
         return local
     device = _buffer_device(local_rank)
-    between = _round_trip_bandwidth(next(rank for rank, host in enumerate(names) if host != names[0]), device)
-    neighbour = next((rank for rank, host in enumerate(names) if rank and host == names[0]), None)
-    inside = None if neighbour is None else _round_trip_bandwidth(neighbour, device)
+    between_peer, inside_peer = probe_peers(names, layout)
+    between = _round_trip_bandwidth(between_peer, device)
+    inside = None if inside_peer is None else _round_trip_bandwidth(inside_peer, device)
     box = [hosts_topology(names, local, between, inside)]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def device_hosts(rank_hosts: Sequence[str], layout: RankLayout) -> list[str]:
+    """The host of each pipeline device of `layout`, from the host of each rank; DeviceError where
+    the job is not the layout's T·P ranks or a device's T ranks are on more than one host."""
+    if len(rank_hosts) != layout.world_size:
+        raise DeviceError(f"{layout.devices} pipeline device(s) x tensor_parallel={layout.degree} need "
+                          f"{layout.world_size} processes, but this job has {len(rank_hosts)}; launch that many, "
+                          f"or give {len(rank_hosts) // layout.degree or 1} device(s)")
+    hosts = []
+    for device in range(layout.devices):
+        ranks = layout.ranks_of(device)
+        found = {rank: rank_hosts[rank] for rank in ranks}
+        if len(set(found.values())) > 1:
+            raise DeviceError(f"tensor_parallel={layout.degree}: pipeline device {device}'s ranks {list(ranks)} are "
+                              f"on several hosts ({found}), but a tensor-parallel group must share one host's fast "
+                              f"links; launch the same number of processes on each host, a multiple of "
+                              f"{layout.degree} (torchrun --nproc-per-node), or lower tensor_parallel=")
+        hosts.append(rank_hosts[ranks[0]])
+    return hosts
+
+
+def probe_peers(hosts: Sequence[str], layout: RankLayout) -> tuple[int, int | None]:
+    """The ranks rank 0 times a link to: the first pipeline device on another host, and the next
+    one on rank 0's host (None where it has no other), each at position 0, as a pipeline's p2p."""
+    between = next(d for d, host in enumerate(hosts) if host != hosts[0])
+    inside = next((d for d, host in enumerate(hosts) if d and host == hosts[0]), None)
+    return layout.rank(between, 0), None if inside is None else layout.rank(inside, 0)
 
 
 def host_levels(hosts: Sequence[str]) -> tuple[int, int] | None:

@@ -98,7 +98,7 @@ def measure_costs(request: CompileRequest, analysis: Analysis) -> Costs:
         return Costs(layers, modelled_runtime_costs(request, analysis), topology, optimizer_ratio, host_ratio)
     context = request.distributed
     topology = options.topology or (local_topology(devices) if context is None
-                                    else cluster_topology(devices, context.local_rank))
+                                    else cluster_topology(devices, context.local_rank, options.tensor_parallel))
     host_links = [float(d.spec().host_bandwidth or calibrate(d).host_bandwidth) for d in devices]
     return Costs(layers, runtime_costs(request, analysis, layers), with_host_links(topology, host_links),
                  optimizer_ratio, host_ratio)

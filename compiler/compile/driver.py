@@ -140,9 +140,9 @@ def compile(  # noqa: A001 - the public name of the API
     buckets = parse_shape_buckets(chosen.pop("shape_buckets"))
     _check_arguments(model, chosen["split_points"], example_inputs, loss_fn, loss_reduction, buckets)
     loss_reduction = loss_reduction or model_reduction(model, input_names(model, example_inputs)[0], loss_fn)
-    devices = virtual_layout(devices, virtual)
     options = make_options(loss_fn=loss_fn, example_target=example_target, optimizer=optimizer,
                            bucketed=buckets is not None, tensor_parallel=tensor_parallel, **chosen)
+    devices = virtual_layout(devices, virtual, options.tensor_parallel)  # after the options check T
     ctx = CompileContext(CompileRequest.make(model, devices, example_inputs, options))
     run_checked(ctx)
     chosen_plan = after(ctx.plan, "plan")

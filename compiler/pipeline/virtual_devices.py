@@ -9,7 +9,8 @@ training is bitwise the same on 1, 2 or 4 physical devices, where plans made for
 would sum in different orders. `pipe.resize(devices)` re-maps the same virtual devices onto
 other physical ones between steps, without tracing or planning again.
 
-Under torch.distributed a process runs one device of the plan, so there V is the world size;
+Under torch.distributed a process runs one device of the plan (T processes with
+tensor_parallel=T), so there V is the world size / T;
 a job that loses ranks goes on from a checkpoint (`pipe.restore`, compiler/pipeline/morph.py).
 """
 
@@ -34,8 +35,9 @@ if TYPE_CHECKING:
     from stagewise.compiler.pipeline.pipeline import Pipeline
 
 
-def virtual_layout(devices, virtual: int | None) -> list[Device]:
-    """The devices to plan for: `devices` themselves, or `virtual` devices placed on them."""
+def virtual_layout(devices, virtual: int | None, tensor_parallel: int = 1) -> list[Device]:
+    """The devices to plan for: `devices` themselves, or `virtual` devices placed on them; under
+    torch.distributed `tensor_parallel` ranks run each of them (`RankLayout`)."""
     physical = resolve_devices(devices)
     if virtual is None:
         return physical
@@ -43,10 +45,11 @@ def virtual_layout(devices, virtual: int | None) -> list[Device]:
         raise OptionError(f"virtual_devices={virtual!r} must be an int of at least the {len(physical)} physical "
                           "devices given: each physical device runs one or more virtual devices")
     context = distributed_context()
-    if context is not None and virtual != context.world_size:
-        raise OptionError(f"virtual_devices={virtual} under torch.distributed with {context.world_size} processes: "
-                          "each process runs one device of the plan, so give virtual_devices equal to the world "
-                          "size; to go on with fewer processes, restore a checkpoint (pipe.restore)")
+    if context is not None and virtual * tensor_parallel != context.world_size:
+        raise OptionError(f"virtual_devices={virtual} under torch.distributed with {context.world_size} processes "
+                          f"and tensor_parallel={tensor_parallel}: each {tensor_parallel} process(es) run one device "
+                          f"of the plan, so give virtual_devices equal to the world size / {tensor_parallel}; to go "
+                          "on with fewer processes, restore a checkpoint (pipe.restore)")
     owners = _owners(physical, virtual)
     return [_share(physical[owner], owners.count(owner)) for owner in owners]
 
