@@ -36,7 +36,10 @@ class ThreadUsage:
 
 def thread_usage() -> dict[int, ThreadUsage] | None:
     """Each Python thread but the main one (the runtime's long-lived stream threads; the main thread
-    only waits for a step), by native id, from the OS's per-thread counters; None where /proc is absent."""
+    only waits for a step), by native id, from the OS's per-thread counters; None without /proc or
+    per-thread CPU clocks (not Linux)."""
+    if not os.path.isdir("/proc/self/task") or not hasattr(time, "pthread_getcpuclockid"):
+        return None
     usage, tick = {}, 1 / os.sysconf("SC_CLK_TCK")
     for thread in threading.enumerate():
         if thread is threading.main_thread() or thread.native_id is None or thread.ident is None:
@@ -45,8 +48,8 @@ def thread_usage() -> dict[int, ThreadUsage] | None:
             with open(f"/proc/self/task/{thread.native_id}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()  # after the thread's name, which may hold spaces
             cpu_s = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
-        except (OSError, AttributeError):  # no /proc, or no per-thread CPU clocks on this platform
-            return None
+        except OSError:  # the thread ended meanwhile (no such task): it ran no step
+            continue
         # proc(5): minflt is field 10, stime field 15; fields[0] here is field 3
         usage[thread.native_id] = ThreadUsage(cpu_s, int(fields[12]) * tick, int(fields[7]))
     return usage
@@ -103,6 +106,7 @@ RECORDER = Recorder()
 
 
 def step_times(pipe, model: Model, warmup: int, steps: int, record: bool = False) -> list[float]:
+    """Each timed step's seconds; with `record`, also RECORDER's spans, usage and stage inputs."""
     RECORDER.inputs.clear()
     with RECORDER.capturing(pipe) if record else contextlib.nullcontext():
         for _ in range(warmup):
