@@ -1,90 +1,126 @@
-"""Timing for bench/simulator_accuracy.py: every instruction the in-process runtime executes, the
-pipeline's steps, and each stage's forward and backward outside the pipeline (alone and all devices at once).
+"""Timing for bench/simulator_accuracy.py: every instruction the runtime executed (read from each
+step's own timeline), the pipeline's steps, and each stage's forward and backward outside the pipeline
+(alone and all devices at once).
 
 Not a benchmark itself. The script imports it as `_accuracy_timing` (bench/ is on sys.path when a
-script in it runs).
+script in it runs). Nothing of the runtime is patched: the instructions' spans are the executor's
+timeline (`pipe._executor.state.step.timeline`), the stream threads' CPU time and page faults come
+from the OS per thread, and microbatch 0's stage inputs from a forward pre-hook on each stage module.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import os
 import resource
 import statistics
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 from _accuracy_plans import Model
 
-from stagewise.runtime.handlers import InstructionHandlers
-from stagewise.runtime.worker import StageWorker
+from stagewise.ir.instructions import Instruction
+
+
+@dataclass
+class ThreadUsage:
+    """CPU seconds, kernel seconds and minor page faults of the step's stream threads, summed."""
+
+    cpu_s: float = 0.0
+    system_s: float = 0.0
+    minor_faults: int = 0
+
+
+def thread_usage() -> dict[int, ThreadUsage] | None:
+    """Each Python thread but the main one (the runtime's long-lived stream threads; the main thread
+    only waits for a step), by native id, from the OS's per-thread counters; None without /proc or
+    per-thread CPU clocks (not Linux)."""
+    if not os.path.isdir("/proc/self/task") or not hasattr(time, "pthread_getcpuclockid"):
+        return None
+    usage, tick = {}, 1 / os.sysconf("SC_CLK_TCK")
+    for thread in threading.enumerate():
+        if thread is threading.main_thread() or thread.native_id is None or thread.ident is None:
+            continue
+        try:
+            with open(f"/proc/self/task/{thread.native_id}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the thread's name, which may hold spaces
+            cpu_s = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+        except OSError:  # the thread ended meanwhile (no such task): it ran no step
+            continue
+        # proc(5): minflt is field 10, stime field 15; fields[0] here is field 3
+        usage[thread.native_id] = ThreadUsage(cpu_s, int(fields[12]) * tick, int(fields[7]))
+    return usage
+
+
+def usage_between(before: dict[int, ThreadUsage] | None, after: dict[int, ThreadUsage] | None) -> ThreadUsage | None:
+    """What the threads alive at both snapshots used in between."""
+    if before is None or after is None:
+        return None
+    total = ThreadUsage()
+    for tid in before.keys() & after.keys():
+        total.cpu_s += after[tid].cpu_s - before[tid].cpu_s
+        total.system_s += after[tid].system_s - before[tid].system_s
+        total.minor_faults += after[tid].minor_faults - before[tid].minor_faults
+    return total
 
 
 class Recorder:
-    """Times every instruction the in-process runtime executes, while `on`; while `capture`, keeps a
-    copy of each stage's inputs for microbatch 0 (to time the stages on their own afterwards)."""
+    """The timed steps' instructions, as (device, instruction, start, end) in perf_counter seconds, and
+    the stream threads' usage over them; microbatch 0's inputs of each stage, captured in warm-up (to
+    time the stages on their own afterwards)."""
 
     def __init__(self):
-        self.on = False
-        self.capture = False
-        self.spans: list[tuple] = []
+        self.spans: list[tuple[int, Instruction, float, float]] = []
+        self.usage: ThreadUsage | None = None
         self.inputs: dict[int, dict[str, torch.Tensor]] = {}
-        self.lock = threading.Lock()
-        self.original = InstructionHandlers.dispatch
-        self.original_forward = StageWorker.forward
 
-    def install(self) -> None:
-        recorder, original, forward = self, self.original, self.original_forward
+    def record_step(self, pipe) -> None:
+        """Append the last step's instructions, from the executor's timeline of it."""
+        step = pipe._executor.state.step
+        code = {p.device: p.instructions for p in pipe.plan.programs}
+        self.spans.extend((device, code[device][index], step.started_at + start, step.started_at + end)
+                          for device, _, index, start, end in step.timeline)
 
-        def _forward(worker, microbatch, instruction, stash=True):
-            if recorder.capture and microbatch == 0 and worker.stage.index not in recorder.inputs:
-                recorder.inputs[worker.stage.index] = {
-                    k: v.detach().clone().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v
-                    for k, v in worker.inputs[microbatch].items()}
-            forward(worker, microbatch, instruction, stash)
-
-        StageWorker.forward = _forward
-
-        def dispatch(handlers, device, index, ins):
-            usage = resource.getrusage(resource.RUSAGE_THREAD)
-            start, cpu = time.perf_counter(), time.thread_time()
-            result = original(handlers, device, index, ins)
-            if recorder.on:
-                end, cpu = time.perf_counter(), time.thread_time() - cpu
-                after = resource.getrusage(resource.RUSAGE_THREAD)
-                kernel = (after.ru_stime - usage.ru_stime, after.ru_minflt - usage.ru_minflt)
-                with recorder.lock:
-                    recorder.spans.append((device, ins, start, end, cpu, kernel))
-            return result
-
-        InstructionHandlers.dispatch = dispatch
-
-    def uninstall(self) -> None:
-        InstructionHandlers.dispatch = self.original
-        StageWorker.forward = self.original_forward
+    @contextlib.contextmanager
+    def capturing(self, pipe):
+        """Keep a copy of each stage's first forward inputs (microbatch 0 in every schedule) while inside."""
+        def hook_for(worker):
+            def keep(module, args):
+                if worker.stage.index not in self.inputs:
+                    self.inputs[worker.stage.index] = {
+                        name: v.detach().clone().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v
+                        for name, v in zip(worker.stage.inputs, args, strict=True)}
+            return keep
+        handles = [worker.module.register_forward_pre_hook(hook_for(worker)) for worker in pipe._workers]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
 
 RECORDER = Recorder()
 
 
 def step_times(pipe, model: Model, warmup: int, steps: int, record: bool = False) -> list[float]:
+    """Each timed step's seconds; with `record`, also RECORDER's spans, usage and stage inputs."""
     RECORDER.inputs.clear()
-    RECORDER.capture = record
-    try:
+    with RECORDER.capturing(pipe) if record else contextlib.nullcontext():
         for _ in range(warmup):
             pipe.step(*model.inputs, target=model.target)
-    finally:
-        RECORDER.capture = False
     times = []
     RECORDER.spans.clear()
-    RECORDER.on = record
-    try:
-        for _ in range(steps):
-            start = time.perf_counter()
-            pipe.step(*model.inputs, target=model.target)
-            times.append(time.perf_counter() - start)
-    finally:
-        RECORDER.on = False
+    before = thread_usage() if record else None
+    for _ in range(steps):
+        start = time.perf_counter()
+        pipe.step(*model.inputs, target=model.target)
+        times.append(time.perf_counter() - start)
+        if record:
+            RECORDER.record_step(pipe)
+    RECORDER.usage = usage_between(before, thread_usage()) if record else None
     return times
 
 

@@ -25,10 +25,11 @@ it (the sum of the stage's per-layer profiles), measured five ways:
   accounting, input-gradient copies), still alone;
 - stages together, no runtime: every device's stages in a loop in one thread per device at once,
   without the runtime: how much devices of one process slow each other (cores, GIL, memory);
-- in pipeline, alone / concurrent: every instruction of the timed steps is timed (a wrapper around
-  InstructionHandlers.dispatch; the library is not changed), split by whether another device computed
-  during < 10% or > 90% of it; with the compute threads' CPU time (time.thread_time) and the share
-  of wall time they waited (for a core or the GIL);
+- in pipeline, alone / concurrent: every instruction of the timed steps, as the executor's timeline
+  of each step records it (`pipe._executor.state.step.timeline`; nothing is patched), split by whether
+  another device computed during < 10% or > 90% of it; with the stream threads' CPU time over the timed
+  steps (the OS's per-thread clocks: F/R/B, updates and the copies of in-process messages) and the
+  share of F/R/B and U wall time they waited (for a core or the GIL);
 - the optimizer update (U instructions), measured next to what the planner charges (compile times the
   user's optimizer per tensor and per byte).
 
@@ -60,7 +61,7 @@ from dataclasses import dataclass, replace
 
 from _accuracy_plans import PLANS, QUICK_PLANS, Model, gpt_model, mlp_model, null_model, zoo
 from _accuracy_sweep import report_sweep, sweep_row
-from _accuracy_timing import RECORDER, concurrent_stage_seconds, stage_seconds, step_times
+from _accuracy_timing import RECORDER, ThreadUsage, concurrent_stage_seconds, stage_seconds, step_times
 from _common import start
 from rich.console import Console
 from rich.table import Table
@@ -82,24 +83,25 @@ class Compute:
 
     alone: float  # wall seconds / profiled, instructions with no other device computing (< 10% overlap)
     concurrent: float  # the same, instructions > 90% overlapped by another device's compute
-    cpu: float  # thread CPU seconds / profiled, all F/R/B instructions
-    waiting: float  # 1 - CPU / wall over all F/R/B: time the compute threads had no core
+    cpu: float  # the stream threads' CPU seconds over the timed steps / profiled F/R/B
+    waiting: float  # 1 - that CPU / wall of every F/R/B and U: time the threads had no core
     overlap: float  # share of compute wall time during which another device computed too
     update: float  # seconds of U instructions per step
-    faults: float  # minor page faults per F/R/B instruction
-    kernel: float  # kernel (system) share of the compute threads' CPU time in F/R/B
+    faults: float  # the stream threads' minor page faults per F/R/B instruction
+    kernel: float  # kernel (system) share of the stream threads' CPU time
 
 
 def compute_ratios(pipe, steps: int) -> Compute:
+    """The timed steps' instructions (RECORDER.spans, from the executor's timeline) against the profile."""
     cost = pipe._sim_cost
     spans = [span for span in RECORDER.spans if isinstance(span[1], (*COMPUTES, HostUpdate))]
     by_device = collections.defaultdict(list)
-    for d, _, a, b, _, _ in spans:
+    for d, _, a, b in spans:
         by_device[d].append((a, b))
-    sums = {"alone": [0.0, 0.0], "concurrent": [0.0, 0.0], "all": [0.0, 0.0, 0.0]}
-    overlapped = update = kernel = faults_total = 0.0
+    sums = {"alone": [0.0, 0.0], "concurrent": [0.0, 0.0], "all": [0.0, 0.0]}
+    overlapped = update = 0.0
     count = 0
-    for d, ins, a, b, cpu, (sys_s, faults) in spans:
+    for d, ins, a, b in spans:
         if isinstance(ins, (Update, HostUpdate)):
             update += b - a
             continue
@@ -115,23 +117,23 @@ def compute_ratios(pipe, steps: int) -> Compute:
         overlapped += covered
         sums["all"][0] += b - a
         sums["all"][1] += profiled
-        sums["all"][2] += cpu
-        kernel += sys_s
-        faults_total += faults
         count += 1
         kind = "alone" if share < 0.1 else "concurrent" if share > 0.9 else None
         if kind:
             sums[kind][0] += b - a
             sums[kind][1] += profiled
-    wall, profiled, cpu = sums["all"]
+    wall, profiled = sums["all"]
+    busy = wall + update  # what the stream threads' CPU time is spent on, less the messages' copies
+    usage = RECORDER.usage or ThreadUsage(float("nan"), float("nan"), 0)
 
     def ratio(key):
         m, p = sums[key][:2]
         return m / p if p else float("nan")
 
-    return Compute(ratio("alone"), ratio("concurrent"), cpu / profiled if profiled else float("nan"),
-                   1 - cpu / wall if wall else 0.0, overlapped / wall if wall else 0.0, update / steps,
-                   faults_total / count if count else 0.0, kernel / cpu if cpu else 0.0)
+    return Compute(ratio("alone"), ratio("concurrent"), usage.cpu_s / profiled if profiled else float("nan"),
+                   1 - usage.cpu_s / busy if busy else 0.0, overlapped / wall if wall else 0.0, update / steps,
+                   usage.minor_faults / count if count else 0.0,
+                   usage.system_s / usage.cpu_s if usage.cpu_s else float("nan"))
 
 
 def with_overhead(cost, c: float):
@@ -346,11 +348,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def diagnose_plans(console: Console, args) -> None:
     models = {"gpt": gpt_model(args), "mlp": mlp_model(args)}
-    RECORDER.install()
-    try:
-        rows = [run_plan(models, *plan, args) for plan in (QUICK_PLANS if args.quick else PLANS)]
-    finally:
-        RECORDER.uninstall()
+    rows = [run_plan(models, *plan, args) for plan in (QUICK_PLANS if args.quick else PLANS)]
     report(console, rows, models, args)
 
 
