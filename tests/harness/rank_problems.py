@@ -16,9 +16,10 @@ STEPS = 3
 # (optimizer_on_host=True). Every mode but "on" trains with gradient clipping (the global-norm
 # all-reduce, every update deferred); "on" keeps the jit-update path, where packs without a tied
 # weight update right after their last backward. "one-stage" (stages=1) leaves rank 1 without a
-# stage: it steps, saves and loads with nothing to run.
+# stage: it steps, saves and loads with nothing to run. "async" allows schedule="2bw" (asynchronous=True).
 MODES = {"off": {"swap": "off"}, "on": {"swap": "on"}, "all": {"swap": "all"},
-         "host": {"swap": "off", "optimizer_on_host": True}, "one-stage": {"swap": "off", "stages": 1}}
+         "host": {"swap": "off", "optimizer_on_host": True}, "one-stage": {"swap": "off", "stages": 1},
+         "async": {"swap": "off", "asynchronous": True}}
 
 
 def problem(name: str, mode: str = "off") -> tuple[torch.nn.Module, list, dict]:
