@@ -170,13 +170,15 @@ def test_two_ranks_train_like_eager(trained, case):
 
 
 def test_two_ranks_train_2bw_by_the_papers_update_rule(trained):
-    """schedule="2bw" one process per device: losses, the version the next step computes with (the
-    gathered state_dict) and each rank's newest version equal the rule's in plain PyTorch."""
+    """schedule="2bw" one process per device, clipped (the global norm all-reduced between the ranks): losses,
+    the version the next step computes with (the gathered state_dict) and each rank's newest version equal
+    the rule's in plain PyTorch."""
     name, _, mode = TWO_BW_CASE
     results = case_results(trained, TWO_BW_CASE, MATRIX_LIMIT_S)
     model, batches, options = problem(name, mode)
     assert options["microbatches"] == MICROBATCHES  # two_bw_reference's
-    want, used, newest = two_bw_reference(model, batches, options["optimizer"], options["loss_fn"])
+    want, used, newest = two_bw_reference(model, batches, options["optimizer"], options["loss_fn"],
+                                          options["clip_grad_norm"])
     for rank, result in enumerate(results):
         assert result["devices"] == {rank}
         torch.testing.assert_close(torch.stack(result["losses"]), torch.stack(want), rtol=RTOL, atol=ATOL)

@@ -16,7 +16,8 @@ STEPS = 3
 # (optimizer_on_host=True). Every mode but "on" trains with gradient clipping (the global-norm
 # all-reduce, every update deferred); "on" keeps the jit-update path, where packs without a tied
 # weight update right after their last backward. "one-stage" (stages=1) leaves rank 1 without a
-# stage: it steps, saves and loads with nothing to run. "async" allows schedule="2bw" (asynchronous=True).
+# stage: it steps, saves and loads with nothing to run. "async" allows schedule="2bw" (asynchronous=True;
+# the MLP then clips).
 MODES = {"off": {"swap": "off"}, "on": {"swap": "on"}, "all": {"swap": "all"},
          "host": {"swap": "off", "optimizer_on_host": True}, "one-stage": {"swap": "off", "stages": 1},
          "async": {"swap": "off", "asynchronous": True}}
@@ -27,7 +28,8 @@ def problem(name: str, mode: str = "off") -> tuple[torch.nn.Module, list, dict]:
     torch.manual_seed(0)
     if name == "mlp":
         batches = [((torch.randn(8, 8),), torch.randint(0, 5, (8,))) for _ in range(STEPS)]
-        return mlp(), batches, {"loss_fn": F.cross_entropy, "optimizer": SGD, "microbatches": 2}
+        clip = {"clip_grad_norm": 0.5} if mode == "async" else {}  # 2bw's update after the norm's all-reduce
+        return mlp(), batches, {"loss_fn": F.cross_entropy, "optimizer": SGD, "microbatches": 2, **clip}
     clip = {"clip_grad_norm": 0.5 if name == "tied-gpt" else 1.0} if mode != "on" else {}
     if name == "hf-gpt2":
         from tests.hf import gpt2, lm_batches  # here: importing transformers costs every spawned rank 2 s
