@@ -16,40 +16,12 @@ import stagewise as sw
 from stagewise.compiler.checkpoint.dcp import NEWEST
 from stagewise.compiler.checkpoint.read import read_checkpoint
 from tests.harness.cli import stagewise_here
+from tests.harness.two_bw import newest_state, two_bw_reference
 from tests.models.gpt import TinyGPT, lm_loss
 from tests.models.mlp import mlp
-from tests.reference import ADAMW, ATOL, RTOL, SGD, assert_state_equal, chunks, eager_train, token_batches
+from tests.reference import ADAMW, ATOL, RTOL, SGD, assert_state_equal, eager_train, token_batches
 
 STEPS, MICROBATCHES = 4, 2
-
-
-def two_bw_reference(model, batches, optimizer, loss_fn, clip_grad_norm=None):
-    """The paper's rule in plain PyTorch: `used` (W(t-1)) computes step t's gradients, accumulated over
-    the microbatches (and clipped); the optimizer steps `newest` (W(t)) with them; `used` then becomes W(t)."""
-    used, newest = model, copy.deepcopy(model)
-    opt = optimizer(newest.parameters())
-    losses = []
-    for inputs, target in batches:
-        used.zero_grad(set_to_none=True)
-        total = torch.zeros(())
-        for mb_inputs, mb_target in chunks(inputs, target, MICROBATCHES):
-            loss = loss_fn(used(*mb_inputs), mb_target) / MICROBATCHES
-            loss.backward()
-            total += loss.detach()
-        if clip_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(used.parameters(), clip_grad_norm)
-        for to_step, computed in zip(newest.parameters(), used.parameters(), strict=True):
-            to_step.grad = computed.grad
-        current = copy.deepcopy(newest.state_dict())  # W(t)
-        opt.step()
-        used.load_state_dict(current)
-        losses.append(total)
-    return losses, used, newest
-
-
-def newest_state(pipe) -> dict[str, torch.Tensor]:
-    """The pipeline's newest weight versions by the stages' names (the model's; a tie under each stage's)."""
-    return {name: tensor for worker in pipe._workers for name, tensor in worker.weight_versions.newest.items()}
 
 
 def _mlp_batches():
@@ -93,7 +65,7 @@ def test_two_bw_trains_by_the_papers_update_rule(case):
     assert {s.position for s in pipe.plan.stages} == {0, 1} and pipe.plan.schedule == sw.Schedule.TWO_BW
     assert len(pipe.plan.stages) == 2 * options.get("replicas", 1)
     got = _train(pipe, batches)
-    want, used, newest = two_bw_reference(reference, batches, optimizer, loss_fn, clip)
+    want, used, newest = two_bw_reference(reference, batches, optimizer, loss_fn, clip, microbatches=MICROBATCHES)
     torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=RTOL, atol=ATOL)
     assert_state_equal(pipe.state_dict(), used.state_dict())  # the version the next step computes with
     newest_got = newest_state(pipe)
@@ -193,7 +165,7 @@ def test_a_failed_step_rolls_back_both_versions():
     failing.armed = None
     got = _train(pipe, batches[2:])
     want = two_bw_reference(reference, batches, functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9),
-                            F.cross_entropy)[0][2:]
+                            F.cross_entropy, microbatches=MICROBATCHES)[0][2:]
     torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=RTOL, atol=ATOL)
 
 
