@@ -73,7 +73,6 @@ import collections
 import dataclasses
 import os
 import statistics
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -86,26 +85,18 @@ from rich.table import Table
 import stagewise as sw
 from stagewise.ir.instructions import COMPUTES, HostUpdate
 from stagewise.passes.simulate import simulate
-from stagewise.runtime.handlers import InstructionHandlers
+
 
 # ---- running ------------------------------------------------------------------------------------------
-BUSY: dict[int, float] = collections.defaultdict(float)  # device -> compute seconds in the current step
-_LOCK = threading.Lock()
-
-
-def install_busy_timer() -> None:
-    """Sum each device's compute-instruction seconds (a wrapper; the library is not changed)."""
-    original = InstructionHandlers.dispatch
-
-    def dispatch(handlers, device, index, ins):
-        start = time.perf_counter()
-        result = original(handlers, device, index, ins)
-        if isinstance(ins, (*COMPUTES, HostUpdate)):
-            with _LOCK:
-                BUSY[device] += time.perf_counter() - start
-        return result
-
-    InstructionHandlers.dispatch = dispatch
+def compute_busy(pipe) -> dict[int, float]:
+    """Each device's compute-instruction seconds in the last step, from the step's own timeline (the
+    runtime records it; a wrapper around its dispatch saw nothing once the programs were prebound)."""
+    programs = {program.device: program.instructions for program in pipe._executor.programs}
+    busy: dict[int, float] = collections.defaultdict(float)
+    for device, _, index, began, ended in pipe._executor.state.step.timeline:
+        if isinstance(programs[device][index], (*COMPUTES, HostUpdate)):
+            busy[device] += ended - began
+    return dict(busy)
 
 
 @dataclass
@@ -165,11 +156,10 @@ def measure(case: Case, devices: int, args) -> list[Result]:
             r.pipe.step(*case.inputs, target=case.target)
     for i in range(args.steps):
         for r in results[i % 3:] + results[: i % 3]:  # rotate who goes first
-            BUSY.clear()
             start = time.perf_counter()
             r.pipe.step(*case.inputs, target=case.target)
             r.times.append(time.perf_counter() - start)
-            r.busy.append(dict(BUSY))
+            r.busy.append(compute_busy(r.pipe))
     return results
 
 
@@ -261,7 +251,6 @@ def main() -> None:
     console = start(args, width=170, fresh_cache=True)  # profiles measured in this run
     console.print(f"torch.set_num_threads(1); schedule='gpipe', microbatches={args.microbatches}, SGD (the default), "
                   f"cost='profile'; {args.warmup} warm-up + {args.steps} timed steps per plan, round robin")
-    install_busy_timer()
     summary: list = []
     makers = {"gpt": gpt_case, "cnn": cnn_case, "mlp": mlp_case}
     for key in args.models:
