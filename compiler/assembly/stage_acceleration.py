@@ -32,12 +32,8 @@ def check_devices(acceleration: Acceleration, devices: Sequence[Device]) -> None
     if acceleration.compile_stages and acceleration.cuda_graphs:
         raise OptionError("compile_stages=True and cuda_graphs=True were both given; give one: compile_stages for "
                           "inductor's fused kernels, cuda_graphs to replay the eager kernels without launch cost")
-    if not acceleration.cuda_graphs:
-        return
-    other = next((d for d in devices if d.torch_device.type != "cuda"), None)
-    if other is not None:
-        raise OptionError(f"cuda_graphs=True captures CUDA graphs, and device {other.name!r} is not a CUDA device; "
-                          "give CUDA devices only, or drop cuda_graphs (compile_stages=True speeds up CPU stages)")
+    check_cuda_graphs(acceleration, [(d.name, d.torch_device) for d in devices],
+                "; give CUDA devices only, or drop cuda_graphs (compile_stages=True speeds up CPU stages)")
 
 
 def loaded_acceleration(saved: dict | None, plan: Plan, modules: Sequence[fx.GraphModule | None]) -> Acceleration:
@@ -48,7 +44,7 @@ def loaded_acceleration(saved: dict | None, plan: Plan, modules: Sequence[fx.Gra
         return EAGER
     acceleration = Acceleration(**saved)
     try:
-        check_names(acceleration, [device.name for device in plan.devices])
+        check_cuda_graphs(acceleration, [(device.name, torch.device(device.name)) for device in plan.devices])
         check_plan(acceleration, plan, modules)
     except OptionError as error:
         warnings.warn(f"the checkpoint's stages ran with {acceleration}; they run eagerly here: {error}",
@@ -57,11 +53,12 @@ def loaded_acceleration(saved: dict | None, plan: Plan, modules: Sequence[fx.Gra
     return acceleration
 
 
-def check_names(acceleration: Acceleration, devices: Sequence[str]) -> None:
-    """`check_devices` for devices by name (a plan's): CUDA graphs on CUDA devices only."""
-    other = next((name for name in devices if torch.device(name).type != "cuda"), None)
+def check_cuda_graphs(acceleration: Acceleration, devices: Sequence[tuple[str, torch.device]], fix: str = "") -> None:
+    """CUDA graphs on CUDA devices only (`devices`: each one's name and torch device; the given devices
+    before compiling, a plan's on load); `fix` ends the refusal."""
+    other = next((name for name, device in devices if device.type != "cuda"), None)
     if acceleration.cuda_graphs and other is not None:
-        raise OptionError(f"cuda_graphs=True captures CUDA graphs, and device {other!r} is not a CUDA device")
+        raise OptionError(f"cuda_graphs=True captures CUDA graphs, and device {other!r} is not a CUDA device{fix}")
 
 
 def check_plan(acceleration: Acceleration, plan: Plan, modules: Sequence[fx.GraphModule | None]) -> None:
