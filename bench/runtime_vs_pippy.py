@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 
 import _common
 import torch
@@ -293,18 +294,31 @@ def _every_rank(value: dict) -> list[dict]:
 
 
 # ---- launching --------------------------------------------------------------------------------------
-def _spawned(rank: int, store_path: str, args) -> None:
+def launch(args, run: Callable, show: Callable) -> None:
+    """Every rank runs `run(rank, args)` and rank 0 then `show(args, results)`: under torchrun this process is
+    one rank, else RANKS ranks are spawned here (zero_bubble_vs_pippy.py launches the same way)."""
+    args.load_before = os.getloadavg()[0]
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: this process is one rank
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+        _run_and_show(int(os.environ["RANK"]), args, run, show)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_spawned, args=(os.path.join(tmp, "store"), args, run, show), nprocs=RANKS, join=True,
+                           start_method="spawn")
+
+
+def _spawned(rank: int, store_path: str, args, run: Callable, show: Callable) -> None:
     store = dist.FileStore(store_path, RANKS)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=RANKS, timeout=datetime.timedelta(seconds=120))
-    _run_and_report(rank, args)
+    _run_and_show(rank, args, run, show)
 
 
-def _run_and_report(rank: int, args) -> None:
+def _run_and_show(rank: int, args, run: Callable, show: Callable) -> None:
     """This rank's part of the benchmark (rank 0 prints the table), then leave the process group."""
     try:
-        results = run_rank(rank, args)
+        results = run(rank, args)
         if rank == 0:
-            report(args, results)
+            show(args, results)
     finally:
         dist.destroy_process_group()
 
@@ -371,16 +385,7 @@ def report_model(console, args, results: dict) -> None:
 
 
 def main() -> None:
-    args = parse_args()
-    args.load_before = os.getloadavg()[0]
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: this process is one rank
-        rank = int(os.environ["RANK"])
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-        _run_and_report(rank, args)
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_spawned, args=(os.path.join(tmp, "store"), args), nprocs=RANKS, join=True,
-                           start_method="spawn")
+    launch(parse_args(), run_rank, report)
 
 
 if __name__ == "__main__":

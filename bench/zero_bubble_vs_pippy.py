@@ -32,17 +32,14 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import os
 import statistics
-import tempfile
 import warnings
 from dataclasses import dataclass, field
 
 import runtime_vs_pippy as base
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from stagewise.ir.devices import format_bytes
 
@@ -304,23 +301,8 @@ def report(args, results: dict) -> None:
                   f"({os.cpu_count()} cores; this benchmark alone adds about 2)")
 
 
-def _spawned(rank: int, store_path: str, args) -> None:
-    store = dist.FileStore(store_path, RANKS)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=RANKS, timeout=datetime.timedelta(seconds=120))
-    try:
-        results = run_rank(rank, args)
-        if rank == 0:
-            report(args, results)
-    finally:
-        dist.destroy_process_group()
-
-
 def main() -> None:
-    args = parse_args()
-    args.load_before = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_spawned, args=(os.path.join(tmp, "store"), args), nprocs=RANKS, join=True,
-                           start_method="spawn")
+    base.launch(parse_args(), run_rank, report)
 
 
 if __name__ == "__main__":
